@@ -1,0 +1,1 @@
+"""dxserve: differentiation as a service."""
