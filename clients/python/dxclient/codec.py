@@ -1,0 +1,730 @@
+"""Wire codec for arrays: shared by the dxserve server and the Python client.
+
+Depends only on numpy and the stdlib (orjson is used when importable).
+
+Three encodings (``ENCODINGS``):
+
+``"json"``  float64 arrays are plain numbers / nested lists; every other dtype is a
+    typed object ``{"__ndarray__": <number|nested list>, "dtype": "float32", "shape": [2]}``.
+    Non-finite floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    Bool data are JSON ``true``/``false``.  Complex data are nested ``[re, im]`` pairs
+    (the list has one extra trailing axis of length 2).  A float64 array whose shape has
+    a 0 before its last axis (e.g. ``(0, 3)``) is sent as a typed object, because a bare
+    nested list cannot carry that shape.
+``"b64"``   every array: ``{"__ndarray__": "<base64 LE C-order>", "dtype": ..., "shape": ...}``.
+``"binary"`` body = JSON header (space-padded to a multiple of 64 bytes) + raw buffers,
+    each padded to a multiple of 64 bytes.  HTTP header ``Dxserve-Header-Length`` is the
+    padded header length; arrays are ``{"__ndarray__": {"offset": o, "nbytes": k}, ...}``
+    with ``o`` relative to the end of the header.  Decoding returns read-only numpy views
+    into the body (no copy).
+
+Pytrees are JSON objects of str -> array-or-pytree; lists are always arrays.  Pytree keys
+starting with ``"__"`` are reserved (``__ndarray__`` marks a typed array).
+
+Arrays decoded from "b64" and "binary" are read-only views.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    MalformedRequestError,
+    UnsupportedMediaTypeError,
+)
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - exercised only without orjson
+    orjson = None
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "BINARY_TYPE",
+    "ENCODINGS",
+    "HEADER_LENGTH",
+    "JSON_TYPE",
+    "MARKER",
+    "decode_body",
+    "decode_response",
+    "decode_result",
+    "dumps",
+    "encode_body",
+    "from_tree",
+    "loads",
+    "to_tree",
+]
+
+JSON_TYPE = "application/json"
+BINARY_TYPE = "application/vnd.dxserve.binary"
+HEADER_LENGTH = "Dxserve-Header-Length"
+ENCODINGS = ("json", "b64", "binary")
+MARKER = "__ndarray__"
+ALIGN = 64
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_DEPTH = 32
+
+ALLOWED_DTYPES = (
+    "float16", "float32", "float64",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "bool", "complex64", "complex128",
+)  # fmt: skip
+# name -> little-endian numpy dtype
+_LE = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+_SPELLINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_TYPED_KEYS = frozenset((MARKER, "dtype", "shape"))
+_REF_KEYS = frozenset(("offset", "nbytes"))
+_F64 = np.dtype(np.float64)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def dumps(tree: Any) -> bytes:
+    """Serialize a ``from_tree`` result to strict JSON bytes (ndarrays allowed with orjson)."""
+    if orjson is not None:
+        return orjson.dumps(tree, option=orjson.OPT_SERIALIZE_NUMPY)
+    return json.dumps(tree, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"bare {name} is not JSON; use the string spelling")
+
+
+def loads(data: bytes | bytearray | memoryview | str, field: str | None = None) -> Any:
+    """Parse strict JSON; any error -> MalformedRequestError."""
+    try:
+        if orjson is not None:
+            return orjson.loads(data)
+        if not isinstance(data, str):
+            data = bytes(data).decode("utf-8")
+        return json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise MalformedRequestError("JSON nested too deeply", field=field) from None
+    except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise MalformedRequestError(f"invalid JSON: {exc}", field=field) from None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _join(field: str, key: str) -> str:
+    return f"{field}.{key}" if field else key
+
+
+def _dtype_of(name: Any, field: str) -> np.dtype:
+    if not isinstance(name, str):
+        raise MalformedRequestError(
+            f"typed array: 'dtype' must be a string, got {type(name).__name__}", field=field
+        )
+    dt = _LE.get(name)
+    if dt is None:
+        raise DtypeMismatchError(
+            f"dtype {name!r} is not allowed; allowed: {', '.join(ALLOWED_DTYPES)}", field=field
+        )
+    return dt
+
+
+def _shape_of(shape: Any, field: str, max_depth: int) -> tuple[int, ...]:
+    if not isinstance(shape, list):
+        raise MalformedRequestError("typed array: 'shape' must be a list of ints", field=field)
+    if len(shape) > max_depth:
+        raise MalformedRequestError(
+            f"typed array: shape has {len(shape)} dims, more than {max_depth}", field=field
+        )
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise MalformedRequestError(
+                f"typed array: shape entries must be non-negative ints, got {d!r}", field=field
+            )
+    return tuple(shape)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _le_contig(a: np.ndarray) -> np.ndarray:
+    """C-contiguous little-endian copy-if-needed of ``a``."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _check_dtype(a: np.ndarray, field: str) -> str:
+    name = a.dtype.name
+    if name not in _LE:
+        raise DtypeMismatchError(
+            f"dtype {a.dtype} is not allowed; allowed: {', '.join(ALLOWED_DTYPES)}", field=field
+        )
+    return name
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _content_kind(content_type: str | None) -> str:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media == JSON_TYPE:
+        return "json"
+    if media == BINARY_TYPE:
+        return "binary"
+    raise UnsupportedMediaTypeError(
+        f"content type {content_type!r} not supported; use {JSON_TYPE} or {BINARY_TYPE}",
+        field="Content-Type",
+    )
+
+
+def decode_body(
+    body: bytes | bytearray | memoryview,
+    content_type: str | None,
+    header_length: str | None = None,
+    *,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> dict:
+    """Parse a request/response body into a JSON object (dict).
+
+    JSON bodies: typed objects are left as-is (``to_tree`` converts them).
+    Binary bodies: every buffer reference is replaced in place by a read-only
+    ``np.frombuffer`` view into ``body`` (zero-copy); everything else is left as-is.
+    Raises MalformedRequestError (400) or UnsupportedMediaTypeError (415).
+    """
+    kind = _content_kind(content_type)
+    if kind == "json":
+        obj = loads(body)
+        if not isinstance(obj, dict):
+            raise MalformedRequestError("the body must be a JSON object")
+        return obj
+
+    field = HEADER_LENGTH
+    if header_length is None:
+        raise MalformedRequestError(f"binary body needs the {HEADER_LENGTH} header", field=field)
+    text = header_length.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        raise MalformedRequestError(
+            f"must be a decimal integer, got {header_length!r}", field=field
+        )
+    n = int(text)
+    if n == 0:
+        raise MalformedRequestError("header length must be positive", field=field)
+    if n > max_header_bytes:
+        raise MalformedRequestError(f"header length {n} exceeds {max_header_bytes}", field=field)
+    if n > len(body):
+        raise MalformedRequestError(
+            f"header length {n} exceeds the body length {len(body)}", field=field
+        )
+    header = loads(memoryview(body)[:n], field="header")
+    if not isinstance(header, dict):
+        raise MalformedRequestError("the binary header must be a JSON object", field="header")
+    buf = body if isinstance(body, bytes | bytearray) else memoryview(body)
+    for key in list(header):
+        header[key] = _resolve_refs(header[key], key, buf, n, 0)
+    return header
+
+
+def _resolve_refs(value: Any, field: str, body: Any, start: int, depth: int) -> Any:
+    """Replace binary buffer references inside ``value`` by views into ``body``."""
+    if depth > 2 * MAX_DEPTH:
+        raise MalformedRequestError("binary header nested too deeply", field=field)
+    if isinstance(value, dict):
+        if MARKER in value and isinstance(value[MARKER], dict):
+            return _buffer_view(value, field, body, start)
+        for key in list(value):
+            v = value[key]
+            if isinstance(v, dict | list):
+                value[key] = _resolve_refs(v, _join(field, key), body, start, depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, dict | list):
+                value[i] = _resolve_refs(v, f"{field}[{i}]", body, start, depth + 1)
+    return value
+
+
+def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
+    if obj.keys() != _TYPED_KEYS:
+        raise MalformedRequestError(
+            f"typed array must have exactly the keys {sorted(_TYPED_KEYS)}, got {sorted(obj)}",
+            field=field,
+        )
+    ref = obj[MARKER]
+    if ref.keys() != _REF_KEYS:
+        raise MalformedRequestError(
+            f"buffer reference must have exactly the keys ['nbytes', 'offset'], got {sorted(ref)}",
+            field=field,
+        )
+    dt = _dtype_of(obj["dtype"], field)
+    shape = _shape_of(obj["shape"], field, MAX_DEPTH)
+    offset, nbytes = ref["offset"], ref["nbytes"]
+    for name, v in (("offset", offset), ("nbytes", nbytes)):
+        if type(v) is not int or v < 0:
+            raise MalformedRequestError(
+                f"buffer {name} must be a non-negative int, got {v!r}", field=field
+            )
+    expected = _prod(shape) * dt.itemsize
+    if nbytes != expected:
+        raise MalformedRequestError(
+            f"buffer nbytes {nbytes} != prod(shape {list(shape)}) * itemsize {dt.itemsize} "
+            f"= {expected}",
+            field=field,
+        )
+    available = len(body) - start
+    if offset > available or nbytes > available - offset:
+        raise MalformedRequestError(
+            f"buffer [offset {offset}, +{nbytes}) runs past the {available} buffer bytes",
+            field=field,
+        )
+    count = _prod(shape)
+    try:
+        a = np.frombuffer(body, dtype=dt, count=count, offset=start + offset)
+        return a.reshape(shape)
+    except ValueError as exc:  # pragma: no cover - guarded above
+        raise MalformedRequestError(f"bad buffer: {exc}", field=field) from None
+
+
+def to_tree(
+    value: Any,
+    field: str,
+    *,
+    default_dtype: Any = np.float64,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
+    """Turn one decoded JSON value into an ndarray or a dict-pytree of ndarrays.
+
+    Numbers and (nested) lists become ``default_dtype`` arrays (0-d for numbers);
+    typed objects keep their dtype and shape; ndarrays (binary views) pass through.
+    Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
+    like ``"x[2][1]"`` or ``"contexts[0].w"``.
+    """
+    return _to_tree(value, field, np.dtype(default_dtype), max_depth, 0)
+
+
+def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -> Any:
+    if depth > max_depth:
+        raise MalformedRequestError(f"pytree nested deeper than {max_depth}", field=field)
+    if isinstance(value, np.ndarray):
+        _check_dtype(value, field)
+        return value
+    if isinstance(value, dict):
+        if MARKER in value:
+            return _typed(value, field, max_depth)
+        out = {}
+        for key, v in value.items():
+            if not isinstance(key, str) or key.startswith("__"):
+                raise MalformedRequestError(
+                    f"pytree key {key!r} is reserved (keys starting with '__' are not allowed)",
+                    field=_join(field, str(key)),
+                )
+            out[key] = _to_tree(v, _join(field, key), dt, max_depth, depth + 1)
+        return out
+    return _data_to_array(value, field, dt, max_depth - depth)
+
+
+def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
+    if obj.keys() != _TYPED_KEYS:
+        raise MalformedRequestError(
+            f"typed array must have exactly the keys {sorted(_TYPED_KEYS)}, got {sorted(obj)}",
+            field=field,
+        )
+    dt = _dtype_of(obj["dtype"], field)
+    shape = _shape_of(obj["shape"], field, max_depth)
+    data = obj[MARKER]
+    if isinstance(data, dict):
+        raise MalformedRequestError(
+            "buffer reference outside a binary body (Content-Type "
+            f"{BINARY_TYPE} with {HEADER_LENGTH} needed)",
+            field=field,
+        )
+    if isinstance(data, str) and not (shape == () and dt.kind == "f" and data in _SPELLINGS):
+        return _from_b64(data, dt, shape, field)
+    # JSON data
+    if dt.kind == "c":
+        pairs = _data_to_array(data, field, _F64, max_depth + 1, complex_pairs=True)
+        _check_shape(pairs.shape, (*shape, 2), field)
+        pairs = pairs.reshape((*shape, 2))
+        out = np.empty(shape, dtype=np.complex128)
+        out.real = pairs[..., 0]
+        out.imag = pairs[..., 1]
+        return out.astype(dt)
+    a = _data_to_array(data, field, dt, max_depth)
+    _check_shape(a.shape, shape, field)
+    return a.reshape(shape)
+
+
+def _check_shape(got: tuple[int, ...], declared: tuple[int, ...], field: str) -> None:
+    if got == declared:
+        return
+    # a nested list cannot express axes after a zero-length axis: compare the prefix
+    if 0 in declared:
+        prefix = declared[: declared.index(0) + 1]
+        if got == prefix:
+            return
+    raise MalformedRequestError(
+        f"data has shape {list(got)} but the typed array declares shape {list(declared)}",
+        field=field,
+    )
+
+
+def _from_b64(data: str, dt: np.dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
+    nbytes = _prod(shape) * dt.itemsize
+    expected_len = 4 * ((nbytes + 2) // 3)
+    if len(data) != expected_len:
+        raise MalformedRequestError(
+            f"base64 data has {len(data)} chars but shape {list(shape)} of {dt.name} needs "
+            f"{nbytes} bytes = {expected_len} base64 chars",
+            field=field,
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedRequestError(f"invalid base64: {exc}", field=field) from None
+    if len(raw) != nbytes:
+        raise MalformedRequestError(
+            f"base64 decodes to {len(raw)} bytes, expected {nbytes}", field=field
+        )
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
+
+
+def _data_to_array(
+    value: Any, field: str, dt: np.dtype, max_depth: int, complex_pairs: bool = False
+) -> np.ndarray:
+    """JSON number / nested list / spelling string -> ndarray of dtype ``dt``."""
+    kind = dt.kind
+    if kind == "c" and not complex_pairs:
+        # plain numbers for a complex default: real values
+        return _data_to_array(value, field, _F64, max_depth).astype(dt)
+    t = type(value)
+    if t is bool:
+        if kind == "b":
+            return np.asarray(value, dtype=dt)
+        raise MalformedRequestError("booleans are not numbers", field=field)
+    if t is float or t is int:
+        if kind == "f":
+            return _cast_float(np.asarray(float(value) if t is int else value), dt, field)
+        if kind in "iu":
+            if t is not int:
+                raise MalformedRequestError(f"expected an integer for {dt.name}", field=field)
+            return _cast_int([value], dt, field).reshape(())
+        raise MalformedRequestError(f"expected a boolean for {dt.name}", field=field)
+    if t is str:
+        if kind == "f" and value in _SPELLINGS:
+            return _cast_float(np.asarray(_SPELLINGS[value]), dt, field)
+        raise MalformedRequestError(
+            f"unexpected string {value[:40]!r}; only 'NaN', 'Infinity', '-Infinity' allowed",
+            field=field,
+        )
+    if t is not list:
+        what = "null" if value is None else type(value).__name__
+        if isinstance(value, dict):
+            what = "object (lists are arrays; pytrees are objects of arrays)"
+        raise MalformedRequestError(f"expected a number or a list, got {what}", field=field)
+
+    # probe the depth along first elements (cheap) before handing to numpy
+    ndim, v = 0, value
+    while type(v) is list:
+        ndim += 1
+        if ndim > max_depth:
+            raise MalformedRequestError(f"list nested deeper than {max_depth}", field=field)
+        if not v:
+            break
+        v = v[0]
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    if a is not None:
+        ak = a.dtype.kind
+        if kind == "f" and ak in "fiu":
+            _reject_bools(value, a, field)
+            return _cast_float(a if ak == "f" else a.astype(np.float64), dt, field)
+        if kind in "iu" and ak in "iu":
+            _reject_bools(value, a, field)
+            return _cast_int(a, dt, field)
+        if kind == "b" and ak == "b":
+            return a
+    return _slow(value, field, dt, ndim)
+
+
+def _cast_float(a: np.ndarray, dt: np.dtype, field: str) -> np.ndarray:
+    if a.dtype == dt:
+        return a
+    out = a.astype(dt)
+    if dt.itemsize < a.dtype.itemsize and not np.isfinite(out).all():
+        if (np.isfinite(a) != np.isfinite(out)).any():
+            raise MalformedRequestError(f"value out of range for {dt.name}", field=field)
+    return out
+
+
+def _cast_int(a: Any, dt: np.dtype, field: str) -> np.ndarray:
+    try:
+        src = np.asarray(a)
+        if src.dtype.kind in "iu" and src.dtype != dt:
+            info = np.iinfo(dt)
+            if src.size and (src.min() < info.min or src.max() > info.max):
+                raise OverflowError
+            return src.astype(dt)
+        return np.array(a, dtype=dt)
+    except OverflowError:
+        raise MalformedRequestError(f"integer out of range for {dt.name}", field=field) from None
+
+
+def _reject_bools(value: list, a: np.ndarray, field: str) -> None:
+    """Booleans hide in numeric arrays as 0/1: only scan when such values exist."""
+    if a.size == 0 or not ((a == 0) | (a == 1)).any():
+        return
+    for path, row in _rows(value, field, a.ndim):
+        if bool in set(map(type, row)):
+            i = next(i for i, x in enumerate(row) if type(x) is bool)
+            raise MalformedRequestError("booleans are not numbers", field=f"{path}[{i}]")
+
+
+def _rows(value: list, field: str, ndim: int):
+    if ndim <= 1:
+        yield field, value
+        return
+    for i, sub in enumerate(value):
+        yield from _rows(sub, f"{field}[{i}]", ndim - 1)
+
+
+def _slow(value: list, field: str, dt: np.dtype, ndim: int) -> np.ndarray:
+    """Element-wise validation with precise error paths (strings, None, ragged...)."""
+    shape: list[int] = []
+    v = value
+    for _ in range(ndim):
+        shape.append(len(v))
+        if not v:
+            break
+        v = v[0]
+    kind = dt.kind
+    flat: list[Any] = []
+    append = flat.append
+
+    def leaf(x: Any, path: str) -> None:
+        t = type(x)
+        if kind == "b":
+            if t is bool:
+                return append(x)
+            raise MalformedRequestError(f"expected a boolean for {dt.name}", field=path)
+        if t is bool:
+            raise MalformedRequestError("booleans are not numbers", field=path)
+        if kind in "iu":
+            if t is int:
+                return append(x)
+            raise MalformedRequestError(f"expected an integer for {dt.name}", field=path)
+        if t is float:
+            return append(x)
+        if t is int:
+            try:
+                return append(float(x))
+            except OverflowError:
+                raise MalformedRequestError("integer too large", field=path) from None
+        if t is str:
+            if x in _SPELLINGS:
+                return append(_SPELLINGS[x])
+            raise MalformedRequestError(
+                f"unexpected string {x[:40]!r}; only 'NaN', 'Infinity', '-Infinity' allowed",
+                field=path,
+            )
+        what = "null" if x is None else type(x).__name__
+        if t is dict:
+            what = "object (lists are arrays; a list of pytrees is not allowed)"
+        if t is list:
+            what = "a list (ragged: nesting deeper here than elsewhere)"
+        raise MalformedRequestError(f"expected a number, got {what}", field=path)
+
+    def walk(x: Any, path: str, d: int) -> None:
+        if d == len(shape):
+            return leaf(x, path)
+        if type(x) is not list:
+            raise MalformedRequestError(
+                f"ragged list: expected a list of length {shape[d]} here", field=path
+            )
+        if len(x) != shape[d]:
+            raise MalformedRequestError(
+                f"ragged list: length {len(x)}, expected {shape[d]}", field=path
+            )
+        for i, y in enumerate(x):
+            walk(y, f"{path}[{i}]", d + 1)
+
+    walk(value, field, 0)
+    if kind == "f":
+        return _cast_float(np.array(flat, dtype=np.float64).reshape(shape), dt, field)
+    if kind in "iu":
+        return _cast_int(flat, dt, field).reshape(shape)
+    return np.array(flat, dtype=dt).reshape(shape)
+
+
+def decode_result(
+    value: Any, field: str, is_batch: bool = False, *, default_dtype: Any = np.float64
+) -> Any:
+    """One decoded field -> array/pytree, or (``is_batch``) a list of arrays/pytrees.
+
+    A JSON list is ambiguous (one array vs. a list of arrays): the caller says which.
+    """
+    if not is_batch:
+        return to_tree(value, field, default_dtype=default_dtype)
+    if not isinstance(value, list):
+        raise MalformedRequestError("expected a list of arrays", field=field)
+    return [to_tree(v, f"{field}[{i}]", default_dtype=default_dtype) for i, v in enumerate(value)]
+
+
+def decode_response(
+    body: bytes | bytearray | memoryview,
+    content_type: str | None,
+    header_length: str | None = None,
+    *,
+    arrays: Iterable[str] = (),
+    batches: Iterable[str] = (),
+) -> dict:
+    """Decode a whole body; fields in ``arrays`` become arrays/pytrees, fields in
+    ``batches`` lists of them; other fields are returned as parsed JSON."""
+    obj = decode_body(body, content_type, header_length)
+    batch_set = set(batches)
+    for key in set(arrays) | batch_set:
+        if key in obj:
+            obj[key] = decode_result(obj[key], key, key in batch_set)
+    return obj
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+class _Buffers:
+    """Collects the raw buffers of a binary body and their 64-aligned offsets."""
+
+    def __init__(self) -> None:
+        self.items: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, a: np.ndarray) -> int:
+        offset = self.size
+        self.items.append(a)
+        self.size += -(-a.nbytes // ALIGN) * ALIGN
+        return offset
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, np.ndarray | np.generic) or (
+        hasattr(x, "__array__") and not isinstance(x, str | bytes | dict | list | tuple)
+    )
+
+
+def _float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _json_floats(a: np.ndarray) -> Any:
+    """float64 array -> JSON-able data (ndarray for orjson, else nested lists)."""
+    if a.ndim == 0:
+        return _float(float(a))
+    if np.isfinite(a).all():
+        return np.ascontiguousarray(a) if orjson is not None else a.tolist()
+    obj = a.astype(object)
+    obj[np.isnan(a)] = "NaN"
+    obj[a == np.inf] = "Infinity"
+    obj[a == -np.inf] = "-Infinity"
+    return obj.tolist()
+
+
+def _encode_array(a: np.ndarray, encoding: str, buffers: Any, field: str) -> Any:
+    name = _check_dtype(a, field)
+    shape = list(a.shape)
+    if encoding == "json":
+        kind = a.dtype.kind
+        if kind == "f":
+            f = a.astype(np.float64, copy=False)
+            data = _json_floats(f)
+            if name == "float64" and 0 not in shape[:-1]:
+                return data
+        elif kind == "c":
+            data = _json_floats(np.stack([a.real, a.imag], axis=-1).astype(np.float64))
+        elif a.ndim == 0:
+            data = a.item()
+        elif orjson is not None:
+            data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+        else:
+            data = a.tolist()
+        return {MARKER: data, "dtype": name, "shape": shape}
+    le = _le_contig(a)
+    if encoding == "b64":
+        raw = memoryview(le.reshape(-1).view(np.uint8))
+        return {MARKER: base64.b64encode(raw).decode("ascii"), "dtype": name, "shape": shape}
+    if encoding == "binary":
+        if buffers is None:
+            raise ValueError("binary encoding needs a buffers collector")
+        offset = buffers.add(le)
+        return {MARKER: {"offset": offset, "nbytes": le.nbytes}, "dtype": name, "shape": shape}
+    raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
+
+
+def from_tree(tree: Any, encoding: str, buffers: Any = None, field: str = "") -> Any:
+    """Arrays / numpy scalars / jax arrays (anything with ``__array__``), dicts of them,
+    tuples/lists of them -> wire form for ``encoding``; other JSON values pass through
+    (non-finite Python floats become their string spellings).
+
+    The result is serializable with ``dumps`` (with orjson it may hold C-contiguous
+    ndarrays). For "binary", pass the collector from ``encode_body`` as ``buffers``.
+    """
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
+    return _from_tree(tree, encoding, buffers, field)
+
+
+def _from_tree(tree: Any, encoding: str, buffers: Any, field: str) -> Any:
+    if isinstance(tree, dict):
+        out = {}
+        for key, v in tree.items():
+            if not isinstance(key, str) or key.startswith("__"):
+                raise InvalidArgumentError(
+                    f"key {key!r} cannot be sent (keys starting with '__' are reserved)",
+                    field=_join(field, str(key)),
+                )
+            out[key] = _from_tree(v, encoding, buffers, _join(field, key))
+        return out
+    if isinstance(tree, list | tuple):
+        return [_from_tree(v, encoding, buffers, f"{field}[{i}]") for i, v in enumerate(tree)]
+    if isinstance(tree, float):
+        return _float(tree)
+    if tree is None or isinstance(tree, str | int):
+        return tree
+    if _is_arraylike(tree):
+        return _encode_array(np.asarray(tree), encoding, buffers, field)
+    raise InvalidArgumentError(f"cannot encode a {type(tree).__name__}", field=field or None)
+
+
+def encode_body(payload: dict, encoding: str) -> tuple[bytes, str, dict[str, str]]:
+    """Encode a request/response object -> ``(body, content_type, extra_headers)``.
+
+    ``body`` is one ``bytes``: for "binary" it is built by a single ``b"".join`` over the
+    padded header and memoryviews of the arrays, so each array is copied exactly once.
+    ``extra_headers`` holds ``Dxserve-Header-Length`` for "binary", else is empty.
+    """
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
+    if encoding != "binary":
+        return dumps(from_tree(payload, encoding)), JSON_TYPE, {}
+    buffers = _Buffers()
+    header = dumps(from_tree(payload, "binary", buffers))
+    pad = -len(header) % ALIGN
+    chunks: list[Any] = [header, b" " * pad]
+    for a in buffers.items:
+        if a.nbytes:
+            chunks.append(memoryview(a.reshape(-1).view(np.uint8)))
+            chunks.append(bytes(-a.nbytes % ALIGN))
+    body = b"".join(chunks)
+    return body, BINARY_TYPE, {HEADER_LENGTH: str(len(header) + pad)}

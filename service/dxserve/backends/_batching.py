@@ -1,0 +1,65 @@
+"""Mechanics shared by engines: batched maps, basis tangents, flattening."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+Tree = Any
+
+
+def batch_len(batch: Tree) -> int:
+    """Length of the leading (batch) axis shared by every leaf."""
+    return jax.tree_util.tree_leaves(batch)[0].shape[0]
+
+
+def chunked_vmap(fn: Callable[[Tree], Tree], batch: Tree, batch_size: int | None) -> Tree:
+    """``vmap(fn)(batch)``, evaluated ``batch_size`` items per vectorized call.
+
+    Chunks run one after another inside one compiled program (``lax.map``), so
+    memory grows with ``batch_size`` rather than with the whole batch.
+    """
+    k = batch_len(batch)
+    if batch_size is None or batch_size >= k:
+        return jax.vmap(fn)(batch)
+    chunks = -(-k // batch_size)
+    pad = chunks * batch_size - k
+
+    def to_chunks(leaf):
+        leaf = jnp.concatenate([leaf, jnp.zeros((pad, *leaf.shape[1:]), leaf.dtype)]) if pad else leaf
+        return leaf.reshape(chunks, batch_size, *leaf.shape[1:])
+
+    out = jax.lax.map(jax.vmap(fn), jax.tree_util.tree_map(to_chunks, batch))
+    return jax.tree_util.tree_map(lambda o: o.reshape(chunks * batch_size, *o.shape[2:])[:k], out)
+
+
+def loop_map(fn: Callable[[Tree], Tree], batch: Tree, batch_size: int | None = None) -> Tree:
+    """The same contract as ``chunked_vmap`` for functions JAX cannot trace."""
+    k = batch_len(batch)
+    outs = [fn(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], batch)) for i in range(k)]
+    return jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(v) for v in leaves]), *outs)
+
+
+def flat(x: Tree) -> tuple[jax.Array, Callable[[jax.Array], Tree]]:
+    """Flatten a pytree of arrays to one vector and return the inverse."""
+    return ravel_pytree(x)
+
+
+def basis(n: int, dtype: Any) -> jax.Array:
+    """The ``(n, n)`` identity: row i is the i-th basis tangent."""
+    return jnp.eye(n, dtype=dtype)
+
+
+def stack_tuple(items: tuple[Tree, ...], xp: Any = jnp) -> Tree:
+    """A tuple of k pytrees -> one pytree whose leaves have a leading axis k."""
+    return jax.tree_util.tree_map(lambda *leaves: xp.stack(leaves), *items)
+
+
+def unstack_tuple(batch: Tree, k: int) -> tuple[Tree, ...]:
+    """Inverse of ``stack_tuple``."""
+    return tuple(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], batch) for i in range(k))

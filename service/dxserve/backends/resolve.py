@@ -1,0 +1,94 @@
+"""Turn what the user asked for into concrete engines, per operator.
+
+``Auto()`` picks: reverse for gradients and pullbacks, forward for pushforwards and
+derivatives, forward vs reverse for Jacobians by comparing sizes (forward when
+n = x.size ≤ m = y.size), forward-over-reverse for second order. A function JAX
+cannot trace gets finite differences. A single first-order backend asked for a
+second-order operator follows DifferentiationInterface's rule: JAX modes become
+forward-over-reverse (keeping the backend's batch_size on the outer mode), finite
+differences become finite differences over finite differences.
+"""
+
+from __future__ import annotations
+
+from dxclient.backends import (
+    Auto,
+    Backend,
+    FiniteDifferences,
+    JaxForward,
+    JaxReverse,
+    SecondOrder,
+    backend_from_json,
+)
+from dxclient.errors import UnsupportedOperatorError
+
+from .engine import Engine
+from .finite_differences import FiniteDifferencesEngine
+from .jax_modes import ForwardEngine, ReverseEngine
+
+SECOND_ORDER_FAMILIES = frozenset({"hvp", "hessian", "second_derivative"})
+
+
+def resolve_backend(
+    backend: Backend | str, family: str, *, traced: bool, n: int = 0, m: int = 0
+) -> Backend:
+    """The concrete descriptor used for ``family`` (never ``Auto``)."""
+    backend = backend_from_json(backend)
+    second = family in SECOND_ORDER_FAMILIES
+    if isinstance(backend, Auto):
+        if not traced:
+            fd = FiniteDifferences()
+            return SecondOrder(fd, fd) if second else fd
+        if second:
+            return SecondOrder(JaxForward(), JaxReverse())
+        if family in ("gradient", "pullback", "value"):
+            return JaxReverse()
+        if family == "jacobian":
+            return JaxForward() if n <= m else JaxReverse()
+        return JaxForward()
+    if isinstance(backend, SecondOrder):
+        if not second:
+            raise UnsupportedOperatorError(
+                f"second-order backends serve hvp, hessian and second_derivative, not "
+                f"{family}; pass a first-order backend such as 'jax-reverse'",
+                field="backend",
+            )
+        return backend
+    if second:
+        if isinstance(backend, FiniteDifferences):
+            return SecondOrder(backend, backend)
+        return SecondOrder(JaxForward(batch_size=backend.batch_size), JaxReverse())
+    return backend
+
+
+def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engine:
+    """The engine for a concrete first-order descriptor."""
+    if isinstance(backend, FiniteDifferences):
+        return FiniteDifferencesEngine(
+            backend.method, backend.step, backend.batch_size, traced=traced, nested=nested
+        )
+    if not traced:
+        raise UnsupportedOperatorError(
+            f"{backend.type} needs a function JAX can trace; this one is a black box. "
+            "Use 'finite-differences'",
+            field="backend",
+        )
+    if isinstance(backend, JaxForward):
+        return ForwardEngine(backend.batch_size)
+    if isinstance(backend, JaxReverse):
+        return ReverseEngine(backend.batch_size)
+    raise UnsupportedOperatorError(f"{backend.type} is not a first-order backend", field="backend")
+
+
+def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
+    """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``."""
+    if isinstance(backend, SecondOrder):
+        both_fd = isinstance(backend.outer, FiniteDifferences) and isinstance(
+            backend.inner, FiniteDifferences
+        )
+        outer = engine_for(backend.outer, traced=traced, nested=both_fd)
+        inner = engine_for(backend.inner, traced=traced, nested=both_fd)
+        if not traced and not both_fd:
+            raise UnsupportedOperatorError("black-box functions need finite differences", field="backend")
+        return outer, inner
+    return engine_for(backend, traced=traced), None

@@ -1,0 +1,100 @@
+"""Input checks shared by operators; each raises a typed, field-naming error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from dxclient.errors import (
+    DtypeMismatchError,
+    NotScalarInputError,
+    NotScalarOutputError,
+    ShapeMismatchError,
+    UnsupportedOperatorError,
+)
+
+from ..preparation import Inputs
+
+leaves = jax.tree_util.tree_leaves
+
+
+def _is_array(tree: Any) -> bool:
+    return not isinstance(tree, (dict, list, tuple)) and hasattr(tree, "shape")
+
+
+def differentiable_x(inputs: Inputs) -> None:
+    for leaf in leaves(inputs.x):
+        if not np.issubdtype(leaf.dtype, np.inexact):
+            raise DtypeMismatchError(
+                f"x must be floating point to be differentiated, got {np.dtype(leaf.dtype).name}; "
+                "send floats (or a float dtype) for the active input",
+                field="x",
+            )
+
+
+def scalar_output(inputs: Inputs, operator: str) -> None:
+    y = inputs.y
+    if not _is_array(y) or y.shape != ():
+        shape = y.shape if _is_array(y) else "a pytree"
+        raise NotScalarOutputError(
+            f"{operator} needs a scalar-valued function but it returns {shape}; "
+            "use jacobian or pullback for vector outputs",
+            field="function",
+        )
+
+
+def scalar_input(inputs: Inputs, operator: str) -> None:
+    if not _is_array(inputs.x) or inputs.x.shape != ():
+        shape = inputs.x.shape if _is_array(inputs.x) else "a pytree"
+        raise NotScalarInputError(
+            f"{operator} needs a scalar x, got {shape}; use pushforward or jacobian",
+            field="x",
+        )
+
+
+def array_input(inputs: Inputs, operator: str) -> None:
+    if not _is_array(inputs.x):
+        raise UnsupportedOperatorError(
+            f"{operator} of a pytree input is not supported yet; use gradient, pullback "
+            "or hvp, which keep x's structure",
+            field="x",
+        )
+
+
+def array_output(inputs: Inputs, operator: str) -> None:
+    if not _is_array(inputs.y):
+        raise UnsupportedOperatorError(
+            f"{operator} of a pytree-valued function is not supported; use pullback",
+            field="function",
+        )
+
+
+def tangents_like(inputs: Inputs, like: Any, what: str) -> None:
+    """Every tangent must have ``like``'s structure, shapes and dtypes."""
+    tangents = inputs.tangents
+    if not tangents:
+        raise ShapeMismatchError(
+            "tangents must be a non-empty batch (a list of tangents, e.g. [t])", field="tangents"
+        )
+    want_leaves, want_def = jax.tree_util.tree_flatten(like)
+    for i, t in enumerate(tangents):
+        got_leaves, got_def = jax.tree_util.tree_flatten(t)
+        field = f"tangents[{i}]"
+        if got_def != want_def:
+            raise ShapeMismatchError(
+                f"tangent structure {got_def} differs from {what}'s {want_def}", field=field
+            )
+        for g, w in zip(got_leaves, want_leaves, strict=True):
+            if tuple(g.shape) != tuple(w.shape):
+                raise ShapeMismatchError(
+                    f"tangent shape {tuple(g.shape)} differs from {what}'s shape {tuple(w.shape)}",
+                    field=field,
+                )
+            if np.dtype(g.dtype) != np.dtype(w.dtype):
+                raise DtypeMismatchError(
+                    f"tangent dtype {np.dtype(g.dtype).name} differs from {what}'s dtype "
+                    f"{np.dtype(w.dtype).name}",
+                    field=field,
+                )

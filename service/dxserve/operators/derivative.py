@@ -1,0 +1,44 @@
+"""derivative: ``f'(x)`` for scalar x; the result has y's structure and shape.
+
+Forward mode takes one JVP; reverse mode one VJP per output entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.scalar_input(inputs, "derivative")
+    _checks.differentiable_x(inputs)
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        y, dy = engine.derivative(lambda u: f(u, *contexts), x)
+        return {"value": y, "derivative": dy}
+
+    return run
+
+
+register_family(Family("derivative", _check, _build))
+
+
+def prepare_derivative(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("derivative", f, backend, x, None, contexts)
+
+
+def derivative(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+    """``df/dx`` at scalar ``x``: shape ``y.shape``."""
+    return call("derivative", f, backend, x, None, contexts, prep)
+
+
+def value_and_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, Any]:
+    """``(f(x), df/dx)`` at scalar ``x``."""
+    return call("value_and_derivative", f, backend, x, None, contexts, prep)

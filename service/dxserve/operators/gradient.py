@@ -1,0 +1,44 @@
+"""gradient: ``∇f(x)`` for scalar-valued f; the result has x's structure.
+
+Reverse mode takes one VJP; forward mode one JVP per input entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.scalar_output(inputs, "gradient")
+    _checks.differentiable_x(inputs)
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        y, grad = engine.gradient(lambda u: f(u, *contexts), x)
+        return {"value": y, "gradient": grad}
+
+    return run
+
+
+register_family(Family("gradient", _check, _build))
+
+
+def prepare_gradient(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("gradient", f, backend, x, None, contexts)
+
+
+def gradient(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+    """``∇f(x)``: x's structure, shapes and dtypes."""
+    return call("gradient", f, backend, x, None, contexts, prep)
+
+
+def value_and_gradient(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, Any]:
+    """``(f(x), ∇f(x))``."""
+    return call("value_and_gradient", f, backend, x, None, contexts, prep)

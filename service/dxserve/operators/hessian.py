@@ -1,0 +1,49 @@
+"""hessian: ``∇²f(x)`` of a scalar-valued f, shape ``x.shape + x.shape``.
+
+Batched HVPs over the input basis: the outer mode's Jacobian of the inner mode's
+gradient, ``batch_size`` basis tangents per vectorized call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.scalar_output(inputs, "hessian")
+    _checks.array_input(inputs, "hessian")
+    _checks.differentiable_x(inputs)
+
+
+def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        def g(u):
+            return f(u, *contexts)
+
+        grad, hess = outer.jacobian(lambda u: inner.gradient(g, u)[1], x)
+        return {"value": g(x), "gradient": grad, "hessian": hess}
+
+    return run
+
+
+register_family(Family("hessian", _check, _build))
+
+
+def prepare_hessian(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("hessian", f, backend, x, None, contexts)
+
+
+def hessian(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+    """``∇²f(x)``: shape ``x.shape + x.shape``."""
+    return call("hessian", f, backend, x, None, contexts, prep)
+
+
+def value_gradient_and_hessian(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, Any, Any]:
+    """``(f(x), ∇f(x), ∇²f(x))``."""
+    return call("value_gradient_and_hessian", f, backend, x, None, contexts, prep)

@@ -1,0 +1,60 @@
+"""hvp: Hessian-vector products ``(H t1, ..., H tk)`` of a scalar-valued f.
+
+The outer mode differentiates the inner mode's gradient. Because H is symmetric,
+the outer mode may go in its natural direction: a forward outer takes JVPs of the
+gradient (forward-over-reverse, the default: about 2-3 gradients' cost), a
+reverse outer takes VJPs of it (reverse-over-reverse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..backends._batching import stack_tuple, unstack_tuple
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.scalar_output(inputs, "hvp")
+    _checks.differentiable_x(inputs)
+    _checks.tangents_like(inputs, inputs.x, "x")
+
+
+def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
+    xp = jnp if outer.traced else np
+    along = getattr(outer, outer.natural)
+
+    def run(x, tangents, contexts):
+        def grad(u):
+            return inner.gradient(lambda v: f(v, *contexts), u)[1]
+
+        g, hv = along(grad, x, stack_tuple(tangents, xp))
+        return {"gradient": g, "hvps": unstack_tuple(hv, len(tangents))}
+
+    return run
+
+
+register_family(Family("hvp", _check, _build))
+
+
+def prepare_hvp(f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any) -> Prep:
+    return prepare("hvp", f, backend, x, tangents, contexts)
+
+
+def hvp(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple:
+    """``(∇²f(x) @ t for t in tangents)``: each has x's structure."""
+    return call("hvp", f, backend, x, tangents, contexts, prep)
+
+
+def gradient_and_hvp(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, tuple]:
+    """``(∇f(x), (∇²f(x) @ t for t in tangents))``."""
+    return call("gradient_and_hvp", f, backend, x, tangents, contexts, prep)

@@ -1,0 +1,46 @@
+"""jacobian: ``J = ∂f/∂x`` with JAX's shape ``y.shape + x.shape``.
+
+Forward mode stacks JVPs of input basis vectors (columns), reverse mode VJPs of
+output basis vectors (rows), ``batch_size`` of them per vectorized call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.array_input(inputs, "jacobian")
+    _checks.array_output(inputs, "jacobian")
+    _checks.differentiable_x(inputs)
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        y, jac = engine.jacobian(lambda u: f(u, *contexts), x)
+        return {"value": y, "jacobian": jac}
+
+    return run
+
+
+register_family(Family("jacobian", _check, _build))
+
+
+def prepare_jacobian(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("jacobian", f, backend, x, None, contexts)
+
+
+def jacobian(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+    """``∂f/∂x``: shape ``y.shape + x.shape``."""
+    return call("jacobian", f, backend, x, None, contexts, prep)
+
+
+def value_and_jacobian(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, Any]:
+    """``(f(x), ∂f/∂x)``."""
+    return call("value_and_jacobian", f, backend, x, None, contexts, prep)

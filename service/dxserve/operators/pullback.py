@@ -1,0 +1,55 @@
+"""pullback (VJP): ``(Jᵀ c1, ..., Jᵀ ck)`` for a batch of output cotangents.
+
+The batch is one vectorized call. Each cotangent has y's structure; each result x's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..backends._batching import stack_tuple, unstack_tuple
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.differentiable_x(inputs)
+    _checks.tangents_like(inputs, inputs.y, "f(x)")
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    xp = jnp if engine.traced else np
+
+    def run(x, tangents, contexts):
+        y, tx = engine.pullback(lambda u: f(u, *contexts), x, stack_tuple(tangents, xp))
+        return {"value": y, "pullbacks": unstack_tuple(tx, len(tangents))}
+
+    return run
+
+
+register_family(Family("pullback", _check, _build))
+
+
+def prepare_pullback(f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any) -> Prep:
+    return prepare("pullback", f, backend, x, tangents, contexts)
+
+
+def pullback(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple:
+    """``(Jᵀ @ c for c in tangents)``: each has x's structure."""
+    return call("pullback", f, backend, x, tangents, contexts, prep)
+
+
+def value_and_pullback(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, tuple]:
+    """``(f(x), (Jᵀ @ c for c in tangents))``."""
+    return call("value_and_pullback", f, backend, x, tangents, contexts, prep)
+
+
+vjp = pullback

@@ -1,0 +1,57 @@
+"""pushforward (JVP): ``(J t1, ..., J tk)`` for a batch of input tangents.
+
+The batch is one vectorized call. Each tangent has x's structure; each result y's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..backends._batching import stack_tuple, unstack_tuple
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.differentiable_x(inputs)
+    _checks.tangents_like(inputs, inputs.x, "x")
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    xp = jnp if engine.traced else np
+
+    def run(x, tangents, contexts):
+        y, ty = engine.pushforward(lambda u: f(u, *contexts), x, stack_tuple(tangents, xp))
+        return {"value": y, "pushforwards": unstack_tuple(ty, len(tangents))}
+
+    return run
+
+
+register_family(Family("pushforward", _check, _build))
+
+
+def prepare_pushforward(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any
+) -> Prep:
+    return prepare("pushforward", f, backend, x, tangents, contexts)
+
+
+def pushforward(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple:
+    """``(J @ t for t in tangents)``: a tuple as long as ``tangents``."""
+    return call("pushforward", f, backend, x, tangents, contexts, prep)
+
+
+def value_and_pushforward(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, tuple]:
+    """``(f(x), (J @ t for t in tangents))``."""
+    return call("value_and_pushforward", f, backend, x, tangents, contexts, prep)
+
+
+jvp = pushforward

@@ -1,0 +1,46 @@
+"""second_derivative: ``f''(x)`` for scalar x, as outer-derivative of inner-derivative."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from . import _checks
+
+
+def _check(inputs: Inputs) -> None:
+    _checks.scalar_input(inputs, "second_derivative")
+    _checks.differentiable_x(inputs)
+
+
+def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        def g(u):
+            return f(u, *contexts)
+
+        dy, d2y = outer.derivative(lambda u: inner.derivative(g, u)[1], x)
+        return {"value": g(x), "derivative": dy, "second_derivative": d2y}
+
+    return run
+
+
+register_family(Family("second_derivative", _check, _build))
+
+
+def prepare_second_derivative(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("second_derivative", f, backend, x, None, contexts)
+
+
+def second_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> Any:
+    """``d²f/dx²`` at scalar ``x``: shape ``y.shape``."""
+    return call("second_derivative", f, backend, x, None, contexts, prep)
+
+
+def value_derivative_and_second_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+) -> tuple[Any, Any, Any]:
+    """``(f(x), f'(x), f''(x))`` at scalar ``x``."""
+    return call("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep)

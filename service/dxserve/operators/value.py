@@ -1,0 +1,31 @@
+"""value: ``f(x, *contexts)``, compiled once per signature. Any backend is accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+
+
+def _check(inputs: Inputs) -> None:
+    pass
+
+
+def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
+    def run(x, tangents, contexts):
+        return {"value": f(x, *contexts)}
+
+    return run
+
+
+register_family(Family("value", _check, _build))
+
+
+def prepare_value(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
+    return prepare("value", f, backend, x, None, contexts)
+
+
+def value(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+    """``f(x, *contexts)``: y with f's output structure, shape and dtype."""
+    return call("value", f, backend, x, None, contexts, prep)

@@ -1,0 +1,328 @@
+"""Preparation: pay tracing and compilation once per call signature.
+
+``prepare(family, f, backend, x, tangents, contexts)`` probes the function,
+resolves the backend, validates the inputs, builds the operator's pure JAX
+function and compiles it. The returned ``Prep`` holds the executable; calls with
+a matching signature run it directly, calls with another signature raise
+``PreparationMismatchError``. Without an explicit prep, ``call`` keeps compiled
+preps in a bounded LRU keyed by (function, operator family, backend, signature).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from dxclient.backends import Backend, backend_from_json
+from dxclient.errors import (
+    DxError,
+    FunctionEvaluationError,
+    PreparationMismatchError,
+)
+from dxclient.operators import OPERATORS
+
+from .backends import engines_for, resolve_backend
+from .backends.engine import Engine
+
+Tree = Any
+Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape, dtype), ...))
+
+_NOT_TRACEABLE = (
+    jax.errors.TracerArrayConversionError,
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+# --- inputs and signatures -------------------------------------------------
+def as_tree(value: Any) -> Tree:
+    """Normalize one input: Python numbers and lists become float64 arrays.
+
+    numpy and JAX arrays keep their dtype; dicts (and tuples) are pytrees.
+    """
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return value
+    if isinstance(value, dict):
+        return {k: as_tree(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(as_tree(v) for v in value)
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if isinstance(value, bool):
+        return np.asarray(value)
+    if isinstance(value, (int, float, list)):
+        return np.asarray(value, dtype=np.float64)
+    return value
+
+
+def spec_of(tree: Tree) -> Spec:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(v)), np.dtype(v.dtype).str) for v in leaves)
+
+
+@dataclass(frozen=True)
+class Signature:
+    x: Spec
+    tangents: tuple[Spec, ...] | None
+    contexts: tuple[Spec, ...]
+
+    @staticmethod
+    def of(x: Tree, tangents: tuple | None, contexts: tuple) -> Signature:
+        return Signature(
+            spec_of(x),
+            None if tangents is None else tuple(spec_of(t) for t in tangents),
+            tuple(spec_of(c) for c in contexts),
+        )
+
+    def difference(self, prepared: Signature) -> tuple[str, str] | None:
+        """``(field, what differs)`` against the prepared signature, or None."""
+        if self.x != prepared.x:
+            return "x", _describe(self.x, prepared.x)
+        if (self.tangents is None) != (prepared.tangents is None) or (
+            self.tangents is not None and len(self.tangents) != len(prepared.tangents)
+        ):
+            got = 0 if self.tangents is None else len(self.tangents)
+            want = 0 if prepared.tangents is None else len(prepared.tangents)
+            return "tangents", f"{got} tangents given, prepared for {want}"
+        for i, (a, b) in enumerate(zip(self.tangents or (), prepared.tangents or (), strict=True)):
+            if a != b:
+                return f"tangents[{i}]", _describe(a, b)
+        if len(self.contexts) != len(prepared.contexts):
+            return "contexts", (
+                f"{len(self.contexts)} contexts given, prepared for {len(prepared.contexts)}"
+            )
+        for i, (a, b) in enumerate(zip(self.contexts, prepared.contexts, strict=True)):
+            if a != b:
+                return f"contexts[{i}]", _describe(a, b)
+        return None
+
+
+def _describe(got: Spec, want: Spec) -> str:
+    if got[0] != want[0]:
+        return f"structure {got[0]} differs from prepared {want[0]}"
+    for (gs, gd), (ws, wd) in zip(got[1], want[1], strict=True):
+        if gs != ws:
+            return f"shape {gs} differs from prepared {ws}"
+        if gd != wd:
+            return f"dtype {np.dtype(gd).name} differs from prepared {np.dtype(wd).name}"
+    return "signature differs from prepared"
+
+
+# --- operator families -----------------------------------------------------
+@dataclass(frozen=True)
+class Inputs:
+    """What a family's checks and builder may look at (concrete or abstract)."""
+
+    x: Tree
+    tangents: tuple | None
+    contexts: tuple
+    y: Tree  # ShapeDtypeStruct pytree of f(x, *contexts)
+
+
+Builder = Callable[[Callable, Engine, "Engine | None", Inputs], Callable]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One operator family: a check of its inputs and a builder of its function.
+
+    ``build(f, engine, inner, inputs)`` returns ``run(x, tangents, contexts) -> dict``
+    mapping result names (``OPERATORS[op].results``) to values.
+    """
+
+    name: str
+    check: Callable[[Inputs], None]
+    build: Builder
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+# --- the prep object -------------------------------------------------------
+@dataclass(eq=False)
+class Prep:
+    """A prepared operator: the compiled executable for one call signature."""
+
+    family: str
+    function: Callable
+    backend: Backend
+    resolved: Backend
+    signature: Signature
+    executable: Callable
+    traced: bool
+    output: Tree = field(repr=False)
+
+    def check(self, family: str, f: Callable, backend: Backend, signature: Signature) -> None:
+        if family != self.family:
+            raise PreparationMismatchError(
+                f"prep was made for {self.family}, not {family}", field="prep"
+            )
+        if f is not self.function:
+            raise PreparationMismatchError("prep was made for another function", field="function")
+        if backend != self.backend:
+            raise PreparationMismatchError(
+                f"prep was made for backend {self.backend.to_json()}, not {backend.to_json()}",
+                field="backend",
+            )
+        diff = signature.difference(self.signature)
+        if diff is not None:
+            raise PreparationMismatchError(diff[1], field=diff[0])
+
+    def run(self, x: Tree, tangents: tuple | None, contexts: tuple) -> dict[str, Any]:
+        try:
+            return self.executable(x, tangents, contexts)
+        except DxError:
+            raise
+        except Exception as exc:  # a black-box function failing on these values
+            raise FunctionEvaluationError(_short(exc), field="function") from exc
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+def probe(f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
+    """``(traced, output spec)``: can JAX trace ``f``, and what does it return."""
+    try:
+        return True, jax.eval_shape(f, x, *contexts)
+    except _NOT_TRACEABLE:
+        pass
+    except DxError:
+        raise
+    except Exception as exc:
+        raise FunctionEvaluationError(_short(exc), field="x") from exc
+    try:
+        y = f(x, *contexts)
+    except Exception as exc:
+        raise FunctionEvaluationError(_short(exc), field="x") from exc
+    spec = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), y)
+    return False, spec
+
+
+def _size(tree: Tree) -> int:
+    return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(tree))
+
+
+def prepare(
+    family: str,
+    f: Callable,
+    backend: Backend | str,
+    x: Any,
+    tangents: Sequence | None,
+    contexts: Sequence,
+) -> Prep:
+    """Probe, resolve, validate, build and compile one operator family."""
+    backend = backend_from_json(backend)
+    x, tangents, contexts = _normalize(x, tangents, contexts)
+    traced, y = probe(f, x, contexts)
+    resolved = resolve_backend(backend, family, traced=traced, n=_size(x), m=_size(y))
+    engine, inner = engines_for(resolved, traced=traced)
+    spec = FAMILIES[family]
+    inputs = Inputs(x, tangents, contexts, y)
+    spec.check(inputs)
+    run = spec.build(f, engine, inner, inputs)
+    if traced:
+        try:
+            run = jax.jit(run).lower(x, tangents, contexts).compile()
+        except DxError:
+            raise
+        except Exception as exc:
+            raise FunctionEvaluationError(_short(exc), field="function") from exc
+    return Prep(
+        family, f, backend, resolved, Signature.of(x, tangents, contexts), run, traced, y
+    )
+
+
+def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
+    x = as_tree(x)
+    if tangents is not None:
+        if not isinstance(tangents, (tuple, list)):
+            from dxclient.errors import ShapeMismatchError
+
+            raise ShapeMismatchError(
+                "tangents must be a tuple (a batch) of tangents, e.g. (t,)", field="tangents"
+            )
+        tangents = tuple(as_tree(t) for t in tangents)
+    return x, tangents, tuple(as_tree(c) for c in contexts)
+
+
+# --- implicit cache and the call path -------------------------------------
+class PrepCache:
+    """A thread-safe LRU of preps keyed by (function, family, backend, signature)."""
+
+    def __init__(self, maxsize: int = 512) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict[tuple, Prep] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> Prep | None:
+        with self._lock:
+            prep = self._items.get(key)
+            if prep is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return prep
+
+    def put(self, key: tuple, prep: Prep) -> None:
+        with self._lock:
+            self._items[key] = prep
+            self._items.move_to_end(key)
+            while len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+
+    def forget(self, function: Callable) -> None:
+        with self._lock:
+            for key in [k for k in self._items if k[0] is function]:
+                del self._items[key]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+CACHE = PrepCache()
+
+
+def call(
+    operator: str,
+    f: Callable,
+    backend: Backend | str,
+    x: Any,
+    tangents: Sequence | None,
+    contexts: Sequence,
+    prep: Prep | None = None,
+    cache: PrepCache = CACHE,
+) -> Any:
+    """Run ``operator``; return its result, or a tuple of results (DI's order)."""
+    op = OPERATORS[operator]
+    backend = backend_from_json(backend)
+    x, tangents, contexts = _normalize(x, tangents, contexts)
+    signature = Signature.of(x, tangents, contexts)
+    if prep is not None:
+        prep.check(op.family, f, backend, signature)
+    else:
+        key = (f, op.family, backend, signature)
+        prep = cache.get(key)
+        if prep is None:
+            prep = prepare(op.family, f, backend, x, tangents, contexts)
+            cache.put(key, prep)
+    out = prep.run(x, tangents, contexts)
+    if len(op.results) == 1:
+        return out[op.results[0]]
+    return tuple(out[name] for name in op.results)
