@@ -1,0 +1,5 @@
+"""The HTTP layer: parses, routes and encodes; never differentiates."""
+
+from .app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,446 @@
+"""The FastAPI app: routes that read straight through.
+
+decode -> validate -> resolve function and backend -> prepared executable (cached)
+-> device worker -> encode. Each step lives in its own module; this one wires them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import jax
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
+from dxclient import codec
+from dxclient.backends import BACKEND_TYPES
+from dxclient.errors import (
+    InvalidArgumentError,
+    MalformedRequestError,
+    PayloadTooLargeError,
+    UnauthorizedError,
+    UnknownPreparationError,
+    UnsupportedMediaTypeError,
+)
+from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
+
+from ..preparation import Prep, PrepCache, call, prepare
+from ..registry import Entry, Registry, expression_content
+from ..settings import Settings
+from ..store import DirectoryStore
+from ..worker import Workers
+from . import problems, schemas
+from .metrics import Metrics
+from .wire import parse_operator_request, response_encoding, result_payload
+
+#: Bodies above this are decoded and encoded off the event loop.
+LARGE_BYTES = 256 * 1024
+
+
+class PrepHandles:
+    """Handles returned by ``POST /prepare/{op}``: a bounded LRU of preps."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict[str, Prep] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, prep: Prep) -> str:
+        handle = secrets.token_urlsafe(12)
+        with self._lock:
+            self._items[handle] = prep
+            while len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+        return handle
+
+    def get(self, handle: str) -> Prep:
+        with self._lock:
+            prep = self._items.get(handle)
+        if prep is None:
+            raise UnknownPreparationError(
+                f"no prepared operator {handle!r} (expired or never made); POST /prepare again",
+                field="prep",
+            )
+        return prep
+
+    def forget(self, function: Callable) -> None:
+        with self._lock:
+            for key in [k for k, p in self._items.items() if p.function is function]:
+                del self._items[key]
+
+
+def _enable_compilation_cache(directory: str) -> None:
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def export_platforms() -> list[str]:
+    """Platforms an uploaded export must be lowered for to run here."""
+    platform = jax.default_backend()
+    return ["cuda" if platform == "gpu" else platform]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        err = PayloadTooLargeError(
+            f"body of {declared} bytes exceeds the limit of {limit} bytes", field="body"
+        )
+        err.close = True  # type: ignore[attr-defined]  # the unread body makes the connection unusable
+        raise err
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            err = PayloadTooLargeError(f"body exceeds the limit of {limit} bytes", field="body")
+            err.close = True  # type: ignore[attr-defined]
+            raise err
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service: registry loaded, workers started, routes installed."""
+    settings = settings or Settings()
+    _enable_compilation_cache(settings.compilation_cache)
+    store = DirectoryStore(settings.store)
+    registry = Registry(store, settings.max_functions)
+    for module in settings.functions:
+        registry.add_module(module)
+    registry.load_store()
+    cache = PrepCache(settings.cache_size)
+    handles = PrepHandles(settings.max_prepared)
+    registry.on_remove.append(lambda entry: cache.forget(entry.fn))
+    registry.on_remove.append(lambda entry: handles.forget(entry.fn))
+    workers = Workers(settings.queue_size, settings.request_timeout)
+    metrics = Metrics(cache)
+    tokens = settings.tokens()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        workers.close()
+        store.close()
+
+    app = FastAPI(
+        title="dxserve",
+        version="0.1.0",
+        summary="Differentiation as a service: DifferentiationInterface-style derivatives over JAX",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.cache = cache
+    app.state.workers = workers
+    app.state.metrics = metrics
+    problems.install(app)
+
+    # --- helpers ------------------------------------------------------------
+    def authorize(request: Request) -> None:
+        if not tokens:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token.encode(), t.encode()) for t in tokens
+        ):
+            return
+        raise UnauthorizedError(
+            "send 'Authorization: Bearer <token>' with a valid token" if given
+            else "this server needs 'Authorization: Bearer <token>' for this request",
+            field="Authorization",
+        )
+
+    async def decode_operator(request: Request, op: OperatorSpec) -> tuple[Any, str]:
+        body = await read_body(request, settings.max_body_bytes)
+        content_type = request.headers.get("content-type")
+        encoding = response_encoding(content_type, request.headers.get("accept"), body)
+        length = request.headers.get(codec.HEADER_LENGTH)
+
+        def decode() -> Any:
+            return parse_operator_request(codec.decode_body(body, content_type, length), op)
+
+        parsed = await run_in_threadpool(decode) if len(body) > LARGE_BYTES else decode()
+        return parsed, encoding
+
+    async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
+        nbytes = sum(getattr(v, "nbytes", 0) for v in payload.values())
+        if nbytes > LARGE_BYTES:
+            body, media, headers = await run_in_threadpool(codec.encode_body, payload, encoding)
+        else:
+            body, media, headers = codec.encode_body(payload, encoding)
+        return Response(body, status, headers, media_type=media)
+
+    # --- operators ------------------------------------------------------------
+    def operator_route(op: OperatorSpec) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            if settings.require_token_for_compute:
+                authorize(request)
+            req, encoding = await decode_operator(request, op)
+            entry = registry.get(req.function)
+            prep = handles.get(req.prep) if req.prep is not None else None
+
+            def compute() -> dict:
+                result = call(
+                    op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, prep, cache
+                )
+                return result_payload(op, result)
+
+            return await encode(await workers.run(compute), encoding)
+
+        handle.__name__ = op.name
+        handle.__doc__ = _operator_doc(op)
+        return handle
+
+    def prepare_route(op: OperatorSpec) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            if settings.require_token_for_compute:
+                authorize(request)
+            req, _ = await decode_operator(request, op)
+            entry = registry.get(req.function)
+
+            def compile_it() -> Prep:
+                return prepare(op.family, entry.fn, req.backend, req.x, req.tangents, req.contexts)
+
+            prep = await workers.run(compile_it)
+            return JSONResponse(
+                {
+                    "prep": handles.add(prep),
+                    "operator": op.name,
+                    "function": entry.name,
+                    "backend": prep.backend.to_json(),
+                    "resolved": prep.resolved.to_json(),
+                }
+            )
+
+        handle.__name__ = f"prepare_{op.name}"
+        handle.__doc__ = f"Compile `{op.name}` once for this signature; returns a handle."
+        return handle
+
+    problem_responses = {
+        status: {"model": schemas.Problem, "description": desc}
+        for status, desc in {
+            400: "Malformed body", 404: "Unknown function or handle", 409: "Prep mismatch",
+            413: "Body too large", 415: "Unsupported media type", 422: "Semantically invalid",
+            503: "Overloaded (Retry-After)", 504: "Timed out",
+        }.items()
+    }
+    names = list(OPERATORS) + list(ALIASES)
+    for name in names:
+        op = OPERATORS[ALIASES.get(name, name)]
+        body = {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{schemas.REQUESTS[op.name].__name__}"}
+                    },
+                    codec.BINARY_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        }
+        app.add_api_route(
+            f"/{name}", operator_route(op), methods=["POST"], tags=["operators"],
+            responses={200: {"model": schemas.RESPONSES[op.name]}, **problem_responses},
+            openapi_extra=body, summary=name, include_in_schema=name in OPERATORS,
+        )
+        if name in OPERATORS:
+            app.add_api_route(
+                f"/prepare/{name}", prepare_route(op), methods=["POST"], tags=["preparation"],
+                responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
+                openapi_extra=body, summary=f"prepare_{name}",
+            )
+
+    # --- registry -------------------------------------------------------------
+    @app.get("/functions", response_model=schemas.FunctionList, tags=["functions"])
+    async def list_functions() -> dict:
+        """Every registered function with its kind, signature and description."""
+        return {"functions": [e.describe() for e in registry.list()]}
+
+    @app.get(
+        "/functions/{name}", response_model=schemas.FunctionInfoModel, tags=["functions"],
+        responses={404: {"model": schemas.Problem}},
+    )
+    async def get_function(name: str) -> dict:
+        """One function's kind, signature and description."""
+        return registry.get(name, "name").describe()
+
+    @app.post(
+        "/functions", tags=["functions"], status_code=201,
+        response_model=schemas.FunctionInfoModel,
+        responses={200: {"description": "Identical content was already registered"},
+                   **problem_responses, 401: {"model": schemas.Problem}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/RegisterFunction"}}}}},
+    )
+    async def register_function(request: Request) -> Response:
+        """Register an expression or an uploaded JAX export (token needed if configured)."""
+        authorize(request)
+        media = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if media != codec.JSON_TYPE:
+            raise UnsupportedMediaTypeError(
+                f"POST /functions takes {codec.JSON_TYPE}, got {media or 'nothing'}",
+                field="Content-Type",
+            )
+        body = await read_body(request, settings.max_upload_bytes)
+        raw = codec.loads(body)
+        if not isinstance(raw, dict):
+            raise MalformedRequestError("the body must be a JSON object")
+        try:
+            spec = schemas.RegisterFunction.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = problems._field_of(tuple(first["loc"]))
+            raise InvalidArgumentError(f"{field}: {first['msg']}", field=field) from None
+        if (spec.expression is None) == (spec.export is None):
+            raise InvalidArgumentError(
+                "give exactly one of 'expression' (with 'args') or 'export'", field="expression"
+            )
+        if spec.expression is not None:
+            kind, content = "expression", expression_content(spec.expression, spec.args)
+        else:
+            try:
+                content = base64.b64decode(spec.export, validate=True)
+            except (binascii.Error, ValueError):
+                raise MalformedRequestError("export must be base64", field="export") from None
+            kind = "export"
+        entry, created = await run_in_threadpool(
+            registry.register, spec.name, kind, content, spec.description, replace=spec.replace
+        )
+        return JSONResponse(entry.describe(), 201 if created else 200)
+
+    @app.delete("/functions/{name}", tags=["functions"],
+                responses={404: {"model": schemas.Problem}, 401: {"model": schemas.Problem}})
+    async def delete_function(name: str, request: Request) -> dict:
+        """Remove a registered expression or export (token needed if configured)."""
+        authorize(request)
+        entry: Entry = await run_in_threadpool(registry.delete, name)
+        return {"deleted": entry.name}
+
+    # --- service ----------------------------------------------------------------
+    @app.get("/backends", tags=["service"])
+    async def list_backends() -> dict:
+        """Every backend type, its parameters, and the operators it serves."""
+        return {"backends": BACKENDS}
+
+    @app.get("/health", tags=["service"])
+    async def health() -> dict:
+        """Liveness: answers from the event loop even while workers compute."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["service"])
+    async def ready() -> dict:
+        """Readiness plus what this server runs on."""
+        return {
+            "status": "ready",
+            "platform": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "export_platforms": export_platforms(),
+            "jax_version": jax.__version__,
+            "functions": len(registry),
+            "queued": sum(w.pending for w in workers.workers),
+        }
+
+    @app.get("/metrics", tags=["service"], response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text exposition."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+FIRST_ORDER = [n for n, op in OPERATORS.items() if op.order <= 1]
+SECOND_ORDER = [n for n, op in OPERATORS.items() if op.order == 2]
+BACKENDS = [
+    {"type": "jax-forward", "parameters": {"batch_size": "tangents per vectorized call (null: all)"},
+     "operators": FIRST_ORDER + SECOND_ORDER,
+     "notes": "second order as forward-over-reverse"},
+    {"type": "jax-reverse", "parameters": {"batch_size": "rows per vectorized call (null: all)"},
+     "operators": FIRST_ORDER + SECOND_ORDER,
+     "notes": "second order as forward-over-reverse"},
+    {"type": "finite-differences",
+     "parameters": {"method": "'central' (default) or 'forward'",
+                    "step": "relative step in (0, 1); null picks cbrt(eps) or sqrt(eps)",
+                    "batch_size": "tangents per vectorized call"},
+     "operators": FIRST_ORDER + SECOND_ORDER,
+     "notes": "works on black-box functions; second order as finite differences over finite differences"},
+    {"type": "second-order", "parameters": {"outer": "first-order backend", "inner": "first-order backend"},
+     "operators": SECOND_ORDER},
+    {"type": "auto", "parameters": {},
+     "operators": FIRST_ORDER + SECOND_ORDER,
+     "notes": "reverse for gradients/pullbacks, forward for pushforwards/derivatives, "
+              "Jacobians by size, forward-over-reverse for second order"},
+]
+assert {b["type"] for b in BACKENDS} == set(BACKEND_TYPES)
+
+
+def _operator_doc(op: OperatorSpec) -> str:
+    takes = " and `tangents` (a list)" if op.takes_tangents else ""
+    return (
+        f"`{op.name}` of a registered function at `x`{takes}. "
+        f"Returns {', '.join(f'`{r}`' for r in op.results)}. Arrays may be JSON lists, "
+        "typed base64 objects, or the binary framing (`application/vnd.dxserve.binary`)."
+    )
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema:
+        return app.openapi_schema
+    spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    components = spec.setdefault("components", {}).setdefault("schemas", {})
+    models = [*schemas.REQUESTS.values(), schemas.RegisterFunction]
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+    app.openapi_schema = spec
+    return spec
+
+
+class _MetricsMiddleware:
+    """Pure ASGI: counts and times every HTTP request by route template."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+            if status[0] >= 400:
+                self.metrics.errors.labels(str(status[0])).inc()

@@ -1,0 +1,142 @@
+"""Pydantic models that document the API in OpenAPI (bodies are parsed by ``wire``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from dxclient.operators import OPERATORS, OperatorSpec
+
+
+class TypedArray(BaseModel):
+    """An array with its dtype: base64 of little-endian C-order bytes (or a nested
+    list in lists mode, or a buffer reference in the binary framing)."""
+
+    model_config = ConfigDict(
+        populate_by_name=True,
+        json_schema_extra={
+            "example": {"__ndarray__": "AAAAAAAA8D8AAAAAAAAAQA==", "dtype": "float64", "shape": [2]}
+        },
+    )
+    ndarray: str | list[Any] | dict[str, int] = Field(alias="__ndarray__")
+    dtype: str = Field(examples=["float64", "float32", "int64"])
+    shape: list[int]
+
+
+Array = float | list[Any] | TypedArray | dict[str, Any]
+ARRAY_DOC = (
+    "A number, a nested list (float64), a typed array object, or a pytree "
+    "(JSON object of arrays). NaN and infinities are the strings "
+    "\"NaN\", \"Infinity\", \"-Infinity\"."
+)
+
+
+class BackendObject(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"example": {"type": "jax-forward", "batch_size": 16}})
+    type: Literal["jax-forward", "jax-reverse", "finite-differences", "second-order", "auto"]
+
+
+def request_model(op: OperatorSpec) -> type[BaseModel]:
+    fields: dict[str, Any] = {
+        "function": (str, Field(description="Name of a registered function", examples=["rosenbrock"])),
+        "backend": (
+            str | BackendObject,
+            Field("auto", description="Backend descriptor or shorthand", examples=["jax-reverse"]),
+        ),
+        "x": (Array, Field(description="The active input. " + ARRAY_DOC, examples=[[1.0, 2.0, 3.0]])),
+        "contexts": (
+            list[Array],
+            Field(default_factory=list, description="Extra inputs, not differentiated"),
+        ),
+        "prep": (str | None, Field(None, description="Handle from POST /prepare/{operator}")),
+    }
+    example: dict[str, Any] = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
+    if op.takes_tangents:
+        like = "f(x)" if op.family == "pullback" else "x"
+        fields["tangents"] = (
+            list[Array],
+            Field(description=f"A batch of tangents, each shaped like {like}", min_length=1),
+        )
+        example["tangents"] = [[1.0, 0.0, 0.0]] if op.family != "pullback" else [1.0]
+        if op.family == "pushforward":
+            example["function"] = "sin_cumsum"
+    if op.family in ("derivative", "second_derivative"):
+        example = {"function": "normal_logpdf", "backend": "auto", "x": 0.5}
+    model = create_model(
+        f"{_camel(op.name)}Request",
+        __config__=ConfigDict(json_schema_extra={"example": example}),
+        **fields,
+    )
+    return model
+
+
+def response_model(op: OperatorSpec) -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for name in op.results:
+        if name.endswith("s") and name in ("pushforwards", "pullbacks", "hvps"):
+            fields[name] = (list[Array], Field(description="One result per tangent"))
+        else:
+            fields[name] = (Array, Field(description=ARRAY_DOC))
+    return create_model(f"{_camel(op.name)}Response", **fields)
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+REQUESTS = {name: request_model(op) for name, op in OPERATORS.items()}
+RESPONSES = {name: response_model(op) for name, op in OPERATORS.items()}
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details (``application/problem+json``)."""
+
+    type: str = Field(examples=["urn:dxserve:problem:shape-mismatch"])
+    title: str
+    status: int
+    detail: str
+    field: str | None = Field(None, description="The request field that was wrong")
+
+
+class RegisterFunction(BaseModel):
+    """Register an expression (``expression`` + ``args``) or a JAX export (``export``)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "example": {
+                "name": "sq",
+                "expression": "jnp.sum(jnp.sin(x) ** 2)",
+                "args": ["x"],
+                "description": "sum of squared sines",
+            }
+        },
+    )
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
+    description: str = Field("", max_length=4096)
+    expression: str | None = Field(None, description="Whitelisted jnp expression")
+    args: list[str] = Field(default_factory=lambda: ["x"], description="First is active")
+    export: str | None = Field(None, description="base64 of a dxclient export bundle")
+    replace: bool = False
+
+
+class FunctionInfoModel(BaseModel):
+    name: str
+    kind: Literal["module", "expression", "export"]
+    description: str
+    signature: dict[str, Any]
+    digest: str | None = None
+    created: str | None = None
+
+
+class FunctionList(BaseModel):
+    functions: list[FunctionInfoModel]
+
+
+class PrepareResponse(BaseModel):
+    prep: str = Field(description="Pass as `prep` in later requests")
+    operator: str
+    function: str
+    backend: dict[str, Any] = Field(description="The backend as requested")
+    resolved: dict[str, Any] = Field(description="The concrete backend it runs with")

@@ -1,0 +1,110 @@
+"""From bytes to a validated operator request, and from results back to bytes.
+
+The codec (``dxclient.codec``) owns the array formats; this module knows which
+request fields hold arrays and which encoding a response should use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dxclient import codec
+from dxclient.backends import Backend, backend_from_json
+from dxclient.errors import InvalidArgumentError, MalformedRequestError
+from dxclient.operators import OperatorSpec
+
+OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep")
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    function: str
+    backend: Backend
+    x: Any
+    tangents: tuple | None
+    contexts: tuple
+    prep: str | None
+
+
+def response_encoding(content_type: str | None, accept: str | None, body: bytes) -> str:
+    """The encoding of the answer: ``Accept`` if it says, else the request's own.
+
+    ``Accept: application/vnd.dxserve.binary`` -> binary; ``application/json;
+    arrays=b64`` or ``arrays=lists`` picks the JSON flavour; plain JSON mirrors
+    the request (b64 if it carried base64 arrays).
+    """
+    if accept:
+        accept_l = accept.lower()
+        if codec.BINARY_TYPE in accept_l:
+            return "binary"
+        if "arrays=b64" in accept_l:
+            return "b64"
+        if "arrays=lists" in accept_l:
+            return "json"
+    if (content_type or "").lower().startswith(codec.BINARY_TYPE):
+        return "binary"
+    marker = b'"' + codec.MARKER.encode() + b'"'
+    at = body.find(marker)
+    if at >= 0 and body[at + len(marker):].lstrip(b" :\t\r\n")[:1] == b'"':
+        return "b64"
+    return "json"
+
+
+def _array_list(value: Any, field: str) -> tuple:
+    if not isinstance(value, list):
+        raise MalformedRequestError(
+            f"{field} must be a JSON list (one entry per {field[:-1]})", field=field
+        )
+    return tuple(codec.to_tree(v, f"{field}[{i}]") for i, v in enumerate(value))
+
+
+def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
+    """Validate the decoded body of ``POST /{op}``; errors name the field."""
+    for key in obj:
+        if key not in OPERATOR_FIELDS:
+            raise InvalidArgumentError(
+                f"unknown field {key!r}; {op.name} takes {', '.join(OPERATOR_FIELDS)}", field=key
+            )
+    function = obj.get("function")
+    if not isinstance(function, str) or not function:
+        raise InvalidArgumentError(
+            "function must be the name of a registered function (GET /functions)",
+            field="function",
+        )
+    if "x" not in obj:
+        raise InvalidArgumentError("x (the active input) is required", field="x")
+    backend = backend_from_json(obj.get("backend", "auto"))
+    x = codec.to_tree(obj["x"], "x")
+    tangents = None
+    if op.takes_tangents:
+        if "tangents" not in obj:
+            raise InvalidArgumentError(
+                f"{op.name} needs tangents: a list of arrays shaped like "
+                f"{'f(x)' if op.family == 'pullback' else 'x'}",
+                field="tangents",
+            )
+        tangents = _array_list(obj["tangents"], "tangents")
+    elif obj.get("tangents") is not None:
+        raise InvalidArgumentError(f"{op.name} takes no tangents", field="tangents")
+    contexts = _array_list(obj.get("contexts", []), "contexts")
+    prep = obj.get("prep")
+    if prep is not None and not isinstance(prep, str):
+        raise InvalidArgumentError("prep must be a handle string from POST /prepare", field="prep")
+    return OperatorRequest(function, backend, x, tangents, contexts, prep)
+
+
+def _host(tree: Any) -> Any:
+    """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches."""
+    if isinstance(tree, tuple):
+        return tuple(_host(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _host(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def result_payload(op: OperatorSpec, result: Any) -> dict[str, Any]:
+    values = result if len(op.results) > 1 else (result,)
+    return {name: _host(v) for name, v in zip(op.results, values, strict=True)}

@@ -1,0 +1,27 @@
+"""Print the app's OpenAPI document (``make openapi`` writes it to openapi/openapi.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+
+def document() -> dict:
+    from .http import create_app
+    from .settings import Settings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        app = create_app(Settings(store=tmp, compilation_cache="", functions=["dxserve.examples"]))
+        spec = app.openapi()
+        app.state.registry.store.close()
+        return spec
+
+
+def main() -> None:
+    json.dump(document(), sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The function registry: one name space for the three kinds of function.
+
+* ``module``: the deployer's trusted Python (``@dxserve.function``), never stored;
+* ``expression``: a whitelisted ``jnp`` expression, compiled from its AST;
+* ``export``: a JAX export (StableHLO) uploaded by a client.
+
+Expressions and exports are persisted in a content-addressed ``FunctionStore``
+and reloaded at start, so they survive restarts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dxclient.errors import (
+    FunctionConflictError,
+    TooManyFunctionsError,
+    UnknownFunctionError,
+)
+
+from .functions import FunctionInfo, module_functions
+from .store import FunctionStore, StoredFunction, validate_name
+
+log = logging.getLogger("dxserve.registry")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered function and what clients may know about it."""
+
+    name: str
+    kind: str  # "module" | "expression" | "export"
+    fn: Callable = field(repr=False, compare=False)
+    description: str = ""
+    signature: dict[str, Any] = field(default_factory=dict)
+    digest: str | None = None
+    created: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "signature": self.signature,
+        }
+        if self.digest:
+            out["digest"] = self.digest
+        if self.created:
+            out["created"] = self.created
+        return out
+
+
+def expression_content(expression: str, args: list[str]) -> bytes:
+    """Canonical bytes of an expression, so identical registrations hash alike."""
+    return json.dumps({"args": list(args), "expression": expression}, sort_keys=True).encode()
+
+
+def _build(record: StoredFunction) -> Entry:
+    meta = record.metadata
+    if record.kind == "expression":
+        from .expressions import compile_expression
+
+        spec = json.loads(record.content)
+        fn = compile_expression(spec["expression"], spec["args"])
+        signature = {"args": spec["args"], "expression": spec["expression"]}
+    else:
+        from .exported import load_exported
+
+        loaded = load_exported(record.content)
+        fn = loaded.fn
+        signature = loaded.signature
+    return Entry(
+        record.name,
+        record.kind,
+        fn,
+        meta.get("description", ""),
+        signature,
+        record.digest,
+        record.created,
+    )
+
+
+class Registry:
+    """Thread-safe name -> ``Entry`` map backed by an optional persistent store."""
+
+    def __init__(self, store: FunctionStore, max_functions: int = 1000) -> None:
+        self.store = store
+        self.max_functions = max_functions
+        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+        self.on_remove: list[Callable[[Entry], None]] = []
+
+    # --- loading -----------------------------------------------------------
+    def add_module(self, module: str) -> list[str]:
+        """Register every ``@dxserve.function`` of ``module``; returns their names."""
+        names = []
+        for info, fn in module_functions(module):
+            self.add_python(info, fn)
+            names.append(info.name)
+        return names
+
+    def add_python(self, info: FunctionInfo, fn: Callable) -> Entry:
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = []
+        entry = Entry(info.name, "module", fn, info.description, {"args": params})
+        with self._lock:
+            self._entries[info.name] = entry
+        return entry
+
+    def load_store(self) -> int:
+        """Rebuild every stored function; a record that no longer loads is skipped."""
+        loaded = 0
+        for record in self.store.list():
+            try:
+                entry = _build(record)
+            except Exception as exc:  # keep serving the rest
+                log.warning("skipping stored function %s: %s", record.name, exc)
+                continue
+            with self._lock:
+                self._entries[record.name] = entry
+            loaded += 1
+        return loaded
+
+    # --- reads -------------------------------------------------------------
+    def get(self, name: Any, field_name: str = "function") -> Entry:
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is None:
+            if not isinstance(name, str):
+                raise UnknownFunctionError(
+                    f"function must be a registered name (a string), got {type(name).__name__}",
+                    field=field_name,
+                )
+            raise UnknownFunctionError(
+                f"no function named {name!r}; GET /functions lists them", field=field_name
+            )
+        return entry
+
+    def list(self) -> list[Entry]:
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e.name)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- writes ------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        kind: str,
+        content: bytes,
+        description: str = "",
+        *,
+        replace: bool = False,
+    ) -> tuple[Entry, bool]:
+        """Build, persist and publish a function; ``(entry, created)``.
+
+        The function is built before anything is written, so content that does
+        not compile is refused without touching the store.
+        """
+        validate_name(name)
+        with self._lock:
+            existing = self._entries.get(name)
+        if existing is not None and existing.kind == "module":
+            raise FunctionConflictError(
+                f"{name!r} is a server-side function and cannot be replaced", field="name"
+            )
+        if existing is None and len(self._entries) >= self.max_functions:
+            raise TooManyFunctionsError(
+                f"the server holds its limit of {self.max_functions} functions; delete some",
+                field="name",
+            )
+        now = StoredFunction(name, kind, "", content, {"description": description}, "")
+        entry = _build(now)  # validates: raises before the store sees anything
+        record, created = self.store.put(
+            name, kind, content, {"description": description}, replace=replace
+        )
+        entry = Entry(
+            name, kind, entry.fn, record.metadata.get("description", description),
+            entry.signature, record.digest, record.created,
+        )
+        with self._lock:
+            if not created and existing is not None:
+                entry = existing if existing.digest == entry.digest and not replace else entry
+            self._entries[name] = entry
+        if existing is not None and existing is not entry:
+            self._removed(existing)
+        return entry, created
+
+    def delete(self, name: str) -> Entry:
+        entry = self.get(name, "name")
+        if entry.kind == "module":
+            raise FunctionConflictError(
+                f"{name!r} is a server-side function; remove it from the server's modules",
+                field="name",
+            )
+        self.store.delete(name)
+        with self._lock:
+            self._entries.pop(name, None)
+        self._removed(entry)
+        return entry
+
+    def _removed(self, entry: Entry) -> None:
+        for callback in self.on_remove:
+            callback(entry)

@@ -1,0 +1,57 @@
+"""Configuration: ``DXSERVE_*`` environment variables (pydantic-settings), CLI on top.
+
+``HOST`` and ``PORT`` are honoured too (containers and PaaS set them); the
+``DXSERVE_`` spelling wins when both are set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from typing import Annotated
+
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DXSERVE_", extra="ignore")
+
+    host: str = Field(default_factory=lambda: os.environ.get("HOST", "127.0.0.1"))
+    port: int = Field(default_factory=lambda: int(os.environ.get("PORT", "8000")))
+    #: Python modules whose ``@dxserve.function``s are registered at start.
+    functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
+    #: Directory of the persistent function registry.
+    store: Path = Path("dxserve-store")
+    #: JAX persistent compilation cache ("" disables it).
+    compilation_cache: str = "dxserve-store/jax-cache"
+    #: Bearer token required for registry writes (and compute, if below is set).
+    token: str | None = None
+    tokens_file: Path | None = None
+    require_token_for_compute: bool = False
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_upload_bytes: int = 32 * 1024 * 1024
+    max_functions: int = 1000
+    max_prepared: int = 1024
+    cache_size: int = 512
+    #: Requests waiting per device worker before 503 + Retry-After.
+    queue_size: int = 256
+    #: Seconds a computation may take before 504.
+    request_timeout: float = 300.0
+    log_level: str = "info"
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    def tokens(self) -> frozenset[str]:
+        """Every accepted bearer token (``token`` plus one per line of ``tokens_file``)."""
+        found = {self.token} if self.token else set()
+        if self.tokens_file is not None:
+            lines = Path(self.tokens_file).read_text().splitlines()
+            found.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+        return frozenset(found)
