@@ -1,5 +1,7 @@
 """dxclient: derivatives from a dxserve server, numpy in and numpy out."""
 
+from ._client import AsyncClient, Client
+from ._models import RemoteFunction, RemotePrep
 from .backends import (
     Auto,
     Backend,
@@ -13,6 +15,10 @@ from .errors import DxError, PreparationMismatchError
 from .operators import OPERATORS
 
 __all__ = [
+    "AsyncClient",
+    "Client",
+    "RemoteFunction",
+    "RemotePrep",
     "Auto",
     "Backend",
     "DxError",

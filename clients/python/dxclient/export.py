@@ -1,0 +1,388 @@
+"""Serialize a JAX function for upload: ``export_function(fn, *example_args) -> bytes``.
+
+A deserialized :class:`jax.export.Exported` runs, and supports reverse mode up to
+its ``vjp_order``, but it has no ``jvp`` and no batching rule. So the client
+exports, besides ``f`` itself, the derivative maps the server needs to rebuild a
+function that every JAX transformation accepts (see ``dxserve.exported``):
+
+=============  ===========================  ======================================
+artifact       signature (flat leaves)      meaning (``k`` = symbolic batch size)
+=============  ===========================  ======================================
+``primal``     ``(x, *c) -> y``             ``f`` itself, original pytree structure
+``jvp``        ``(x, T[k], c) -> Y[k]``     ``Y_i = Df(x) T_i``
+``vjp``        ``(x, W[k], c) -> X[k]``     ``X_i = Df(x)^T W_i``
+``jvp_jvp``    ``(x, A[k], B[k], c) -> Y``  ``Y_i = D2f(x)[A_i, B_i]``
+``jvp_vjp``    ``(x, U[k], W[k], c) -> X``  ``X_i = d/dx (Df(x)^T W_i) . U_i``
+=============  ===========================  ======================================
+
+All derivative artifacts take flat leaves (x leaves, then the linear leaves with a
+leading batch axis ``k``, then the context leaves) and return flat leaves.
+
+Bundle layout (no pickle, no source code)::
+
+    b"DXEXPORT"                 8-byte magic
+    uint32 big-endian N         length of the manifest
+    N bytes                     UTF-8 JSON manifest (see ``bundle_signature``)
+    blobs                       the serialized ``Exported`` of each artifact,
+                                at ``offset``/``length`` (relative to the end of
+                                the manifest), each with its sha256
+
+JAX is imported lazily inside the functions: the client package imports without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MAGIC = b"DXEXPORT"
+FORMAT_NAME = "dxserve-export"
+FORMAT_VERSION = 1
+BATCH_DIM = "dxk"
+ARTIFACTS = ("primal", "jvp", "vjp", "jvp_jvp", "jvp_vjp")
+MAX_MANIFEST_BYTES = 1 << 20
+
+__all__ = [
+    "ARTIFACTS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "bundle_signature",
+    "export_function",
+    "split_bundle",
+]
+
+
+# ----------------------------------------------------------------------------
+# container
+# ----------------------------------------------------------------------------
+def _pack(manifest: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
+    artifacts = {}
+    offset = 0
+    body = bytearray()
+    for name, blob in blobs.items():
+        artifacts[name] = {
+            "offset": offset,
+            "length": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        body += blob
+        offset += len(blob)
+    manifest = dict(manifest, artifacts=artifacts)
+    head = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + struct.pack(">I", len(head)) + head + bytes(body)
+
+
+def split_bundle(bundle: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Parse the container: ``(manifest, {artifact: blob})``. Raises ``ValueError``.
+
+    Checks the magic, the format name/version, that every artifact lies inside the
+    bundle, that nothing trails the last artifact, and every blob's sha256.
+    """
+    if not isinstance(bundle, bytes | bytearray | memoryview):
+        raise ValueError(f"a bundle is bytes, got {type(bundle).__name__}")
+    bundle = bytes(bundle)
+    if len(bundle) < len(MAGIC) + 4 or not bundle.startswith(MAGIC):
+        raise ValueError("not a dxserve export bundle (bad magic)")
+    (n,) = struct.unpack(">I", bundle[len(MAGIC) : len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    if n > MAX_MANIFEST_BYTES or start + n > len(bundle):
+        raise ValueError(f"manifest length {n} is out of range")
+    try:
+        manifest = json.loads(bundle[start : start + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"manifest is not JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ValueError(f"manifest does not name the format {FORMAT_NAME!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"unknown format_version {version!r}; this code reads version {FORMAT_VERSION}"
+        )
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, dict) or set(arts) != set(ARTIFACTS):
+        raise ValueError(f"manifest must list exactly the artifacts {list(ARTIFACTS)}")
+    body = bundle[start + n :]
+    blobs: dict[str, bytes] = {}
+    end = 0
+    for name in ARTIFACTS:
+        a = arts[name]
+        try:
+            off, length, digest = int(a["offset"]), int(a["length"]), str(a["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"artifact {name!r} has a bad entry") from None
+        if off < 0 or length <= 0 or off + length > len(body):
+            raise ValueError(f"artifact {name!r} lies outside the bundle")
+        blob = body[off : off + length]
+        if hashlib.sha256(blob).hexdigest() != digest:
+            raise ValueError(f"artifact {name!r} does not match its sha256 (corrupt bundle)")
+        blobs[name] = blob
+        end = max(end, off + length)
+    if end != len(body):
+        raise ValueError(f"{len(body) - end} trailing bytes after the last artifact")
+    return manifest, blobs
+
+
+def bundle_signature(bundle: bytes) -> dict[str, Any]:
+    """The bundle's manifest (format, versions, platforms, signature, artifacts).
+
+    Verifies the container (magic, version, hashes) but not the StableHLO inside;
+    needs no JAX. Raises ``ValueError`` for anything that is not a valid bundle.
+    """
+    manifest, _ = split_bundle(bundle)
+    return manifest
+
+
+# ----------------------------------------------------------------------------
+# signature helpers (JSON description of pytrees of ShapeDtypeStructs)
+# ----------------------------------------------------------------------------
+def _dim_str(d: Any) -> int | str:
+    return d if isinstance(d, int) else str(d)
+
+
+def tree_spec(tree: Any, where: str) -> dict[str, Any]:
+    """JSON description of a pytree of arrays/ShapeDtypeStructs.
+
+    Nodes: ``{"dict": {key: node}}`` (string keys), ``{"list": [...]}``,
+    ``{"tuple": [...]}``, ``{"none": true}``, leaves
+    ``{"shape": [int | "symbolic expr"], "dtype": "float64"}``.
+    """
+    import numpy as np
+
+    if tree is None:
+        return {"none": True}
+    if isinstance(tree, dict):
+        if not all(isinstance(k, str) for k in tree):
+            raise ValueError(f"{where}: dict keys must be strings")
+        if type(tree) is not dict:
+            raise ValueError(f"{where}: only plain dicts are supported, got {type(tree).__name__}")
+        return {"dict": {k: tree_spec(tree[k], f"{where}.{k}") for k in sorted(tree)}}
+    if type(tree) is list:
+        return {"list": [tree_spec(v, f"{where}[{i}]") for i, v in enumerate(tree)]}
+    if type(tree) is tuple:
+        return {"tuple": [tree_spec(v, f"{where}[{i}]") for i, v in enumerate(tree)]}
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return {"shape": [_dim_str(d) for d in tree.shape], "dtype": np.dtype(tree.dtype).name}
+    raise ValueError(
+        f"{where}: unsupported pytree node {type(tree).__name__} "
+        "(use dicts with string keys, lists, tuples, None and arrays)"
+    )
+
+
+# ----------------------------------------------------------------------------
+# export
+# ----------------------------------------------------------------------------
+def _as_spec(leaf: Any) -> Any:
+    import jax
+    import numpy as np
+
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype))
+    arr = np.asarray(leaf)
+    if arr.dtype == object:
+        raise ValueError(f"example argument leaf {leaf!r} is not an array")
+    return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+
+
+def export_function(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    platforms: Sequence[str] = ("cpu",),
+    polymorphic_shapes: Any = None,
+    constraints: Sequence[str] = (),
+) -> bytes:
+    """Export ``fn(x, *contexts)`` and its derivative maps into one bundle.
+
+    Args:
+      fn: a JAX-traceable function ``f(x, *contexts) -> y``; ``x`` (a pytree of
+        real floating arrays) is the differentiated input, contexts pass through.
+      example_args: ``x`` then the contexts: arrays, ShapeDtypeStructs or
+        pytrees (dicts with string keys, lists, tuples) of them. Only their shapes
+        and dtypes are used. 64-bit dtypes are exported as such (x64 is switched
+        on while exporting when any example leaf is 64-bit).
+      platforms: lowering platforms, e.g. ``("cpu",)`` or ``("cpu", "cuda")``.
+      polymorphic_shapes: as ``jax.export.symbolic_args_specs``: a pytree prefix
+        of ``example_args`` of shape strings, e.g. ``("(n,)",)`` or
+        ``({"w": "(n, m)", "b": "(m,)"}, "(p, n)")``. ``None``: concrete shapes.
+      constraints: symbolic-shape constraints, e.g. ``("n >= 2",)``.
+
+    Returns:
+      the bundle bytes (see the module docstring).
+    """
+    import jax
+    import numpy as np
+
+    if not example_args:
+        raise ValueError("export_function needs at least the example x")
+    platforms = tuple(str(p) for p in platforms)
+    if not platforms:
+        raise ValueError("platforms must not be empty")
+    plat_map = {"gpu": "cuda"}
+    platforms = tuple(plat_map.get(p, p) for p in platforms)
+
+    concrete = jax.tree_util.tree_map(_as_spec, tuple(example_args))
+    leaves = jax.tree_util.tree_leaves(concrete)
+    wide = any(np.dtype(s.dtype).itemsize == 8 for s in leaves)
+    ctx = jax.enable_x64(True) if wide else _nullcontext()
+    with ctx:
+        return _export(fn, concrete, platforms, polymorphic_shapes, tuple(constraints))
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
+    import jax
+    import numpy as np
+    from jax import export as jex
+
+    tu = jax.tree_util
+    scope = jex.SymbolicScope(constraints)
+    if polymorphic_shapes is None:
+        specs = concrete
+    else:
+        specs = jex.symbolic_args_specs(concrete, polymorphic_shapes, scope=scope)
+    x_spec, c_specs = specs[0], tuple(specs[1:])
+    # validate structures early (also produces the JSON signature)
+    x_sig = tree_spec(x_spec, "x")
+    c_sig = [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(c_specs)]
+
+    x_leaves, x_tree = tu.tree_flatten(x_spec)
+    c_leaves, c_tree = tu.tree_flatten(c_specs)
+    if not x_leaves:
+        raise ValueError("x has no array leaves")
+    for i, s in enumerate(x_leaves):
+        if not np.issubdtype(np.dtype(s.dtype), np.floating):
+            raise ValueError(
+                f"x leaf {i} has dtype {np.dtype(s.dtype).name}; the differentiated "
+                "input must be real floating point (pass integer data as a context)"
+            )
+    nx = len(x_leaves)
+
+    def export(f, *args):
+        return jex.export(jax.jit(f), platforms=platforms)(*args)
+
+    # -- primal, with the user's pytree structure
+    primal = export(fn, x_spec, *c_specs)
+    y_leaves_avals = primal.out_avals
+    for i, a in enumerate(y_leaves_avals):
+        if not np.issubdtype(np.dtype(a.dtype), np.floating):
+            raise ValueError(
+                f"output leaf {i} has dtype {np.dtype(a.dtype).name}; outputs must be "
+                "real floating point to be differentiated"
+            )
+    ny = len(y_leaves_avals)
+    y_spec = tu.tree_unflatten(
+        primal.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_avals]
+    )
+    y_sig = tree_spec(y_spec, "output")
+
+    # -- derivative maps over flat leaves, linear inputs batched on a leading k
+    (k,) = jex.symbolic_shape(BATCH_DIM, scope=scope)
+
+    def kb(avals):
+        return [jax.ShapeDtypeStruct((k, *a.shape), a.dtype) for a in avals]
+
+    x_avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in x_leaves]
+    y_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_avals]
+
+    nc = len(c_leaves)
+
+    def unpack(args):
+        """flat args -> (x leaves, linear leaves, context leaves)"""
+        return list(args[:nx]), list(args[nx : len(args) - nc]), list(args[len(args) - nc :])
+
+    def fx_of(cs):
+        contexts = tu.tree_unflatten(c_tree, cs)
+
+        def fx(xs):
+            return tu.tree_leaves(fn(tu.tree_unflatten(x_tree, xs), *contexts))
+
+        return fx
+
+    def jvp_art(*args):
+        xs, lin, cs = unpack(args)
+        fx = fx_of(cs)
+        return tuple(jax.vmap(lambda t: jax.jvp(fx, (xs,), (t,))[1])(lin))
+
+    def vjp_art(*args):
+        xs, lin, cs = unpack(args)
+        _, pull = jax.vjp(fx_of(cs), xs)
+        return tuple(jax.vmap(lambda w: pull(w)[0])(lin))
+
+    def jvp_jvp_art(*args):
+        xs, lin, cs = unpack(args)
+        fx = fx_of(cs)
+        a_s, b_s = list(lin[:nx]), list(lin[nx:])
+
+        def one(a, b):
+            return jax.jvp(lambda z: jax.jvp(fx, (z,), (a,))[1], (xs,), (b,))[1]
+
+        return tuple(jax.vmap(one)(a_s, b_s))
+
+    def jvp_vjp_art(*args):
+        xs, lin, cs = unpack(args)
+        fx = fx_of(cs)
+        u_s, w_s = list(lin[:nx]), list(lin[nx:])
+
+        def one(u, w):
+            return jax.jvp(lambda z: jax.vjp(fx, z)[1](w)[0], (xs,), (u,))[1]
+
+        return tuple(jax.vmap(one)(u_s, w_s))
+
+    cs_avals = list(c_leaves)
+    exps = {
+        "primal": primal,
+        "jvp": export(jvp_art, *x_avals, *kb(x_avals), *cs_avals),
+        "vjp": export(vjp_art, *x_avals, *kb(y_avals), *cs_avals),
+        "jvp_jvp": export(jvp_jvp_art, *x_avals, *kb(x_avals), *kb(x_avals), *cs_avals),
+        "jvp_vjp": export(jvp_vjp_art, *x_avals, *kb(x_avals), *kb(y_avals), *cs_avals),
+    }
+    for name, e in exps.items():
+        if e.ordered_effects or e.unordered_effects:
+            raise ValueError(f"{name}: functions with side effects cannot be exported")
+        if e.nr_devices != 1:
+            raise ValueError(f"{name}: only single-device functions can be exported")
+    blobs = {name: bytes(exps[name].serialize(vjp_order=0)) for name in ARTIFACTS}
+
+    symbolic = sorted(
+        {
+            str(v)
+            for s in tu.tree_leaves(specs)
+            for d in s.shape
+            if jex.is_symbolic_dim(d)
+            for v in d._get_vars()
+        }
+    )
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "jax_version": jax.__version__,
+        "calling_convention_version": primal.calling_convention_version,
+        "platforms": list(platforms),
+        "function_name": getattr(fn, "__name__", "fn"),
+        "signature": {
+            "x": x_sig,
+            "contexts": c_sig,
+            "output": y_sig,
+            "n_x_leaves": nx,
+            "n_context_leaves": len(c_leaves),
+            "n_output_leaves": ny,
+        },
+        "polymorphic": bool(symbolic),
+        "symbolic_dims": symbolic,
+        "constraints": list(constraints),
+        "batch_dim": BATCH_DIM,
+        "max_derivative_order": 2,
+    }
+    return _pack(manifest, blobs)
