@@ -389,11 +389,11 @@ def test_malformed_json_values(case):
 
 # fmt: off
 BODY_CASES = [
-    ("invalid-json", b'{"x": [1, 2', JSON_TYPE, None, M, None),
-    ("not-an-object", b"[1, 2]", JSON_TYPE, None, M, None),
-    ("bare-nan", b'{"x": [NaN]}', JSON_TYPE, None, M, None),
-    ("bare-infinity", b'{"x": Infinity}', JSON_TYPE, None, M, None),
-    ("not-utf8", b'{"x": "\xff"}', JSON_TYPE, None, M, None),
+    ("invalid-json", b'{"x": [1, 2', JSON_TYPE, None, M, "body"),
+    ("not-an-object", b"[1, 2]", JSON_TYPE, None, M, "body"),
+    ("bare-nan", b'{"x": [NaN]}', JSON_TYPE, None, M, "body"),
+    ("bare-infinity", b'{"x": Infinity}', JSON_TYPE, None, M, "body"),
+    ("not-utf8", b'{"x": "\xff"}', JSON_TYPE, None, M, "body"),
     ("media-type", b"{}", "text/plain", None, UnsupportedMediaTypeError, "Content-Type"),
     ("no-media-type", b"{}", None, None, UnsupportedMediaTypeError, "Content-Type"),
     ("no-header-length", *(_binary({"x": _ref()})[:1]), BINARY_TYPE, None, M, HEADER_LENGTH),

@@ -1,11 +1,11 @@
 """Preparation: pay tracing and compilation once per call signature.
 
-``prepare(family, f, backend, x, tangents, contexts)`` probes the function,
+``prepare(operator, f, backend, x, tangents, contexts)`` probes the function,
 resolves the backend, validates the inputs, builds the operator's pure JAX
 function and compiles it. The returned ``Prep`` holds the executable; calls with
 a matching signature run it directly, calls with another signature raise
 ``PreparationMismatchError``. Without an explicit prep, ``call`` keeps compiled
-preps in a bounded LRU keyed by (function, operator family, backend, signature).
+preps in a bounded LRU keyed by (function, operator, backend, signature).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
 from dxclient.backends import Backend, backend_from_json
 from dxclient.errors import (
     DxError,
@@ -153,21 +152,31 @@ def register_family(family: Family) -> Family:
 # --- the prep object -------------------------------------------------------
 @dataclass(eq=False)
 class Prep:
-    """A prepared operator: the compiled executable for one call signature."""
+    """A prepared operator: the compiled executable for one call signature.
 
-    family: str
+    Made for one operator; the other operators of its family (``gradient`` and
+    ``value_and_gradient``) accept it too and compile their own variant on first
+    use, so each executable computes only the results its operator returns.
+    """
+
+    operator: str
     function: Callable
     backend: Backend
     resolved: Backend
     signature: Signature
-    executable: Callable
     traced: bool
     output: Tree = field(repr=False)
+    build: Callable = field(repr=False)  # run(x, tangents, contexts) -> dict, not compiled
+    executables: dict[str, Callable] = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str:
+        return OPERATORS[self.operator].family
 
     def check(self, family: str, f: Callable, backend: Backend, signature: Signature) -> None:
         if family != self.family:
             raise PreparationMismatchError(
-                f"prep was made for {self.family}, not {family}", field="prep"
+                f"prep was made for {self.operator}, not a {family} operator", field="prep"
             )
         if f is not self.function:
             raise PreparationMismatchError("prep was made for another function", field="function")
@@ -180,13 +189,44 @@ class Prep:
         if diff is not None:
             raise PreparationMismatchError(diff[1], field=diff[0])
 
-    def run(self, x: Tree, tangents: tuple | None, contexts: tuple) -> dict[str, Any]:
+    def executable(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> Callable:
+        """The executable for ``operator`` (compiled on first use with these inputs)."""
+        exe = self.executables.get(operator)
+        if exe is None:
+            exe = self.executables[operator] = _compile(
+                self.build, OPERATORS[operator].results, self.traced, x, tangents, contexts
+            )
+        return exe
+
+    def run(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> tuple:
+        """The results of ``operator``, in ``OPERATORS[operator].results`` order."""
+        exe = self.executable(operator, x, tangents, contexts)
         try:
-            return self.executable(x, tangents, contexts)
+            return exe(x, tangents, contexts)
         except DxError:
             raise
         except Exception as exc:  # a black-box function failing on these values
             raise FunctionEvaluationError(_short(exc), field="function") from exc
+
+
+def _compile(
+    build: Callable, results: tuple[str, ...], traced: bool, x: Tree, tangents: tuple | None,
+    contexts: tuple,
+) -> Callable:
+    """Keep only ``results`` (so XLA drops the rest) and compile for these inputs."""
+
+    def run(x, tangents, contexts):
+        out = build(x, tangents, contexts)
+        return tuple(out[name] for name in results)
+
+    if not traced:
+        return run
+    try:
+        return jax.jit(run).lower(x, tangents, contexts).compile()
+    except DxError:
+        raise
+    except Exception as exc:
+        raise FunctionEvaluationError(_short(exc), field="function") from exc
 
 
 def _short(exc: BaseException) -> str:
@@ -217,14 +257,15 @@ def _size(tree: Tree) -> int:
 
 
 def prepare(
-    family: str,
+    operator: str,
     f: Callable,
     backend: Backend | str,
     x: Any,
     tangents: Sequence | None,
     contexts: Sequence,
 ) -> Prep:
-    """Probe, resolve, validate, build and compile one operator family."""
+    """Probe, resolve, validate, build and compile ``operator`` for these inputs."""
+    family = OPERATORS[operator].family
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
     traced, y = probe(f, x, contexts)
@@ -233,17 +274,12 @@ def prepare(
     spec = FAMILIES[family]
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
-    run = spec.build(f, engine, inner, inputs)
-    if traced:
-        try:
-            run = jax.jit(run).lower(x, tangents, contexts).compile()
-        except DxError:
-            raise
-        except Exception as exc:
-            raise FunctionEvaluationError(_short(exc), field="function") from exc
-    return Prep(
-        family, f, backend, resolved, Signature.of(x, tangents, contexts), run, traced, y
+    prep = Prep(
+        operator, f, backend, resolved, Signature.of(x, tangents, contexts), traced, y,
+        spec.build(f, engine, inner, inputs),
     )
+    prep.executable(operator, x, tangents, contexts)
+    return prep
 
 
 def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
@@ -261,7 +297,7 @@ def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
 
 # --- implicit cache and the call path -------------------------------------
 class PrepCache:
-    """A thread-safe LRU of preps keyed by (function, family, backend, signature)."""
+    """A thread-safe LRU of preps keyed by (function, operator, backend, signature)."""
 
     def __init__(self, maxsize: int = 512) -> None:
         self.maxsize = maxsize
@@ -317,12 +353,10 @@ def call(
     if prep is not None:
         prep.check(op.family, f, backend, signature)
     else:
-        key = (f, op.family, backend, signature)
+        key = (f, op.name, backend, signature)
         prep = cache.get(key)
         if prep is None:
-            prep = prepare(op.family, f, backend, x, tangents, contexts)
+            prep = prepare(op.name, f, backend, x, tangents, contexts)
             cache.put(key, prep)
-    out = prep.run(x, tangents, contexts)
-    if len(op.results) == 1:
-        return out[op.results[0]]
-    return tuple(out[name] for name in op.results)
+    out = prep.run(op.name, x, tangents, contexts)
+    return out[0] if len(out) == 1 else out

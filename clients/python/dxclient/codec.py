@@ -188,10 +188,14 @@ def _content_kind(content_type: str | None) -> str:
         return "json"
     if media == BINARY_TYPE:
         return "binary"
-    raise UnsupportedMediaTypeError(
-        f"content type {content_type!r} not supported; use {JSON_TYPE} or {BINARY_TYPE}",
-        field="Content-Type",
-    )
+    got = f"content type {content_type!r} is not supported" if content_type else "no Content-Type"
+    raise UnsupportedMediaTypeError(f"{got}; use {JSON_TYPE} or {BINARY_TYPE}", field="Content-Type")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
 
 
 def decode_body(
@@ -210,9 +214,11 @@ def decode_body(
     """
     kind = _content_kind(content_type)
     if kind == "json":
-        obj = loads(body)
+        obj = loads(body, field="body")
         if not isinstance(obj, dict):
-            raise MalformedRequestError("the body must be a JSON object")
+            raise MalformedRequestError(
+                f"the body must be a JSON object, got {_json_kind(obj)}", field="body"
+            )
         return obj
 
     field = HEADER_LENGTH

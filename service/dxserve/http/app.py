@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import json
 import secrets
 import threading
 import time
@@ -215,7 +216,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             entry = registry.get(req.function)
 
             def compile_it() -> Prep:
-                return prepare(op.family, entry.fn, req.backend, req.x, req.tangents, req.contexts)
+                return prepare(op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts)
 
             prep = await workers.run(compile_it)
             return JSONResponse(
@@ -298,9 +299,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 field="Content-Type",
             )
         body = await read_body(request, settings.max_upload_bytes)
-        raw = codec.loads(body)
+        raw = codec.loads(body, field="body")
         if not isinstance(raw, dict):
-            raise MalformedRequestError("the body must be a JSON object")
+            raise MalformedRequestError("the body must be a JSON object", field="body")
         try:
             spec = schemas.RegisterFunction.model_validate(raw)
         except ValidationError as exc:
@@ -412,8 +413,38 @@ def _openapi(app: FastAPI) -> dict:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
         components[model.__name__] = schema
+    _document_wire_media(spec)
     app.openapi_schema = spec
     return spec
+
+
+def _document_wire_media(spec: dict) -> None:
+    """Say what goes over the wire: errors are ``application/problem+json`` (FastAPI's
+    request-validation errors too, rendered by ``problems``), and operators answer in
+    the binary framing when asked."""
+    problem = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    binary = {"schema": {"type": "string", "format": "binary"}}
+    for path, methods in spec.get("paths", {}).items():
+        for operation in methods.values():
+            responses = operation.get("responses", {})
+            for status, response in responses.items():
+                content = response.get("content")
+                if not content or not str(status).startswith(("4", "5")):
+                    continue
+                content.pop("application/json", None)
+                content[problems.PROBLEM_TYPE] = problem
+                if response.get("description") == "Validation Error":
+                    response["description"] = "Semantically invalid"
+            ok = responses.get("200", {}).get("content")
+            if ok is not None and codec.BINARY_TYPE in operation.get("requestBody", {}).get(
+                "content", {}
+            ) and not path.startswith("/prepare/"):
+                ok[codec.BINARY_TYPE] = binary
+    components = spec.get("components", {}).get("schemas", {})
+    text = json.dumps(spec.get("paths", {}))
+    for unused in ("HTTPValidationError", "ValidationError"):
+        if f"#/components/schemas/{unused}" not in text:
+            components.pop(unused, None)
 
 
 class _MetricsMiddleware:

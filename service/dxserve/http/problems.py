@@ -49,7 +49,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
-        err = DxError(str(exc.detail))
+        detail, field = str(exc.detail), None
+        if exc.status_code == 404 and detail == "Not Found":
+            detail, field = f"no route {request.method} {request.url.path}; see /docs", "path"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
+            detail = f"{request.method} is not allowed on {request.url.path}" + (
+                f"; use {allowed}" if allowed else ""
+            )
+            field = "method"
+        err = DxError(detail, field=field)
         err.status = exc.status_code  # type: ignore[misc]
         err.title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")  # type: ignore[misc]
         err.slug = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http")  # type: ignore[misc]

@@ -13,10 +13,28 @@ import numpy as np
 
 from dxclient import codec
 from dxclient.backends import Backend, backend_from_json
-from dxclient.errors import InvalidArgumentError, MalformedRequestError
+from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.operators import OperatorSpec
 
 OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep")
+#: second-order nests one level; anything deeper is refused before parsing (no recursion).
+MAX_BACKEND_DEPTH = 4
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of JSON objects/lists in ``value``, counted up to ``limit + 1``."""
+    level, frontier = 0, [value]
+    while level <= limit:
+        frontier = [
+            v
+            for item in frontier
+            if isinstance(item, dict | list)
+            for v in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not frontier:
+            break
+        level += 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -33,9 +51,11 @@ def response_encoding(content_type: str | None, accept: str | None, body: bytes)
     """The encoding of the answer: ``Accept`` if it says, else the request's own.
 
     ``Accept: application/vnd.dxserve.binary`` -> binary; ``application/json;
-    arrays=b64`` or ``arrays=lists`` picks the JSON flavour; plain JSON mirrors
-    the request (b64 if it carried base64 arrays).
+    arrays=b64`` or ``arrays=lists`` picks the JSON flavour; plain
+    ``application/json`` answers a binary request with lists and otherwise
+    mirrors the request (b64 if it carried base64 arrays).
     """
+    binary_request = (content_type or "").lower().startswith(codec.BINARY_TYPE)
     if accept:
         accept_l = accept.lower()
         if codec.BINARY_TYPE in accept_l:
@@ -44,7 +64,9 @@ def response_encoding(content_type: str | None, accept: str | None, body: bytes)
             return "b64"
         if "arrays=lists" in accept_l:
             return "json"
-    if (content_type or "").lower().startswith(codec.BINARY_TYPE):
+        if binary_request and codec.JSON_TYPE in accept_l:
+            return "json"
+    if binary_request:
         return "binary"
     marker = b'"' + codec.MARKER.encode() + b'"'
     at = body.find(marker)
@@ -76,7 +98,12 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
         )
     if "x" not in obj:
         raise InvalidArgumentError("x (the active input) is required", field="x")
-    backend = backend_from_json(obj.get("backend", "auto"))
+    backend = obj.get("backend", "auto")
+    if _depth(backend, MAX_BACKEND_DEPTH) > MAX_BACKEND_DEPTH:
+        raise InvalidBackendError(
+            f"backend nested deeper than {MAX_BACKEND_DEPTH} levels", field="backend"
+        )
+    backend = backend_from_json(backend)
     x = codec.to_tree(obj["x"], "x")
     tangents = None
     if op.takes_tangents:

@@ -1,0 +1,141 @@
+"""Shared fixtures: the REAL server in a subprocess (``dxserve serve``).
+
+``server`` (session scope) runs ``python -m dxserve.cli serve`` on a free port with a
+temporary store and ``FUNCTION_MODULES`` registered; ``make_server`` (function scope)
+starts extra servers with their own environment / flags (a token, a small body limit)
+and stops them when the test ends. Servers are stopped by PID: SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: Modules whose ``@dxserve.function``s the test servers register.
+FUNCTION_MODULES: tuple[str, ...] = ("dxserve.examples", "tests.scenarios")
+STARTUP_TIMEOUT = 60.0
+STOP_TIMEOUT = 10.0
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    store: Path
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    workdir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+    modules: Sequence[str] = FUNCTION_MODULES,
+    timeout: float = STARTUP_TIMEOUT,
+) -> ServerProcess:
+    """Start ``dxserve serve`` and wait (bounded) until ``/health`` answers."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = workdir / "store"
+    log = workdir / "server.log"
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "dxserve.cli", "serve",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--store", str(store), "--compilation-cache", "",
+        "--functions", ",".join(modules),
+        *args,
+    ]  # fmt: skip
+    child_env = {
+        k: v for k, v in os.environ.items() if not (k.startswith("DXSERVE_") or k in ("HOST", "PORT"))
+    }
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
+    child_env.update(env or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=out, stderr=subprocess.STDOUT)
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, store, proc, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"dxserve exited with {proc.returncode}:\n{server.output()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise RuntimeError(f"dxserve not healthy after {timeout:g} s:\n{server.output()}")
+        time.sleep(0.1)
+
+
+def stop_server(server: ServerProcess) -> None:
+    """SIGTERM the server's PID, then SIGKILL it if it has not exited in time."""
+    proc = server.proc
+    if proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_TIMEOUT)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server for the whole session (examples + test scenarios registered)."""
+    srv = start_server(tmp_path_factory.mktemp("dxserve"))
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture
+def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """Factory for extra servers with custom ``env`` / ``args``; all stopped at test end."""
+    started: list[ServerProcess] = []
+
+    def make(
+        *,
+        env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
+        modules: Sequence[str] = ("dxserve.examples",),
+    ) -> ServerProcess:
+        srv = start_server(tmp_path_factory.mktemp("dxserve-extra"), env=env, args=args, modules=modules)
+        started.append(srv)
+        return srv
+
+    try:
+        yield make
+    finally:
+        for srv in started:
+            stop_server(srv)
