@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-from pydantic import Field, field_validator
 from typing import Annotated
 
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -39,6 +38,9 @@ class Settings(BaseSettings):
     queue_size: int = 256
     #: Seconds a computation may take before 504.
     request_timeout: float = 300.0
+    #: Warm jobs whose last run took less than this (seconds) run on the event loop
+    #: instead of a device worker thread; 0 sends everything to the workers.
+    inline_below: float = 0.001
     log_level: str = "info"
 
     @field_validator("functions", mode="before")
