@@ -150,6 +150,10 @@ class Registry:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def registered(self) -> int:
+        """How many functions were registered by clients (server-side ones not counted)."""
+        return sum(1 for e in self._entries.values() if e.kind != "module")
+
     # --- writes ------------------------------------------------------------
     def register(
         self,
@@ -172,7 +176,7 @@ class Registry:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function and cannot be replaced", field="name"
             )
-        if existing is None and len(self._entries) >= self.max_functions:
+        if existing is None and self.registered() >= self.max_functions:
             raise TooManyFunctionsError(
                 f"the server holds its limit of {self.max_functions} functions; delete some",
                 field="name",

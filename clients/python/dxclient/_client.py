@@ -94,9 +94,11 @@ class Client(OperatorMethods):
     ) -> RemoteFunction:
         """Export ``fn(x, *contexts)`` with ``jax.export`` (needs jax locally) and upload it.
 
-        Lowered for every platform the server reports in ``GET /ready``.
+        Lowered for every platform the server reports in ``GET /ready`` unless
+        ``platforms=`` says otherwise; other options go to ``export_function``
+        (``polymorphic_shapes``, ``constraints``).
         """
-        platforms = self.ready()["export_platforms"]
+        platforms = export_options.pop("platforms", None) or self.ready()["export_platforms"]
         bundle = _export(fn, example_args, platforms, **export_options)
         call = _models.register_call(
             name or fn.__name__, description, replace, export=bundle
@@ -198,7 +200,7 @@ class AsyncClient(OperatorMethods):
         replace: bool = False,
         **export_options: Any,
     ) -> RemoteFunction:
-        platforms = (await self.ready())["export_platforms"]
+        platforms = export_options.pop("platforms", None) or (await self.ready())["export_platforms"]
         bundle = _export(fn, example_args, platforms, **export_options)
         call = _models.register_call(name or fn.__name__, description, replace, export=bundle)
         return _models.function_result((await self._send(call)).content)

@@ -1,4 +1,4 @@
-"""value: ``f(x, *contexts)``, compiled once per signature. Any backend is accepted."""
+"""value: ``f(x, *contexts)``, compiled once per signature. Any first-order backend is accepted."""
 
 from __future__ import annotations
 
