@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -263,8 +263,14 @@ def prepare(
     x: Any,
     tangents: Sequence | None,
     contexts: Sequence,
+    cache: PrepCache | None = None,
 ) -> Prep:
-    """Probe, resolve, validate, build and compile ``operator`` for these inputs."""
+    """Probe, resolve, validate, build and compile ``operator`` for these inputs.
+
+    With a ``cache``, backends that resolve to the same concrete one (``"auto"``
+    and ``SecondOrder(JaxForward(), JaxReverse())`` for an HVP, say) share one
+    compiled executable.
+    """
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
@@ -274,11 +280,17 @@ def prepare(
     spec = FAMILIES[family]
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
+    signature = Signature.of(x, tangents, contexts)
+    twin_key = (f, operator, resolved, signature)
+    twin = cache.get_resolved(twin_key) if cache is not None else None
+    if twin is not None:
+        return replace(twin, backend=backend)
     prep = Prep(
-        operator, f, backend, resolved, Signature.of(x, tangents, contexts), traced, y,
-        spec.build(f, engine, inner, inputs),
+        operator, f, backend, resolved, signature, traced, y, spec.build(f, engine, inner, inputs)
     )
     prep.executable(operator, x, tangents, contexts)
+    if cache is not None:
+        cache.put_resolved(twin_key, prep)
     return prep
 
 
@@ -302,6 +314,7 @@ class PrepCache:
     def __init__(self, maxsize: int = 512) -> None:
         self.maxsize = maxsize
         self._items: OrderedDict[tuple, Prep] = OrderedDict()
+        self._resolved: OrderedDict[tuple, Prep] = OrderedDict()  # keyed by concrete backend
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -323,10 +336,21 @@ class PrepCache:
             while len(self._items) > self.maxsize:
                 self._items.popitem(last=False)
 
+    def get_resolved(self, key: tuple) -> Prep | None:
+        with self._lock:
+            return self._resolved.get(key)
+
+    def put_resolved(self, key: tuple, prep: Prep) -> None:
+        with self._lock:
+            self._resolved[key] = prep
+            while len(self._resolved) > self.maxsize:
+                self._resolved.popitem(last=False)
+
     def forget(self, function: Callable) -> None:
         with self._lock:
-            for key in [k for k in self._items if k[0] is function]:
-                del self._items[key]
+            for items in (self._items, self._resolved):
+                for key in [k for k in items if k[0] is function]:
+                    del items[key]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -356,7 +380,7 @@ def call(
         key = (f, op.name, backend, signature)
         prep = cache.get(key)
         if prep is None:
-            prep = prepare(op.name, f, backend, x, tangents, contexts)
+            prep = prepare(op.name, f, backend, x, tangents, contexts, cache)
             cache.put(key, prep)
     out = prep.run(op.name, x, tangents, contexts)
     return out[0] if len(out) == 1 else out
