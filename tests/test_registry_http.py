@@ -276,3 +276,29 @@ def test_upload_and_count_limits(make_server):
         assert info.value.status == 429
         # the examples (server-side functions) do not count against the limit
         assert len(client.functions()) > 2
+
+
+def _hostile():
+    from test_expressions import HOSTILE
+
+    return HOSTILE
+
+
+@pytest.fixture(scope="module")
+def http(fresh):
+    with httpx.Client(base_url=fresh.url, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("hostile", _hostile(), ids=lambda h: repr(h[0][:30]))
+def test_hostile_expression_refused_over_http(http, hostile):
+    source, args, field, needle = hostile
+    before = {f["name"] for f in http.get("/functions").json()["functions"]}
+    r = http.post("/functions", json={"name": "hostile", "expression": source, "args": args})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert problem["field"].startswith(field)  # pydantic may name the item: args[1]
+    assert needle in problem["detail"] or problem["field"] != field
+    after = {f["name"] for f in http.get("/functions").json()["functions"]}
+    assert after == before  # nothing registered, the server still answers
