@@ -7,6 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from dxclient import codec
 from dxclient.codec import (
     BINARY_TYPE,
@@ -25,9 +29,6 @@ from dxclient.errors import (
     MalformedRequestError,
     UnsupportedMediaTypeError,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 DTYPES = [
     "float16", "float32", "float64",

@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dxclient.errors import InvalidArgumentError, InvalidExpressionError
 from dxserve.expressions import (
     ALLOWED_CONSTANTS,
@@ -18,8 +21,6 @@ from dxserve.expressions import (
     Expression,
     compile_expression,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 jax.config.update("jax_enable_x64", True)
 

@@ -12,10 +12,10 @@ import asyncio
 import numpy as np
 import pytest
 import scenarios as sc
-from dxclient import AsyncClient, Client, JaxForward, JaxReverse, SecondOrder
-from dxclient.operators import OPERATORS
 
 import dxserve
+from dxclient import AsyncClient, Client, JaxForward, JaxReverse, SecondOrder
+from dxclient.operators import OPERATORS
 
 FIRST_ORDER = ["auto", JaxForward(), JaxReverse(batch_size=2)]
 SECOND_ORDER = ["auto", SecondOrder(JaxReverse(), JaxReverse())]

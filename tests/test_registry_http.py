@@ -16,12 +16,12 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import dxserve
 from dxclient import Client, JaxForward, JaxReverse, SecondOrder
 from dxclient.errors import InvalidExportError, PayloadTooLargeError, TooManyFunctionsError
 from dxclient.export import export_function
 from dxclient.operators import OPERATORS
-
-import dxserve
 from dxserve.expressions import compile_expression
 from tests.conftest import start_server, stop_server
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dxclient.errors import FunctionConflictError, InvalidArgumentError
 from dxserve.store import (
     DirectoryStore,

@@ -46,6 +46,7 @@ import jax.nn
 import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
+
 from dxclient.errors import InvalidArgumentError, InvalidExpressionError
 
 __all__ = [

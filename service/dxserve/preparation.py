@@ -18,11 +18,13 @@ from typing import Any
 
 import jax
 import numpy as np
+
 from dxclient.backends import Backend, backend_from_json
 from dxclient.errors import (
     DxError,
     FunctionEvaluationError,
     PreparationMismatchError,
+    ShapeMismatchError,
 )
 from dxclient.operators import OPERATORS
 
@@ -298,8 +300,6 @@ def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
     x = as_tree(x)
     if tangents is not None:
         if not isinstance(tangents, (tuple, list)):
-            from dxclient.errors import ShapeMismatchError
-
             raise ShapeMismatchError(
                 "tangents must be a tuple (a batch) of tangents, e.g. (t,)", field="tangents"
             )

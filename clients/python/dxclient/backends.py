@@ -10,7 +10,7 @@ engines own the mechanics. Each has an exact JSON form::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from .errors import InvalidBackendError
 
@@ -93,7 +93,7 @@ class FiniteDifferences:
         )
 
 
-FirstOrder = Union[JaxForward, JaxReverse, FiniteDifferences]
+FirstOrder = JaxForward | JaxReverse | FiniteDifferences
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class Auto:
         return {"type": self.type}
 
 
-Backend = Union[JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto]
+Backend = JaxForward | JaxReverse | FiniteDifferences | SecondOrder | Auto
 
 BACKEND_TYPES: dict[str, type] = {
     cls.type: cls for cls in (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto)
