@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-all lint openapi bench clean
+.PHONY: serve test test-slow lint openapi clean docker-test
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,19 @@ serve: $(STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not docker"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -m "not docker and not slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+
+# The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+
+# Build docker/Dockerfile with podman (no Docker daemon needed) and smoke-test the running
+# container from the host: shared/oci/build-and-run.sh builds, starts and waits for /health,
+# then docker/smoke_check.py checks it. Docker image format keeps the HEALTHCHECK.
+SHARED      ?= ../shared
+DOCKER_PORT ?= 18080
+docker-test: $(STAMP)
+	BUILDAH_FORMAT=docker bash $(SHARED)/oci/build-and-run.sh -f docker/Dockerfile -c . -p $(DOCKER_PORT) -- $(PY) docker/smoke_check.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service clients tests bench
