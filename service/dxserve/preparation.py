@@ -346,6 +346,11 @@ class PrepCache:
             while len(self._resolved) > self.maxsize:
                 self._resolved.popitem(last=False)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._resolved.clear()
+
     def forget(self, function: Callable) -> None:
         with self._lock:
             for items in (self._items, self._resolved):
