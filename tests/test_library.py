@@ -472,3 +472,15 @@ def test_operators_reject_invalid_backends():
         JaxForward(batch_size=0)
     with pytest.raises(InvalidBackendError):
         SecondOrder(Auto(), JaxReverse())
+
+
+def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
+    import dxserve.preparation as preparation
+    from dxclient.errors import ResultTooLargeError
+
+    monkeypatch.setattr(preparation, "MAX_RESULT_ELEMENTS", 10_000)
+    x = np.ones(200)
+    with pytest.raises(ResultTooLargeError) as info:
+        dxserve.hessian(lambda v: jnp.sum(v**3), "auto", x)  # 200² + ... > 10,000
+    assert info.value.status == 422 and info.value.field == "x"
+    assert dxserve.hvp(lambda v: jnp.sum(v**3), "auto", x, (x,))[0].shape == (200,)

@@ -265,7 +265,13 @@ def test_idempotent_conflict_replace_delete(fresh):
 
 
 def test_upload_and_count_limits(make_server):
-    srv = make_server(env={"DXSERVE_MAX_UPLOAD_BYTES": "2000", "DXSERVE_MAX_FUNCTIONS": "2"})
+    srv = make_server(
+        env={
+            "DXSERVE_MAX_UPLOAD_BYTES": "2000",
+            "DXSERVE_MAX_FUNCTIONS": "2",
+            "DXSERVE_MAX_RESULT_ELEMENTS": "5000",
+        }
+    )
     with Client(srv.url) as client:
         with pytest.raises(PayloadTooLargeError):
             client.register(rosenbrock, np.ones(3), name="too_big")
@@ -276,6 +282,12 @@ def test_upload_and_count_limits(make_server):
         assert info.value.status == 429
         # the examples (server-side functions) do not count against the limit
         assert len(client.functions()) > 2
+        # a dense Hessian of n = 100 would return 10,101 numbers: refused before compiling
+        r = httpx.post(srv.url + "/hessian", json={"function": "rosenbrock", "x": [0.5] * 100})
+        assert r.status_code == 422 and r.json()["type"].endswith("result-too-large")
+        assert r.json()["field"] == "x"
+        hv = client.hvp("rosenbrock", "auto", np.full(100, 0.5), (np.ones(100),))
+        assert hv[0].shape == (100,)
 
 
 def _hostile():

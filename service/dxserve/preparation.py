@@ -24,6 +24,7 @@ from dxclient.errors import (
     DxError,
     FunctionEvaluationError,
     PreparationMismatchError,
+    ResultTooLargeError,
     ShapeMismatchError,
 )
 from dxclient.operators import OPERATORS
@@ -258,6 +259,37 @@ def _size(tree: Tree) -> int:
     return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(tree))
 
 
+#: Largest number of result elements one call may produce (the server sets it from
+#: ``DXSERVE_MAX_RESULT_ELEMENTS``): a Jacobian or Hessian grows with n², and an
+#: out-of-memory device is worse than a clear 422.
+MAX_RESULT_ELEMENTS = 2**27
+
+_RESULT_ELEMENTS: dict[str, Callable[[int, int, int], int]] = {  # (n, m, k) -> elements
+    "value": lambda n, m, k: m,
+    "derivative": lambda n, m, k: 2 * m,
+    "second_derivative": lambda n, m, k: 3 * m,
+    "gradient": lambda n, m, k: n + m,
+    "jacobian": lambda n, m, k: m * n + m,
+    "hessian": lambda n, m, k: n * n + n + 1,
+    "pushforward": lambda n, m, k: (k + 1) * m,
+    "pullback": lambda n, m, k: k * n + m,
+    "hvp": lambda n, m, k: (k + 1) * n,
+}
+
+
+def _check_result_size(family: str, inputs: Inputs) -> None:
+    n, m = _size(inputs.x), _size(inputs.y)
+    k = len(inputs.tangents or ())
+    elements = _RESULT_ELEMENTS[family](n, m, k)
+    if elements > MAX_RESULT_ELEMENTS:
+        raise ResultTooLargeError(
+            f"{family} here would return {elements:,} numbers, over the limit of "
+            f"{MAX_RESULT_ELEMENTS:,}; use pushforward/pullback/hvp on fewer tangents, "
+            "or raise DXSERVE_MAX_RESULT_ELEMENTS",
+            field="x",
+        )
+
+
 def prepare(
     operator: str,
     f: Callable,
@@ -282,6 +314,7 @@ def prepare(
     spec = FAMILIES[family]
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
+    _check_result_size(family, inputs)
     signature = Signature.of(x, tangents, contexts)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None

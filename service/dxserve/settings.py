@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = 256 * 1024 * 1024
     max_upload_bytes: int = 32 * 1024 * 1024
     max_functions: int = 1000
+    #: Most numbers one operator call may return (Jacobians and Hessians grow as n²).
+    max_result_elements: int = 2**27
     max_prepared: int = 1024
     cache_size: int = 512
     #: Requests waiting per device worker before 503 + Retry-After.

@@ -143,6 +143,10 @@ class InvalidExportError(InvalidArgumentError):
     slug, title = "invalid-export", "Uploaded export cannot run here"
 
 
+class ResultTooLargeError(InvalidArgumentError):
+    slug, title = "result-too-large", "Result would exceed the size limit"
+
+
 # --- 429 / 503 / 504 -------------------------------------------------------
 class TooManyFunctionsError(DxError):
     status, slug, title = 429, "too-many-functions", "Function limit reached"

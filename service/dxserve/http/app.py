@@ -37,6 +37,7 @@ from dxclient.errors import (
 )
 from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
 
+from .. import preparation
 from ..preparation import Prep, PrepCache, call, prepare
 from ..registry import Entry, Registry, expression_content
 from ..settings import Settings
@@ -119,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service: registry loaded, workers started, routes installed."""
     settings = settings or Settings()
     _enable_compilation_cache(settings.compilation_cache)
+    preparation.MAX_RESULT_ELEMENTS = settings.max_result_elements
     store = DirectoryStore(settings.store)
     registry = Registry(store, settings.max_functions)
     for module in settings.functions:
