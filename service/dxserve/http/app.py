@@ -182,7 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return parsed, encoding, len(body)
 
     async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
-        nbytes = sum(getattr(v, "nbytes", 0) for v in payload.values())
+        nbytes = sum(getattr(v, "nbytes", 0) for v in jax.tree_util.tree_leaves(payload))
         if nbytes > LARGE_BYTES:
             body, media, headers = await run_in_threadpool(codec.encode_body, payload, encoding)
         else:
