@@ -62,14 +62,14 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
     req = server_decode()
     call(op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, None, cache)  # compile
     key_parts = _normalize(req.x, req.tangents, req.contexts)
-    prep = cache.get((entry.fn, op.family, req.backend, Signature.of(*key_parts)))
+    prep = cache.get((entry.fn, op.name, req.backend, Signature.of(*key_parts)))
 
     def lookup():
         xx, tt, cc = _normalize(req.x, req.tangents, req.contexts)
-        return cache.get((entry.fn, op.family, req.backend, Signature.of(xx, tt, cc)))
+        return cache.get((entry.fn, op.name, req.backend, Signature.of(xx, tt, cc)))
 
-    raw = jax.block_until_ready(prep.run(req.x, req.tangents, req.contexts))
-    result = raw[op.results[0]]
+    raw = jax.block_until_ready(prep.run("gradient", req.x, req.tangents, req.contexts))
+    result = raw[0]
     payload = result_payload(op, result)
     body, media, headers = codec.encode_body(payload, enc)
 
@@ -81,7 +81,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
         "server decode+validate": server_decode,
         "normalize+signature+cache lookup": lookup,
         "compute (prep.run)": lambda: jax.block_until_ready(
-            prep.run(req.x, req.tangents, req.contexts)),
+            prep.run("gradient", req.x, req.tangents, req.contexts)),
         "result to numpy": lambda: result_payload(op, result),
         "server encode": lambda: codec.encode_body(payload, enc),
         "client decode": lambda: _models.operator_result("gradient", headers | {
