@@ -155,7 +155,14 @@ def backend_from_json(value: Any, field: str = "backend") -> Backend:
     if isinstance(value, (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto)):
         return value
     if isinstance(value, str):
+        shorthand = _SHORTHANDS.get(value)
+        if shorthand is not None:  # the common case, on every request: no parsing
+            return shorthand
         value = {"type": value}
+    elif isinstance(value, dict) and len(value) == 1 and isinstance(value.get("type"), str):
+        shorthand = _SHORTHANDS.get(value["type"])
+        if shorthand is not None:
+            return shorthand
     if not isinstance(value, dict):
         raise InvalidBackendError(
             f"backend must be a string like 'jax-reverse' or an object with 'type', "
@@ -189,6 +196,14 @@ def backend_from_json(value: Any, field: str = "backend") -> Backend:
         return BACKEND_TYPES[kind](**params)
     except InvalidBackendError as exc:
         raise InvalidBackendError(exc.detail, field=(exc.field or field).replace("backend", field, 1)) from None
+
+
+_SHORTHANDS: dict[str, Backend] = {
+    "jax-forward": JaxForward(),
+    "jax-reverse": JaxReverse(),
+    "finite-differences": FiniteDifferences(),
+    "auto": Auto(),
+}
 
 
 def backend_to_json(backend: Backend | str) -> dict[str, Any]:
