@@ -170,7 +170,7 @@ def backend_from_json(value: Any, field: str = "backend") -> Backend:
             field=field,
         )
     kind = value.get("type")
-    if kind not in BACKEND_TYPES:
+    if not isinstance(kind, str) or kind not in BACKEND_TYPES:
         raise InvalidBackendError(
             f"unknown backend type {kind!r}; known: {', '.join(BACKEND_TYPES)}",
             field=f"{field}.type",
