@@ -54,7 +54,7 @@ def _request_bytes() -> tuple[bytes, str, dict[str, str]]:
 def _wrk(url: str, script: Path, connections: int, seconds: float) -> tuple[float, float, int]:
     """(requests/s, p50 latency ms, errors) from one wrk run."""
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script),
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script),
          url + "/gradient"],
         capture_output=True, text=True, check=True, timeout=seconds + 60,
     ).stdout
