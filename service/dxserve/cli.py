@@ -37,9 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .http import create_app
+    from .store import StoreLockedError
 
     sys.path.insert(0, os.getcwd())  # so --functions can name modules of the working directory
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except StoreLockedError as exc:
+        print(f"dxserve: {exc}; give this server its own --store", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        print(f"dxserve: cannot import a --functions module: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(
         app,
         host=settings.host,
