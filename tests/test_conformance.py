@@ -106,6 +106,8 @@ def _tolerance(backend_id: str, operator: str) -> tuple[float, float, bool]:
 # ``value`` ignores first-order backends (SecondOrder raises): it takes every backend on
 # three scenarios only.
 # ``_cases(full=True)`` is the whole product; the FD tolerances above were measured on it.
+# The rest of the product (every scenario x operator x backend) runs too, marked slow:
+# ``make test-slow`` and CI run it.
 CORE = {0: ("jax-reverse",), 1: ("jax-forward", "jax-reverse"), 2: ("auto",)}
 REPRESENTATIVES = tuple(
     next(s.name for s in sc.SCENARIOS if s.kind == kind) for kind in sc.KINDS
@@ -141,7 +143,12 @@ def _cases(full: bool = False) -> list:
     return cases
 
 
-GRID = _cases()
+_SELECTED = {p.id for p in _cases()}
+# The selection runs in `make test`; the rest of the full product is marked slow (CI runs it).
+GRID = [
+    p if p.id in _SELECTED else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+    for p in _cases(full=True)
+]
 
 
 def test_grid_coverage() -> None:
