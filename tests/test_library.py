@@ -484,3 +484,25 @@ def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
         dxserve.hessian(lambda v: jnp.sum(v**3), "auto", x)  # 200² + ... > 10,000
     assert info.value.status == 422 and info.value.field == "x"
     assert dxserve.hvp(lambda v: jnp.sum(v**3), "auto", x, (x,))[0].shape == (200,)
+
+
+def test_device_out_of_memory_is_a_503_and_other_failures_a_422():
+    from dxclient.errors import FunctionEvaluationError, OverloadedError
+
+    def flaky(x):  # a black box: the probe at x succeeds, the shifted evaluations fail
+        if isinstance(x, np.ndarray) and x[0] != 1.0:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 80 GB")
+        return float(np.sum(np.asarray(x) ** 2))
+
+    with pytest.raises(OverloadedError) as info:
+        dxserve.gradient(flaky, "finite-differences", np.ones(3))
+    assert info.value.status == 503 and info.value.extra["retry_after"] == 5
+
+    def broken(x):
+        if isinstance(x, np.ndarray) and x[0] != 1.0:
+            raise ValueError("not defined here")
+        return float(np.sum(np.asarray(x) ** 2))
+
+    with pytest.raises(FunctionEvaluationError) as info:
+        dxserve.gradient(broken, "finite-differences", np.ones(3))
+    assert info.value.status == 422 and info.value.field == "function"

@@ -23,6 +23,7 @@ from dxclient.backends import Backend, backend_from_json
 from dxclient.errors import (
     DxError,
     FunctionEvaluationError,
+    OverloadedError,
     PreparationMismatchError,
     ResultTooLargeError,
     ShapeMismatchError,
@@ -208,7 +209,13 @@ class Prep:
             return exe(x, tangents, contexts)
         except DxError:
             raise
-        except Exception as exc:  # a black-box function failing on these values
+        except Exception as exc:
+            if "RESOURCE_EXHAUSTED" in str(exc):  # XLA's out-of-memory: the request may fit later
+                raise OverloadedError(
+                    f"the device ran out of memory ({_short(exc)}); retry later or send less",
+                    field="x", retry_after=5,
+                ) from exc
+            # a black-box function failing on these values
             raise FunctionEvaluationError(_short(exc), field="function") from exc
 
 
