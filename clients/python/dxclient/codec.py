@@ -265,20 +265,24 @@ def _resolve_refs(value: Any, field: str, body: Any, start: int, depth: int) -> 
     return value
 
 
-def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
+def _typed_header(obj: dict, field: str, max_depth: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """Check a typed array object's keys; return its dtype and shape."""
     if obj.keys() != _TYPED_KEYS:
         raise MalformedRequestError(
             f"typed array must have exactly the keys {sorted(_TYPED_KEYS)}, got {sorted(obj)}",
             field=field,
         )
+    return _dtype_of(obj["dtype"], field), _shape_of(obj["shape"], field, max_depth)
+
+
+def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
+    dt, shape = _typed_header(obj, field, MAX_DEPTH)
     ref = obj[MARKER]
     if ref.keys() != _REF_KEYS:
         raise MalformedRequestError(
             f"buffer reference must have exactly the keys ['nbytes', 'offset'], got {sorted(ref)}",
             field=field,
         )
-    dt = _dtype_of(obj["dtype"], field)
-    shape = _shape_of(obj["shape"], field, MAX_DEPTH)
     offset, nbytes = ref["offset"], ref["nbytes"]
     for name, v in (("offset", offset), ("nbytes", nbytes)):
         if type(v) is not int or v < 0:
@@ -345,13 +349,7 @@ def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -
 
 
 def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
-    if obj.keys() != _TYPED_KEYS:
-        raise MalformedRequestError(
-            f"typed array must have exactly the keys {sorted(_TYPED_KEYS)}, got {sorted(obj)}",
-            field=field,
-        )
-    dt = _dtype_of(obj["dtype"], field)
-    shape = _shape_of(obj["shape"], field, max_depth)
+    dt, shape = _typed_header(obj, field, max_depth)
     data = obj[MARKER]
     if isinstance(data, dict):
         raise MalformedRequestError(
