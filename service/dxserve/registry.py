@@ -10,6 +10,7 @@ and reloaded at start, so they survive restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -181,18 +182,20 @@ class Registry:
                 f"the server holds its limit of {self.max_functions} functions; delete some",
                 field="name",
             )
-        now = StoredFunction(name, kind, "", content, {"description": description}, "")
-        entry = _build(now)  # validates: raises before the store sees anything
-        record, created = self.store.put(
-            name, kind, content, {"description": description}, replace=replace
-        )
-        entry = Entry(
-            name, kind, entry.fn, record.metadata.get("description", description),
-            entry.signature, record.digest, record.created,
-        )
+        metadata = {"description": description}
+        # Built before anything is written: content that does not load never reaches the store.
+        built = _build(StoredFunction(name, kind, "", content, metadata, ""))
+        record, created = self.store.put(name, kind, content, metadata, replace=replace)
+        if existing is not None and existing.digest == record.digest and not replace:
+            entry = existing  # idempotent: keep the entry (and its compiled executables)
+        else:
+            entry = dataclasses.replace(
+                built,
+                description=record.metadata.get("description", description),
+                digest=record.digest,
+                created=record.created,
+            )
         with self._lock:
-            if not created and existing is not None:
-                entry = existing if existing.digest == entry.digest and not replace else entry
             self._entries[name] = entry
         if existing is not None and existing is not entry:
             self._removed(existing)

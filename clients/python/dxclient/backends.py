@@ -204,7 +204,3 @@ _SHORTHANDS: dict[str, Backend] = {
     "finite-differences": FiniteDifferences(),
     "auto": Auto(),
 }
-
-
-def backend_to_json(backend: Backend | str) -> dict[str, Any]:
-    return backend_from_json(backend).to_json()

@@ -124,7 +124,11 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
 
 
 def _host(tree: Any) -> Any:
-    """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches."""
+    """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches.
+
+    Called inside the device job, so the job ends when the results are ready and the
+    encoder never waits on the device.
+    """
     if isinstance(tree, tuple):
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
