@@ -25,6 +25,7 @@ from dxclient.errors import (
     UnknownFunctionError,
 )
 
+from . import executable_cache
 from .functions import FunctionInfo, module_functions
 from .store import FunctionStore, StoredFunction, validate_name
 
@@ -76,6 +77,7 @@ def _build(record: StoredFunction) -> Entry:
         loaded = load_exported(record.content)
         fn = loaded.fn
         signature = loaded.signature
+    executable_cache.identify(fn, record.kind, record.content)  # persisted by content
     return Entry(
         record.name,
         record.kind,
