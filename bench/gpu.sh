@@ -26,6 +26,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" bench/health_latency.py --n 4000 --save health-latency-gpu.md
 if command -v wrk >/dev/null; then
   "$PY" bench/throughput.py --save throughput-gpu.md
+  # a function with real work per request, where merging requests should pay on a GPU
+  "$PY" bench/throughput.py --n 1000000 --save throughput-n1e6-gpu.md
 else
   echo "wrk not installed: throughput table skipped (apt-get install wrk)"
 fi

@@ -31,7 +31,8 @@ from dxclient import AsyncClient, _models, codec
 from dxclient.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.http import create_app
-from dxserve.http.wire import parse_operator_request, response_encoding, result_payload
+from dxserve.http.wire import parse_operator_request, response_encoding
+from dxserve.http.wire import payload as result_payload
 from dxserve.preparation import PrepCache, Signature, _normalize, call
 from dxserve.settings import Settings
 
@@ -69,8 +70,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
         return cache.get((entry.fn, op.name, req.backend, Signature.of(xx, tt, cc)))
 
     raw = jax.block_until_ready(prep.run("gradient", req.x, req.tangents, req.contexts))
-    result = raw[0]
-    payload = result_payload(op, result)
+    payload = result_payload(op, raw)
     body, media, headers = codec.encode_body(payload, enc)
 
     client = AsyncClient(encoding=enc, transport=httpx.ASGITransport(app), url="http://asgi")
@@ -82,7 +82,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
         "normalize+signature+cache lookup": lookup,
         "compute (prep.run)": lambda: jax.block_until_ready(
             prep.run("gradient", req.x, req.tangents, req.contexts)),
-        "result to numpy": lambda: result_payload(op, result),
+        "result to numpy": lambda: result_payload(op, raw),
         "server encode": lambda: codec.encode_body(payload, enc),
         "client decode": lambda: _models.operator_result("gradient", headers | {
             "content-type": media}, body),

@@ -30,6 +30,7 @@ from dxclient.errors import (
 )
 from dxclient.operators import OPERATORS
 
+from . import executable_cache
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 
@@ -171,7 +172,12 @@ class Prep:
     traced: bool
     output: Tree = field(repr=False)
     build: Callable = field(repr=False)  # run(x, tangents, contexts) -> dict, not compiled
-    executables: dict[str, Callable] = field(default_factory=dict, repr=False)
+    executables: dict[tuple, Callable] = field(default_factory=dict, repr=False)  # (op, device)
+
+    def holds(self, operator: str, device: Any) -> bool:
+        """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
+        return (operator, device) in self.executables
+    batch_plans: dict[str, Any] = field(default_factory=dict, repr=False)  # see batching.py
 
     @property
     def family(self) -> str:
@@ -194,11 +200,14 @@ class Prep:
             raise PreparationMismatchError(diff[1], field=diff[0])
 
     def executable(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> Callable:
-        """The executable for ``operator`` (compiled on first use with these inputs)."""
-        exe = self.executables.get(operator)
+        """The executable for ``operator`` on the current default device (compiled on
+        first use there: a compiled executable is bound to the device it was built for)."""
+        key = (operator, jax.config.jax_default_device)
+        exe = self.executables.get(key)
         if exe is None:
-            exe = self.executables[operator] = _compile(
-                self.build, OPERATORS[operator].results, self.traced, x, tangents, contexts
+            exe = self.executables[key] = _compile(
+                self.build, OPERATORS[operator].results, self.traced, x, tangents, contexts,
+                origin=(self.function, self.resolved),
             )
         return exe
 
@@ -221,9 +230,13 @@ class Prep:
 
 def _compile(
     build: Callable, results: tuple[str, ...], traced: bool, x: Tree, tangents: tuple | None,
-    contexts: tuple,
+    contexts: tuple, origin: tuple[Callable, Backend] | None = None,
 ) -> Callable:
-    """Keep only ``results`` (so XLA drops the rest) and compile for these inputs."""
+    """Keep only ``results`` (so XLA drops the rest) and compile for these inputs.
+
+    ``origin`` (function, resolved backend) lets ``executable_cache`` persist the
+    executable across restarts when it is configured (the server does).
+    """
 
     def run(x, tangents, contexts):
         out = build(x, tangents, contexts)
@@ -231,8 +244,9 @@ def _compile(
 
     if not traced:
         return run
+    key = None if origin is None else executable_cache.key(*origin, results, x, tangents, contexts)
     try:
-        return jax.jit(run).lower(x, tangents, contexts).compile()
+        return executable_cache.compile_or_load(key, run, x, tangents, contexts)
     except DxError:
         raise
     except Exception as exc:
@@ -246,14 +260,20 @@ def _short(exc: BaseException) -> str:
 
 def probe(f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
     """``(traced, output spec)``: can JAX trace ``f``, and what does it return."""
+    known = executable_cache.output_spec(f, x, contexts)  # after a restart: no tracing
+    if known is not None:
+        return True, known
     try:
-        return True, jax.eval_shape(f, x, *contexts)
+        y = jax.eval_shape(f, x, *contexts)
     except _NOT_TRACEABLE:
         pass
     except DxError:
         raise
     except Exception as exc:
         raise FunctionEvaluationError(_short(exc), field="x") from exc
+    else:
+        executable_cache.keep_output_spec(f, x, contexts, y)
+        return True, y
     try:
         y = f(x, *contexts)
     except Exception as exc:
@@ -404,6 +424,56 @@ class PrepCache:
 CACHE = PrepCache()
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A call with its inputs normalized and its prep found (``None``: not prepared yet)."""
+
+    operator: str
+    function: Callable
+    backend: Backend
+    x: Tree
+    tangents: tuple | None
+    contexts: tuple
+    prep: Prep | None
+    key: tuple
+
+    @property
+    def inputs(self) -> tuple:
+        return self.x, self.tangents, self.contexts
+
+    def prepare(self, cache: PrepCache) -> Prep:
+        """Trace and compile for this call (the slow path) and keep the prep in ``cache``."""
+        prep = prepare(
+            self.operator, self.function, self.backend, self.x, self.tangents, self.contexts, cache
+        )
+        cache.put(self.key, prep)
+        return prep
+
+
+def lookup(
+    operator: str,
+    f: Callable,
+    backend: Backend | str,
+    x: Any,
+    tangents: Sequence | None,
+    contexts: Sequence,
+    prep: Prep | None = None,
+    cache: PrepCache = CACHE,
+) -> Lookup:
+    """Normalize the inputs and find the prep that runs them: ``prep`` if given
+    (checked against the call), else the cached one, else none yet."""
+    op = OPERATORS[operator]
+    backend = backend_from_json(backend)
+    x, tangents, contexts = _normalize(x, tangents, contexts)
+    signature = Signature.of(x, tangents, contexts)
+    key = (f, op.name, backend, signature)
+    if prep is not None:
+        prep.check(op.family, f, backend, signature)
+    else:
+        prep = cache.get(key)
+    return Lookup(op.name, f, backend, x, tangents, contexts, prep, key)
+
+
 def call(
     operator: str,
     f: Callable,
@@ -415,17 +485,7 @@ def call(
     cache: PrepCache = CACHE,
 ) -> Any:
     """Run ``operator``; return its result, or a tuple of results (DI's order)."""
-    op = OPERATORS[operator]
-    backend = backend_from_json(backend)
-    x, tangents, contexts = _normalize(x, tangents, contexts)
-    signature = Signature.of(x, tangents, contexts)
-    if prep is not None:
-        prep.check(op.family, f, backend, signature)
-    else:
-        key = (f, op.name, backend, signature)
-        prep = cache.get(key)
-        if prep is None:
-            prep = prepare(op.name, f, backend, x, tangents, contexts, cache)
-            cache.put(key, prep)
-    out = prep.run(op.name, x, tangents, contexts)
+    found = lookup(operator, f, backend, x, tangents, contexts, prep, cache)
+    prep = found.prep or found.prepare(cache)
+    out = prep.run(found.operator, *found.inputs)
     return out[0] if len(out) == 1 else out

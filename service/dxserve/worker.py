@@ -1,15 +1,22 @@
 """Device workers: computation off the event loop, one thread per JAX device.
 
-Each worker runs jobs one at a time on its own thread (XLA keeps the device
-busy; a second thread per device would only contend). The queue is bounded:
-a request that would wait behind ``queue_size`` others is refused with 503 and
-``Retry-After``; one that runs past its deadline is answered 504 (the device
-finishes the job in the background and the slot frees when it does).
+Each worker runs jobs one at a time on its own thread (XLA keeps the device busy;
+a second thread per device would only contend). The queue is bounded: a request
+that would wait behind ``queue_size`` others is refused with 503 and
+``Retry-After``; one that runs past its deadline is answered 504 (a job that has
+not started by then is dropped; one already running finishes in the background).
+
+Request batching: a job may carry a ``group`` (same prep, operator and signature).
+When the worker takes such a job it also takes every queued job of the same group,
+up to ``max_batch``, and hands them to the group's runner in one call
+(``batching.Batcher.run_group`` merges them into one vmapped call where that keeps
+the bits). A job only ever waits for company (``batch_wait``) when it was queued
+behind other work: a lone request on an idle worker starts at once.
 
 Handing a job to a thread and back costs ~0.1-0.5 ms, more than a warm small
-gradient takes. So a job whose last run (same ``key``) took under
-``inline_below`` seconds runs directly on the event loop; everything else, and
-every first run (which traces and compiles), goes to a device worker.
+gradient takes. So a job whose last run (same ``key``) took under ``inline_below``
+seconds runs directly on the event loop when its worker is idle; everything else,
+and every first run (which traces and compiles), goes to a device worker.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jax
@@ -28,62 +36,152 @@ from dxclient.errors import DeadlineExceededError, OverloadedError
 
 T = TypeVar("T")
 
+#: ``run_group(items) -> one result or exception per item``
+RunGroup = Callable[[Sequence[Any]], list[Any]]
+
+
+@dataclass(eq=False)
+class _Job:
+    run: Callable[[], Any] | None  # a job of its own, or None for a group member
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    group: Hashable | None = None
+    item: Any = None
+    run_group: RunGroup | None = None
+    queued_behind: int = 0  # jobs ahead of it when it arrived
+    expired: bool = field(default=False)  # set by the event loop at its deadline
+
 
 class DeviceWorker:
-    def __init__(self, device: Any, queue_size: int, timeout: float, pin: bool) -> None:
+    def __init__(
+        self, device: Any, queue_size: int, timeout: float, pin: bool,
+        max_batch: int = 1, batch_wait: float = 0.0,
+    ) -> None:
         self.device = device
         self.queue_size = queue_size
         self.timeout = timeout
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait
         self._pin = pin  # only worth a context switch when there are several devices
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dx-{device}")
-        self._lock = threading.Lock()
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
         self.pending = 0  # queued + running
+        self.batches = 0  # groups of two or more run together
+        self.jobs = 0  # requests run here
+        self._thread = threading.Thread(target=self._serve, name=f"dx-{device}", daemon=True)
+        self._thread.start()
 
     async def run(self, job: Callable[[], T]) -> T:
         """Run ``job()`` on this device's thread; raise 503/504 errors as documented."""
-        with self._lock:
+        loop = asyncio.get_running_loop()
+        return await self._submit(_Job(job, loop, loop.create_future()))
+
+    async def run_grouped(self, group: Hashable, item: Any, run_group: RunGroup) -> Any:
+        """Run ``item`` through ``run_group``, merged with queued items of ``group``."""
+        loop = asyncio.get_running_loop()
+        job = _Job(None, loop, loop.create_future(), group, item, run_group)
+        return await self._submit(job)
+
+    async def _submit(self, job: _Job) -> Any:
+        with self._cond:
             if self.pending >= self.queue_size:
                 raise OverloadedError(
                     f"{self.pending} requests are queued on {self.device}; retry shortly",
                     retry_after=1,
                 )
+            job.queued_behind = self.pending
             self.pending += 1
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def finish(future: Any) -> None:
-            with self._lock:
-                self.pending -= 1
-            loop.call_soon_threadsafe(_transfer, future, done)
-
-        self._pool.submit(self._on_device, job).add_done_callback(finish)
-        timer = loop.call_later(self.timeout, _expire, done, self.timeout)
+            self._queue.append(job)
+            self._cond.notify()
+        timer = job.loop.call_later(self.timeout, _expire, job, self.timeout)
         try:
-            return await done
+            return await job.future
         finally:
             timer.cancel()
 
-    def _on_device(self, job: Callable[[], T]) -> T:
+    # --- the device thread ----------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                jobs = [self._queue.popleft()]
+                if jobs[0].group is not None and self.max_batch > 1:
+                    self._gather(jobs)
+            self._execute(jobs)
+
+    def _gather(self, jobs: list[_Job]) -> None:
+        """Add queued jobs of ``jobs[0]``'s group (lock held); maybe wait for more."""
+        deadline = time.monotonic() + self.batch_wait if jobs[0].queued_behind else 0.0
+        while True:
+            for other in [j for j in self._queue if j.group == jobs[0].group]:
+                if len(jobs) == self.max_batch:
+                    return
+                self._queue.remove(other)
+                jobs.append(other)
+            left = deadline - time.monotonic()
+            if len(jobs) == self.max_batch or left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _execute(self, jobs: list[_Job]) -> None:
+        live = [j for j in jobs if not j.expired]
+        outcomes: list[tuple[bool, Any]] = []
         with jax.default_device(self.device) if self._pin else nullcontext():
-            return job()
+            if len(live) == 1 and live[0].run is not None:
+                outcomes = [_attempt(live[0].run)]
+            elif live:
+                ok, results = _attempt(lambda: live[0].run_group([j.item for j in live]))
+                if ok:
+                    outcomes = [(not isinstance(r, BaseException), r) for r in results]
+                else:
+                    outcomes = [(False, results)] * len(live)
+                if len(live) > 1:
+                    self.batches += 1
+        with self._cond:
+            self.pending -= len(jobs)
+            self.jobs += len(live)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for job, outcome in zip(live, outcomes, strict=True):
+            by_loop.setdefault(job.loop, []).append((job.future, *outcome))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle, settled)
+            except RuntimeError:  # that loop has closed: nobody is waiting any more
+                pass
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        """Finish what is queued, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
 
 
-def _transfer(source: Any, target: asyncio.Future) -> None:
-    if target.done():
-        return
-    exc = source.exception()
-    if exc is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
+def _attempt(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+        return False, exc
 
 
-def _expire(target: asyncio.Future, timeout: float) -> None:
-    if not target.done():
-        target.set_exception(
+def _settle(settled: list[tuple[asyncio.Future, bool, Any]]) -> None:
+    for future, ok, value in settled:
+        if future.done():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+def _expire(job: _Job, timeout: float) -> None:
+    job.expired = True
+    if not job.future.done():
+        job.future.set_exception(
             DeadlineExceededError(f"the computation ran past the {timeout:g} s limit")
         )
 
@@ -94,36 +192,80 @@ class Workers:
     MAX_TRACKED = 4096
 
     def __init__(
-        self, queue_size: int = 256, timeout: float = 300.0, inline_below: float = 0.001
+        self, queue_size: int = 256, timeout: float = 300.0, inline_below: float = 0.001,
+        max_batch: int = 1, batch_wait: float = 0.0,
     ) -> None:
         self.devices = jax.devices()
         pin = len(self.devices) > 1
-        self.workers = [DeviceWorker(d, queue_size, timeout, pin) for d in self.devices]
+        self.workers = [
+            DeviceWorker(d, queue_size, timeout, pin, max_batch, batch_wait) for d in self.devices
+        ]
         self.inline_below = inline_below
+        self.batching = max_batch > 1
+        self.pinned = pin
         self._cost: dict[Hashable, float] = {}  # key -> seconds of its last run
 
-    def pick(self) -> DeviceWorker:
-        return min(self.workers, key=lambda w: w.pending)
+    def pick(self, holds: Callable[[Any], bool] | None = None) -> DeviceWorker:
+        """The least-loaded worker. With ``holds(device)`` (is the job's executable
+        compiled there?), a worker whose device holds it wins unless another is less
+        loaded; that device then compiles its own copy, once."""
+        least = min(self.workers, key=lambda w: w.pending)
+        if holds is None or not self.pinned:
+            return least
+        holding = [w for w in self.workers if holds(w.device)]
+        if not holding:
+            return least
+        best = min(holding, key=lambda w: w.pending)
+        return best if best.pending <= least.pending else least
+
+    def _cheap(self, key: Hashable, worker: DeviceWorker) -> bool:
+        # With batching on, a busy worker is where a cheap job finds company; with several
+        # devices, executables are bound to one, so the job must run on its device's thread.
+        idle_enough = not self.batching or worker.pending == 0
+        return not self.pinned and idle_enough and self._cost.get(key, float("inf")) < self.inline_below
 
     async def run(self, job: Callable[[], T], key: Hashable | None = None) -> T:
         """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker."""
+        worker = self.pick()
         if key is None:
-            return await self.pick().run(job)
-        if self._cost.get(key, float("inf")) < self.inline_below:
+            return await worker.run(job)
+        if self._cheap(key, worker):
             return self._timed(job, key)
-        return await self.pick().run(lambda: self._timed(job, key))
+        return await worker.run(lambda: self._timed(job, key))
 
-    def _timed(self, job: Callable[[], T], key: Hashable) -> T:
+    async def run_grouped(
+        self, group: Hashable, item: Any, run_group: RunGroup, key: Hashable,
+        holds: Callable[[Any], bool] | None = None,
+    ) -> Any:
+        """Run one item of ``group`` (see ``DeviceWorker.run_grouped``); inline when cheap.
+
+        ``holds(device)`` tells where the group's executable is compiled (see ``pick``).
+        """
+        worker = self.pick(holds)
+        if self._cheap(key, worker):
+            result = self._timed(lambda: run_group([item])[0], key)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+        return await worker.run_grouped(
+            group, item, lambda items: self._timed(lambda: run_group(items), key, len(items))
+        )
+
+    def _timed(self, job: Callable[[], T], key: Hashable, count: int = 1) -> T:
         start = time.perf_counter()
         result = job()
         if len(self._cost) >= self.MAX_TRACKED:
             self._cost.clear()
-        self._cost[key] = time.perf_counter() - start
+        self._cost[key] = (time.perf_counter() - start) / count
         return result
 
     @property
     def pending(self) -> int:
         return sum(w.pending for w in self.workers)
+
+    @property
+    def batches(self) -> int:
+        return sum(w.batches for w in self.workers)
 
     def close(self) -> None:
         for worker in self.workers:

@@ -136,6 +136,6 @@ def _host(tree: Any) -> Any:
     return np.asarray(tree)
 
 
-def result_payload(op: OperatorSpec, result: Any) -> dict[str, Any]:
-    values = result if len(op.results) > 1 else (result,)
-    return {name: _host(v) for name, v in zip(op.results, values, strict=True)}
+def payload(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
+    """``{result name: numpy value}`` from ``Prep.run``'s outputs (``op.results`` order)."""
+    return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}

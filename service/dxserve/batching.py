@@ -1,0 +1,186 @@
+"""Request batching: concurrent calls of one prepared executable as one vmapped call.
+
+Batching must be invisible: a merged call returns, for every request, the bits that
+request would have got alone. XLA does not promise that of a vmapped program: on CPU
+it vectorizes a [B, n] loop differently from an [n] one, so fused multiply-adds and
+reduction orders change (``bench/batching_bits.py`` shows both). So a batched
+executable is *earned*, per (prep, operator, bucket):
+
+1. Functions with data-dependent control flow (``cond``, ``while``), host callbacks
+   or uploaded exports are never batched: vmap turns a ``cond`` into a select that
+   runs both branches, which can differ (a NaN gradient from the branch not taken)
+   on inputs no check has seen.
+2. The first time a batch of that bucket forms, every request in it is also run
+   alone; the requests are answered from those unbatched runs, and the batched
+   executable is kept only if each of its rows matched bit for bit. Otherwise that
+   (prep, operator, bucket) stays unbatched for good.
+
+Buckets are powers of two (``bucket(k)``), so a key compiles at most log2(max) batched
+executables; a batch is padded to its bucket by repeating its last request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from dxclient.operators import OPERATORS
+
+#: Primitives that make a function ineligible (see the module docstring).
+UNBATCHABLE_PRIMITIVES = frozenset(
+    {"cond", "while", "pure_callback", "io_callback", "callback", "dxserve_export_call"}
+)
+
+Inputs = tuple[Any, Any, Any]  # (x, tangents, contexts), normalized
+
+
+def bucket(k: int) -> int:
+    """The smallest power of two >= ``k``."""
+    return 1 << max(0, k - 1).bit_length()
+
+
+def _subjaxprs(params: dict) -> list[Any]:
+    found = []
+    for value in params.values():
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex.Jaxpr):
+                found.append(item)
+    return found
+
+
+def primitives(jaxpr: Any) -> set[str]:
+    """Names of every primitive in ``jaxpr`` and the jaxprs nested in it."""
+    names: set[str] = set()
+    stack = [jaxpr]
+    while stack:
+        current = stack.pop()
+        for eqn in current.eqns:
+            names.add(eqn.primitive.name)
+            stack.extend(_subjaxprs(eqn.params))
+    return names
+
+
+def _bits_equal(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@dataclass(eq=False)
+class _Plan:
+    """What batching knows about one (prep, operator)."""
+
+    eligible: bool
+    why: str = ""
+    jaxpr: Any = None  # ClosedJaxpr of the unbatched operator, flat in and out
+    out_tree: Any = None
+    # (bucket, device) -> compiled batched executable, or None once it failed the bit check
+    executables: dict[tuple, Any] = field(default_factory=dict)
+    verified: set[tuple] = field(default_factory=set)
+
+
+class Batcher:
+    """Runs groups of requests that share one prep and operator.
+
+    ``run_group(prep, operator, inputs)`` returns one result (or exception) per
+    request, each exactly what ``prep.run(operator, *inputs[i])`` returns alone.
+    Only device worker threads call it.
+    """
+
+    def __init__(self) -> None:
+        self.batches = 0  # merged calls answered from a batched executable
+        self.batched_requests = 0
+        self.refused = 0  # (prep, operator, bucket)s that failed the bit check
+        self.compiles = 0  # batched executables compiled (at most one per bucket per key)
+
+    # --- plans --------------------------------------------------------------
+    def plan(self, prep: Any, operator: str, inputs: Inputs) -> _Plan:
+        """The plan for (prep, operator), made on first use and kept on the prep."""
+        plan = prep.batch_plans.get(operator)
+        if plan is None:
+            plan = prep.batch_plans[operator] = _make_plan(prep, operator, inputs)
+        return plan
+
+    # --- running ------------------------------------------------------------
+    def run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
+        """One result (or the exception it raised) per request in ``group``."""
+        if len(group) == 1:
+            return [_alone(prep, operator, group[0])]
+        plan = self.plan(prep, operator, group[0])
+        size = bucket(len(group))
+        slot = (size, jax.config.jax_default_device)  # executables are bound to a device
+        if not plan.eligible or plan.executables.get(slot, True) is None:
+            return [_alone(prep, operator, inputs) for inputs in group]
+        try:
+            batched = self._run_batched(plan, slot, group)
+        except Exception:  # noqa: BLE001 - e.g. out of memory at B rows: each alone says why
+            return [_alone(prep, operator, inputs) for inputs in group]
+        if slot in plan.verified:
+            self.batches += 1
+            self.batched_requests += len(group)
+            return batched
+        alone = [_alone(prep, operator, inputs) for inputs in group]
+        if all(_same_result(a, b) for a, b in zip(alone, batched, strict=True)):
+            plan.verified.add(slot)
+        else:
+            plan.executables[slot] = None
+            self.refused += 1
+        return alone
+
+    def _run_batched(self, plan: _Plan, slot: tuple, group: Sequence[Inputs]) -> list[Any]:
+        rows = [jax.tree_util.tree_leaves(inputs) for inputs in group]
+        rows += [rows[-1]] * (slot[0] - len(rows))  # pad to the bucket
+        stacked = [np.stack(column) for column in zip(*rows, strict=True)]
+        exe = plan.executables.get(slot)
+        if exe is None:
+            fn = jax.vmap(jex.jaxpr_as_fun(plan.jaxpr))
+            exe = plan.executables[slot] = jax.jit(fn).lower(*stacked).compile()
+            self.compiles += 1
+        outputs = [np.asarray(out) for out in exe(*stacked)]
+        return [
+            jax.tree_util.tree_unflatten(plan.out_tree, [out[i] for out in outputs])
+            for i in range(len(group))
+        ]
+
+
+def _make_plan(prep: Any, operator: str, inputs: Inputs) -> _Plan:
+    if not prep.traced:
+        return _Plan(False, "not traceable by JAX")
+    results = OPERATORS[operator].results
+
+    def run(x, tangents, contexts):
+        out = prep.build(x, tangents, contexts)
+        return tuple(out[name] for name in results)
+
+    try:
+        closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*inputs)
+    except Exception as exc:  # noqa: BLE001 - the unbatched path reports real errors
+        return _Plan(False, f"could not trace: {type(exc).__name__}")
+    found = primitives(closed.jaxpr) & UNBATCHABLE_PRIMITIVES
+    if found:
+        return _Plan(False, f"uses {', '.join(sorted(found))}")
+    return _Plan(True, jaxpr=closed, out_tree=jax.tree_util.tree_structure(out_shape))
+
+
+def _alone(prep: Any, operator: str, inputs: Inputs) -> Any:
+    try:
+        return prep.run(operator, *inputs)
+    except Exception as exc:  # noqa: BLE001 - handed back to this request only
+        return exc
+
+
+def _same_result(alone: Any, batched: Any) -> bool:
+    if isinstance(alone, BaseException):
+        return False
+    a, b = jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(batched)
+    return len(a) == len(b) and all(_bits_equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+RunGroup = Callable[[Any, str, Sequence[Inputs]], list[Any]]
