@@ -1,0 +1,118 @@
+"""The operator hot path (``dxserve.http.routes``) answers exactly like the routed path.
+
+``OperatorDispatch`` sends ``POST /{operator}`` straight to the handler, inside the
+metrics and server-error middlewares; these tests pin what it must keep: problem
+documents for handled and unexpected errors, the metrics labels, the 405 of other
+methods, and the clients' cached operator URLs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from dxclient import Client, JaxReverse
+from dxserve.http import create_app
+from dxserve.http.routes import OperatorDispatch, OperatorRoute
+from dxserve.settings import Settings
+
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    store = tmp_path_factory.mktemp("dispatch")
+    return create_app(Settings(store=Path(store), compilation_cache="", functions=["dxserve.examples"]))
+
+
+@pytest.fixture(scope="module")
+def http(app: Any) -> Iterator[TestClient]:
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def _count(text: str, route: str, status: int) -> float:
+    found = re.search(
+        rf'^dxserve_requests_total{{route="{re.escape(route)}",status="{status}"}} (\S+)$',
+        text, re.M,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def test_operator_routes_are_dispatched(app: Any) -> None:
+    app.build_middleware_stack()  # what Starlette does at the first request
+    ops = [r for r in app.router.routes if isinstance(r, OperatorRoute)]
+    assert {"/gradient", "/prepare/gradient"} <= {r.path for r in ops}
+    assert any(m.cls is OperatorDispatch for m in app.user_middleware)
+
+
+def test_answers_and_metrics(http: TestClient) -> None:
+    before = http.get("/metrics").text
+    x = [1.0, 2.0, 3.0]
+    ok = http.post("/gradient", json={"function": "rosenbrock", "backend": "jax-reverse", "x": x})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["gradient"]) == 3
+    missing = http.post("/gradient", json={"function": "nope", "x": x})
+    assert missing.status_code == 404
+    assert missing.headers["content-type"] == PROBLEM
+    assert missing.json()["field"] == "function"
+    bad = http.post("/gradient", content=b"{", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.headers["content-type"] == PROBLEM
+    after = http.get("/metrics").text
+    for status in (200, 404, 400):
+        assert _count(after, "/gradient", status) == _count(before, "/gradient", status) + 1
+
+
+def test_other_methods_still_route(http: TestClient) -> None:
+    r = http.get("/gradient")
+    assert r.status_code == 405
+    assert r.headers["content-type"] == PROBLEM
+    assert r.headers["allow"] == "POST"
+
+
+def test_unexpected_error_is_a_logged_500_problem(
+    app: Any, http: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(app.state.registry, "get", boom)
+    before = http.get("/metrics").text
+    r = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
+    assert r.status_code == 500
+    assert r.headers["content-type"] == PROBLEM
+    assert "RuntimeError" in r.json()["detail"]
+    after = http.get("/metrics").text
+    assert _count(after, "/gradient", 500) == _count(before, "/gradient", 500) + 1
+
+
+def test_operator_route_needs_a_fixed_path() -> None:
+    async def endpoint(request: Any) -> Any:
+        raise AssertionError
+
+    with pytest.raises(ValueError, match="fixed path"):
+        OperatorRoute("/x/{name}", endpoint, methods=["POST"])
+
+
+def test_client_resolves_operator_urls_like_httpx(app: Any) -> None:
+    """The cached URL is the one httpx would build, and follows a new base_url."""
+    seen: list[str] = []
+    transport = httpx.MockTransport(
+        lambda request: seen.append(str(request.url)) or httpx.Response(404, json={})
+    )
+    http = httpx.Client(base_url="http://one/sub", transport=transport)
+    client = Client(http=http)
+    for base in ("http://one/sub", "http://two:81/"):
+        http.base_url = base
+        for _ in range(2):
+            with pytest.raises(Exception):  # noqa: B017 - only the URL matters here
+                client.gradient("f", JaxReverse(), np.zeros(2))
+            assert seen[-1] == str(http.build_request("POST", "/gradient").url)
+    assert seen == ["http://one/sub/gradient"] * 2 + ["http://two:81/gradient"] * 2
