@@ -11,11 +11,13 @@ import binascii
 import hmac
 import json
 import secrets
+import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from dxclient import codec
@@ -37,15 +40,18 @@ from dxclient.errors import (
 )
 from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
 
-from .. import preparation
-from ..preparation import Prep, PrepCache, call, prepare
+from .. import executable_cache, preparation, threads
+from ..batching import Batcher
+from ..preparation import Prep, PrepCache, lookup, prepare
 from ..registry import Entry, Registry, expression_content
 from ..settings import Settings
 from ..store import DirectoryStore
 from ..worker import Workers
 from . import problems, schemas
 from .metrics import Metrics
-from .wire import parse_operator_request, response_encoding, result_payload
+from .responses import PartsResponse
+from .routes import OperatorDispatch, OperatorRoute
+from .wire import parse_operator_request, payload, response_encoding
 
 #: Bodies above this are decoded and encoded off the event loop.
 LARGE_BYTES = 256 * 1024
@@ -105,21 +111,38 @@ async def read_body(request: Request, limit: int) -> bytes:
         )
         err.close = True  # type: ignore[attr-defined]  # the unread body makes the connection unusable
         raise err
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    # Straight from ASGI receive, not ``request.stream()``: a small body is one message,
+    # returned as is (the async generator and the join cost ~5 us per small request).
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             err = PayloadTooLargeError(f"body exceeds the limit of {limit} bytes", field="body")
             err.close = True  # type: ignore[attr-defined]
             raise err
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service: registry loaded, workers started, routes installed."""
     settings = settings or Settings()
+    # First, before anything starts a JAX backend: XLA's thread pools inherit this.
+    threads.start_backend_at_low_priority(settings.compute_nice)
+    sys.setswitchinterval(settings.switch_interval)
     _enable_compilation_cache(settings.compilation_cache)
+    executable_cache.configure(
+        Path(settings.compilation_cache) / "executables" if settings.compilation_cache else None,
+        settings.executable_cache_mb << 20,
+    )
+    if settings.warm_up:
+        executable_cache.warm_up()
     preparation.MAX_RESULT_ELEMENTS = settings.max_result_elements
     store = DirectoryStore(settings.store)
     registry = Registry(store, settings.max_functions)
@@ -130,12 +153,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     handles = PrepHandles(settings.max_prepared)
     registry.on_remove.append(lambda entry: cache.forget(entry.fn))
     registry.on_remove.append(lambda entry: handles.forget(entry.fn))
-    workers = Workers(settings.queue_size, settings.request_timeout, settings.inline_below)
-    metrics = Metrics(cache)
+    batcher = Batcher()
+    workers = Workers(
+        settings.queue_size, settings.request_timeout, settings.inline_below,
+        settings.max_batch, settings.batch_wait, settings.compute_nice,
+    )
+    metrics = Metrics(cache, batcher, workers)
     tokens = settings.tokens()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if settings.warm_up:  # the first thread hand-off costs ~20-100 ms (anyio's set-up)
+            await run_in_threadpool(int)
         yield
         workers.close()
         store.close()
@@ -183,10 +212,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
         nbytes = sum(getattr(v, "nbytes", 0) for v in jax.tree_util.tree_leaves(payload))
-        if nbytes > LARGE_BYTES:
-            body, media, headers = await run_in_threadpool(codec.encode_body, payload, encoding)
-        else:
-            body, media, headers = codec.encode_body(payload, encoding)
+        if nbytes > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
+            parts, media, headers = await run_in_threadpool(
+                codec.encode_body_parts, payload, encoding
+            )
+            return PartsResponse(parts, status, headers, media_type=media)
+        body, media, headers = codec.encode_body(payload, encoding)
         return Response(body, status, headers, media_type=media)
 
     # --- operators ------------------------------------------------------------
@@ -197,16 +228,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             req, encoding, size = await decode_operator(request, op)
             entry = registry.get(req.function)
             prep = handles.get(req.prep) if req.prep is not None else None
-
-            def compute() -> dict:
-                result = call(
-                    op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, prep, cache
-                )
-                return result_payload(op, result)
-
+            found = lookup(
+                op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, prep, cache
+            )
             # Same function, operator and body size: almost surely the same executable,
             # so its last run time predicts this one's (see worker.Workers.run).
             key = (entry.name, op.name, size, req.prep)
+            if found.prep is not None and workers.batching:
+                ready = found.prep
+
+                def run_group(items: Sequence[tuple]) -> list:
+                    results = batcher.run_group(ready, op.name, items)
+                    return [r if isinstance(r, BaseException) else payload(op, r) for r in results]
+
+                def holds(device: Any) -> bool:
+                    return ready.holds(op.name, device)
+
+                group = (ready, op.name)
+                return await encode(
+                    await workers.run_grouped(group, found.inputs, run_group, key, holds),
+                    encoding,
+                )
+
+            def compute() -> dict:
+                ready = found.prep or found.prepare(cache)  # first call: trace and compile
+                return payload(op, ready.run(op.name, *found.inputs))
+
             return await encode(await workers.run(compute, key), encoding)
 
         handle.__name__ = op.name
@@ -260,16 +307,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 },
             }
         }
-        app.add_api_route(
+        # app.router's add_api_route: FastAPI.add_api_route has no route_class_override.
+        app.router.add_api_route(
             f"/{name}", operator_route(op), methods=["POST"], tags=["operators"],
             responses={200: {"model": schemas.RESPONSES[op.name]}, **problem_responses},
             openapi_extra=body, summary=name, include_in_schema=name in OPERATORS,
+            route_class_override=OperatorRoute,
         )
         if name in OPERATORS:
-            app.add_api_route(
+            app.router.add_api_route(
                 f"/prepare/{name}", prepare_route(op), methods=["POST"], tags=["preparation"],
                 responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
                 openapi_extra=body, summary=f"prepare_{name}",
+                route_class_override=OperatorRoute,
             )
 
     # --- registry -------------------------------------------------------------
@@ -369,6 +419,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # Innermost, so the metrics (and any other) middleware still see every request.
+    app.add_middleware(OperatorDispatch, api=app)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -474,9 +526,5 @@ class _MetricsMiddleware:
         try:
             await self.app(scope, receive, sending)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
-            if status[0] >= 400:
-                self.metrics.errors.labels(str(status[0])).inc()
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.record(path, status[0], time.perf_counter() - start)
