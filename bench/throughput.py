@@ -140,17 +140,51 @@ def _merged(url: str) -> tuple[float, float]:
     return total, merged
 
 
+def _measure(servers: dict, script: Path, seconds: float, rounds: int) -> list[list]:
+    seq = {cfg: _sequential_client(srv.url, seconds) for cfg, srv in servers.items()}
+    runs: dict[tuple, list] = {}
+    for _ in range(rounds):
+        for c in CONCURRENCY:
+            for cfg, srv in servers.items():
+                total0, merged0 = _merged(srv.url)
+                rps, p50, errors = _wrk(srv.url, script, c, seconds)
+                total1, merged1 = _merged(srv.url)
+                share = (merged1 - merged0) / max(1.0, total1 - total0)
+                runs.setdefault((cfg, c), []).append((rps, p50, share, errors))
+    med = {k: float(np.median([r[0] for r in v])) for k, v in runs.items()}
+    rows = []
+    for cfg, srv in servers.items():
+        mode, batching = cfg
+        rows.append([mode, batching, "dxclient.Client, sequential", 1, f"{seq[cfg]:.0f}",
+                     "1.00x", "-", "-", "-", "-", 0])
+        for c in CONCURRENCY:
+            got = runs[cfg, c]
+            rps = med[cfg, c]
+            off = med[(mode, "off"), c]
+            rows.append([
+                mode, batching, "wrk", c, f"{rps:.0f}", f"{rps / seq[cfg]:.2f}x",
+                f"{rps / med[cfg, 1]:.2f}x", f"{rps / off:.2f}x",
+                f"{np.median([r[1] for r in got]):.2f}", f"{np.median([r[2] for r in got]):.0%}",
+                sum(r[3] for r in got),
+            ])
+        for c in CONCURRENCY:
+            rps, errors = _async_clients(srv.url, c, seconds)
+            rows.append([mode, batching, "dxclient.AsyncClient", c, f"{rps:.0f}",
+                         f"{rps / seq[cfg]:.2f}x", "-", "-", "-", "-", errors])
+    return rows
+
+
 def main() -> None:
     global N
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per wrk run")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved wrk runs per row")
     parser.add_argument("--n", type=int, default=N, help="size of x (default %(default)s)")
     parser.add_argument("--save", default="throughput-cpu.md")
     args = parser.parse_args()
     N = args.n
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: apt-get install wrk")
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         framing = set()
@@ -164,42 +198,36 @@ def main() -> None:
         script.write_text(
             LUA.format(folder=tmp, count=BODIES, ctype=ctype, hl_name=hl_name, hl=hl)
         )
-        for (mode, batching), env in CONFIGS.items():
-            port = free_port()
-            argv = [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port",
-                    str(port), "--store", str(tmp / f"store-{mode}-{batching}"),
-                    "--compilation-cache", "", "--log-level", "warning"]
-            os.environ.update(env)
-            try:
-                with Server(argv, port, "/health", tmp / f"{mode}-{batching}.log") as srv:
-                    seq = _sequential_client(srv.url, args.seconds)
-                    rows.append([mode, batching, "dxclient.Client, sequential", 1, f"{seq:.0f}",
-                                 "1.00x", "-", "-", "-", 0])
-                    single = None
-                    for c in CONCURRENCY:
-                        total0, merged0 = _merged(srv.url)
-                        rps, p50, errors = _wrk(srv.url, script, c, args.seconds)
-                        total1, merged1 = _merged(srv.url)
-                        single = single or rps
-                        share = (merged1 - merged0) / max(1.0, total1 - total0)
-                        rows.append([mode, batching, "wrk", c, f"{rps:.0f}", f"{rps / seq:.2f}x",
-                                     f"{rps / single:.2f}x", f"{p50:.2f}", f"{share:.0%}", errors])
-                    for c in CONCURRENCY:
-                        rps, errors = _async_clients(srv.url, c, args.seconds)
-                        rows.append([mode, batching, "dxclient.AsyncClient", c, f"{rps:.0f}",
-                                     f"{rps / seq:.2f}x", "-", "-", "-", errors])
-            finally:
-                for key in env:
-                    os.environ.pop(key, None)
+        servers = {}
+        try:
+            for (mode, batching), env in CONFIGS.items():  # all up at once: idle ones cost nothing
+                port = free_port()
+                argv = [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port",
+                        str(port), "--store", str(tmp / f"store-{mode}-{batching}"),
+                        "--compilation-cache", "", "--log-level", "warning"]
+                os.environ.update(env)
+                try:
+                    servers[mode, batching] = Server(
+                        argv, port, "/health", tmp / f"{mode}-{batching}.log"
+                    )
+                finally:
+                    for key in env:
+                        os.environ.pop(key, None)
+            rows = _measure(servers, script, args.seconds, args.rounds)
+        finally:
+            for srv in servers.values():
+                srv.stop()
     out = Tee()
     out(machine_line())
-    out(f"POST /gradient, rosenbrock n = {N}, binary encoding, {args.seconds:g} s per row; "
-        "'vs sequential' = requests/s over the sequential dxclient.Client's on the same server; "
-        "'vs wrk c=1' = over wrk with one connection")
+    out(f"POST /gradient, rosenbrock n = {N}, binary encoding; wrk rows: median of "
+        f"{args.rounds} runs of {args.seconds:g} s, interleaved across the four servers (all "
+        "running at once); 'vs sequential' = req/s over the sequential dxclient.Client's on "
+        "the same server; 'vs wrk c=1' = over wrk with one connection; 'vs off' = over the "
+        "same row with batching off")
     out()
     out(markdown_table(
         ["server", "batching", "load", "clients", "req/s", "vs sequential", "vs wrk c=1",
-         "p50 ms", "merged", "errors"], rows))
+         "vs off", "p50 ms", "merged", "errors"], rows))
     out()
     out("Target: 32 clients >= 1.8x a single sequential client, zero errors; batching on "
         "never slower than off.")

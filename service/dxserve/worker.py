@@ -34,6 +34,8 @@ import jax
 
 from dxclient.errors import DeadlineExceededError, OverloadedError
 
+from . import threads
+
 T = TypeVar("T")
 
 #: ``run_group(items) -> one result or exception per item``
@@ -55,9 +57,10 @@ class _Job:
 class DeviceWorker:
     def __init__(
         self, device: Any, queue_size: int, timeout: float, pin: bool,
-        max_batch: int = 1, batch_wait: float = 0.0,
+        max_batch: int = 1, batch_wait: float = 0.0, nice: int = 0,
     ) -> None:
         self.device = device
+        self.nice = nice
         self.queue_size = queue_size
         self.timeout = timeout
         self.max_batch = max_batch
@@ -102,6 +105,9 @@ class DeviceWorker:
 
     # --- the device thread ----------------------------------------------------
     def _serve(self) -> None:
+        # Below the event loop, so /health and small requests are answered while this
+        # thread (and the threads it starts) computes; see threads.py.
+        threads.lower_priority_of_current_thread(self.nice)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -193,12 +199,13 @@ class Workers:
 
     def __init__(
         self, queue_size: int = 256, timeout: float = 300.0, inline_below: float = 0.001,
-        max_batch: int = 1, batch_wait: float = 0.0,
+        max_batch: int = 1, batch_wait: float = 0.0, nice: int = 0,
     ) -> None:
         self.devices = jax.devices()
         pin = len(self.devices) > 1
         self.workers = [
-            DeviceWorker(d, queue_size, timeout, pin, max_batch, batch_wait) for d in self.devices
+            DeviceWorker(d, queue_size, timeout, pin, max_batch, batch_wait, nice)
+            for d in self.devices
         ]
         self.inline_below = inline_below
         self.batching = max_batch > 1
