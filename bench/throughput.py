@@ -16,7 +16,7 @@ requests answered from a vmapped batch (``dxserve_batched_requests_total``).
 Target (issue 6): 32 clients >= 1.8x a single sequential client, zero errors;
 batching on never slower than off.
 
-    .venv/bin/python bench/throughput.py [--seconds 5] [--save '']
+    .venv/bin/python bench/throughput.py [--seconds 2] [--rounds 5] [--n 100] [--save '']
 """
 
 from __future__ import annotations
