@@ -506,3 +506,19 @@ def test_device_out_of_memory_is_a_503_and_other_failures_a_422():
     with pytest.raises(FunctionEvaluationError) as info:
         dxserve.gradient(broken, "finite-differences", np.ones(3))
     assert info.value.status == 422 and info.value.field == "function"
+
+
+def test_requests_looked_up_together_compile_once():
+    """Concurrent first requests for one signature are looked up before any compiles;
+    only the first compiles, the rest reuse its prep."""
+    from dxserve.preparation import PrepCache, lookup
+
+    f = counted(sin_sq)
+    cache = PrepCache()
+    x = np.linspace(0.1, 1.0, 4)
+    first, second = (lookup("gradient", f, "jax-reverse", x, None, (), None, cache) for _ in "ab")
+    assert first.prep is None and second.prep is None
+    a = first.prepare(cache)
+    traced = len(f.calls)
+    b = second.prepare(cache)
+    assert b is a and len(f.calls) == traced

@@ -389,6 +389,11 @@ class PrepCache:
             self.hits += 1
             return prep
 
+    def peek(self, key: tuple) -> Prep | None:
+        """``get`` without counting a hit or a miss."""
+        with self._lock:
+            return self._items.get(key)
+
     def put(self, key: tuple, prep: Prep) -> None:
         with self._lock:
             self._items[key] = prep
@@ -442,11 +447,18 @@ class Lookup:
         return self.x, self.tangents, self.contexts
 
     def prepare(self, cache: PrepCache) -> Prep:
-        """Trace and compile for this call (the slow path) and keep the prep in ``cache``."""
-        prep = prepare(
-            self.operator, self.function, self.backend, self.x, self.tangents, self.contexts, cache
-        )
-        cache.put(self.key, prep)
+        """Trace and compile for this call (the slow path) and keep the prep in ``cache``.
+
+        Requests for a new signature that arrive together are all looked up before the
+        first one compiles; the later ones find its prep here instead of compiling again.
+        """
+        prep = cache.peek(self.key)
+        if prep is None:
+            prep = prepare(
+                self.operator, self.function, self.backend, self.x, self.tangents,
+                self.contexts, cache,
+            )
+            cache.put(self.key, prep)
         return prep
 
 
