@@ -21,7 +21,7 @@ executables; a batch is padded to its bucket by repeating its last request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,5 +182,3 @@ def _same_result(alone: Any, batched: Any) -> bool:
     a, b = jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(batched)
     return len(a) == len(b) and all(_bits_equal(u, v) for u, v in zip(a, b, strict=True))
 
-
-RunGroup = Callable[[Any, str, Sequence[Inputs]], list[Any]]

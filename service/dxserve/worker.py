@@ -270,10 +270,6 @@ class Workers:
     def pending(self) -> int:
         return sum(w.pending for w in self.workers)
 
-    @property
-    def batches(self) -> int:
-        return sum(w.batches for w in self.workers)
-
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
