@@ -51,8 +51,8 @@ def as_tree(value: Any) -> Tree:
 
     numpy and JAX arrays keep their dtype; dicts (and tuples) are pytrees.
     """
-    if isinstance(value, (np.ndarray, jax.Array)):
-        return value
+    if type(value) is np.ndarray or isinstance(value, (np.ndarray, jax.Array)):
+        return value  # (the exact-type test first: isinstance on jax.Array is slow)
     if isinstance(value, dict):
         return {k: as_tree(v) for k, v in value.items()}
     if isinstance(value, tuple):
@@ -66,7 +66,12 @@ def as_tree(value: Any) -> Tree:
     return value
 
 
+_LEAF = jax.tree_util.tree_structure(0)
+
+
 def spec_of(tree: Tree) -> Spec:
+    if type(tree) is np.ndarray:  # the common case, without flattening
+        return _LEAF, ((tree.shape, tree.dtype.str),)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(np.shape(v)), np.dtype(v.dtype).str) for v in leaves)
 
@@ -471,13 +476,18 @@ def lookup(
     contexts: Sequence,
     prep: Prep | None = None,
     cache: PrepCache = CACHE,
+    signature: Signature | None = None,
 ) -> Lookup:
     """Normalize the inputs and find the prep that runs them: ``prep`` if given
-    (checked against the call), else the cached one, else none yet."""
+    (checked against the call), else the cached one, else none yet.
+
+    ``signature``: the inputs' signature if the caller already knows it (the server
+    does for a repeated request), saving its computation."""
     op = OPERATORS[operator]
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
-    signature = Signature.of(x, tangents, contexts)
+    if signature is None:
+        signature = Signature.of(x, tangents, contexts)
     key = (f, op.name, backend, signature)
     if prep is not None:
         prep.check(op.family, f, backend, signature)

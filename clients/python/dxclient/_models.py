@@ -6,9 +6,11 @@ functions; they differ only in how bytes travel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 
 from . import codec
@@ -86,6 +88,11 @@ def operator_call(
     *,
     prepare: bool = False,
 ) -> Call:
+    repeat = _REPEATS.key(operator, f, backend, x, tangents, contexts, prep, encoding, prepare)
+    if repeat is not None:
+        call = _REPEATS.call(repeat, x)
+        if call is not None:
+            return call
     op = operator_spec(operator)
     payload: dict[str, Any] = {
         "function": function_name(f),
@@ -107,7 +114,52 @@ def operator_call(
     if encoding == "binary":
         headers["accept"] = codec.BINARY_TYPE
     path = f"/prepare/{op.name}" if prepare else f"/{op.name}"
-    return Call("POST", path, body, headers)
+    call = Call("POST", path, body, headers)
+    if repeat is not None:
+        _REPEATS.remember(repeat, call)
+    return call
+
+
+class _RepeatCalls:
+    """Binary calls that repeat all but x's data, and the header they send.
+
+    An optimizer calls one operator of one function with one backend and one shape
+    over and over; only x's bytes change. Such a call (x a numpy array, no tangents,
+    contexts or prep) is encoded in full once; the next ones reuse its header (the
+    same bytes ``codec.encode_body`` would write) and append x's data.
+    """
+
+    MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple, Call] = {}
+
+    def key(self, operator, f, backend, x, tangents, contexts, prep, encoding, prepare):  # noqa: ANN001, ANN201
+        if (
+            encoding != "binary" or type(x) is not np.ndarray or tangents is not None
+            or contexts or prep is not None or type(f) is not str
+            or not isinstance(backend, str | Backend)
+        ):
+            return None
+        return operator, prepare, f, backend, x.dtype, x.shape
+
+    def call(self, key: tuple, x: np.ndarray) -> Call | None:
+        known = self._calls.get(key)
+        if known is None:
+            return None
+        data = memoryview(codec.array_bytes(x))
+        body = b"".join((known.body, data, codec.padding(len(data))))
+        return Call(known.method, known.path, body, known.headers)
+
+    def remember(self, key: tuple, call: Call) -> None:
+        """Keep ``call``'s header (``key`` from ``self.key``)."""
+        if len(self._calls) >= self.MAX_ENTRIES:
+            self._calls.clear()
+        header = call.body[: int(call.headers[codec.HEADER_LENGTH])]
+        self._calls[key] = Call(call.method, call.path, header, call.headers)
+
+
+_REPEATS = _RepeatCalls()
 
 
 def raise_for_problem(status: int, headers: Any, content: bytes) -> None:
@@ -126,17 +178,39 @@ def raise_for_problem(status: int, headers: Any, content: bytes) -> None:
 def operator_result(operator: str, headers: Any, content: bytes) -> Any:
     """Decode an operator's answer to numpy: one result, or a tuple (DI's order)."""
     op = operator_spec(operator)
-    arrays = [r for r in op.results if r not in BATCH_RESULTS]
-    batches = [r for r in op.results if r in BATCH_RESULTS]
+    arrays, batches = _result_kinds(op)
+    content_type, header_length = _wire_headers(headers)
     obj = codec.decode_response(
-        content,
-        headers.get("content-type"),
-        headers.get(codec.HEADER_LENGTH),
-        arrays=arrays,
-        batches=batches,
+        content, content_type, header_length, arrays=arrays, batches=batches
     )
     values = tuple(tuple(obj[r]) if r in BATCH_RESULTS else obj[r] for r in op.results)
     return values[0] if len(values) == 1 else values
+
+
+@functools.cache
+def _result_kinds(op: OperatorSpec) -> tuple[frozenset[str], frozenset[str]]:
+    """``op``'s results that are one array each, and those that are a batch of them."""
+    return (
+        frozenset(r for r in op.results if r not in BATCH_RESULTS),
+        frozenset(r for r in op.results if r in BATCH_RESULTS),
+    )
+
+
+_CONTENT_TYPE, _HEADER_LENGTH = b"content-type", codec.HEADER_LENGTH.lower().encode()
+
+
+def _wire_headers(headers: Any) -> tuple[str | None, str | None]:
+    """``(Content-Type, Dxserve-Header-Length)``; httpx headers read in one pass."""
+    if not isinstance(headers, httpx.Headers):
+        return headers.get("content-type"), headers.get(codec.HEADER_LENGTH)
+    content_type = header_length = None
+    for name, value in headers.raw:
+        name = name.lower()
+        if name == _CONTENT_TYPE and content_type is None:
+            content_type = value.decode("latin-1")
+        elif name == _HEADER_LENGTH and header_length is None:
+            header_length = value.decode("latin-1")
+    return content_type, header_length
 
 
 def prep_result(content: bytes) -> RemotePrep:

@@ -59,7 +59,10 @@ __all__ = [
     "HEADER_LENGTH",
     "JSON_TYPE",
     "MARKER",
+    "BinaryLayout",
     "decode_body",
+    "decode_body_and_layout",
+    "array_bytes",
     "decode_response",
     "decode_result",
     "dumps",
@@ -68,6 +71,7 @@ __all__ = [
     "encode_body_parts",
     "from_tree",
     "loads",
+    "padding",
     "to_tree",
 ]
 
@@ -280,9 +284,28 @@ def decode_body(
     """Parse a request/response body into a JSON object (dict).
 
     JSON bodies: typed objects are left as-is (``to_tree`` converts them).
-    Binary bodies: every buffer reference is replaced in place by a read-only
+    Binary bodies: every buffer reference is replaced by a read-only
     ``np.frombuffer`` view into ``body`` (zero-copy); everything else is left as-is.
     Raises MalformedRequestError (400) or UnsupportedMediaTypeError (415).
+    """
+    return decode_body_and_layout(
+        body, content_type, header_length, max_header_bytes=max_header_bytes
+    )[0]
+
+
+def decode_body_and_layout(
+    body: bytes | bytearray | memoryview,
+    content_type: str | None,
+    header_length: str | None = None,
+    *,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[dict, BinaryLayout | None]:
+    """``decode_body``, and the ``BinaryLayout`` of a binary body's header (None for
+    JSON bodies and headers over ``BinaryLayout.MAX_HEADER`` bytes).
+
+    The same header comes back again and again (same function, backend, shapes and
+    dtypes), so its layout is remembered: a repeated header is not parsed again, and a
+    caller can keep what it derives from the header in ``layout.memo``.
     """
     kind = _content_kind(content_type)
     if kind == "json":
@@ -291,7 +314,7 @@ def decode_body(
             raise MalformedRequestError(
                 f"the body must be a JSON object, got {_json_kind(obj)}", field="body"
             )
-        return obj
+        return obj, None
 
     field = HEADER_LENGTH
     if header_length is None:
@@ -310,13 +333,93 @@ def decode_body(
         raise MalformedRequestError(
             f"header length {n} exceeds the body length {len(body)}", field=field
         )
+    buf = body if isinstance(body, bytes | bytearray) else memoryview(body)
+    head = bytes(buf[:n]) if n <= BinaryLayout.MAX_HEADER else None
+    layout = _LAYOUTS.get(head) if head is not None else None
+    if layout is not None and len(buf) - n >= layout.end:
+        return layout.fill(layout.tree, buf, n), layout
     header = loads(memoryview(body)[:n], field="header")
     if not isinstance(header, dict):
         raise MalformedRequestError("the binary header must be a JSON object", field="header")
-    buf = body if isinstance(body, bytes | bytearray) else memoryview(body)
     for key in list(header):
         header[key] = _resolve_refs(header[key], key, buf, n, 0)
-    return header
+    if head is not None:  # checked in full just now: the next body like it skips all that
+        layout = BinaryLayout(loads(head))
+        _LAYOUTS.put(head, layout)
+    return header, layout
+
+
+class _Slot:
+    """An array's place in a binary body, from a header already checked once."""
+
+    __slots__ = ("count", "dtype", "end", "offset", "shape")
+
+    def __init__(self, ref: dict) -> None:
+        self.dtype, self.shape = _LE[ref["dtype"]], tuple(ref["shape"])
+        self.count, self.offset = _prod(self.shape), ref[MARKER]["offset"]
+        self.end = self.offset + ref[MARKER]["nbytes"]
+
+
+class BinaryLayout:
+    """A checked binary header: its JSON with every buffer reference turned into a slot.
+
+    Decoding a body with a known layout is a copy of the small JSON tree plus one
+    ``np.frombuffer`` view per array. Built only from a header ``decode_body`` has just
+    checked in full, so a layout is valid for every body at least ``end`` bytes past it.
+    ``memo`` is for callers (the server keeps each operator's parsed request there).
+    """
+
+    MAX_HEADER = 2048  # bytes; longer headers are parsed every time
+
+    def __init__(self, header: dict) -> None:
+        self.end = 0
+        self.tree = self._slots(header)
+        self.memo: dict[Any, Any] = {}
+
+    def _slots(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            if MARKER in value and isinstance(value[MARKER], dict):
+                slot = _Slot(value)
+                self.end = max(self.end, slot.end)
+                return slot
+            return {k: self._slots(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._slots(v) for v in value]
+        return value
+
+    def fill(self, value: Any, body: Any, start: int) -> Any:
+        """A fresh copy of ``value`` with read-only views into ``body`` for its slots."""
+        kind = type(value)
+        if kind is _Slot:
+            a = np.frombuffer(body, value.dtype, value.count, start + value.offset)
+            return a.reshape(value.shape)
+        if kind is dict:
+            return {k: self.fill(v, body, start) for k, v in value.items()}
+        if kind is list:
+            return [self.fill(v, body, start) for v in value]
+        return value
+
+
+class _Memo:
+    """A small bounded dict: cleared when full (a working set this large isn't repeating)."""
+
+    def __init__(self, max_entries: int = 512) -> None:
+        self.max_entries = max_entries
+        self._items: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        return self._items.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        if len(self._items) >= self.max_entries:
+            self._items.clear()
+        self._items[key] = value
+
+
+#: header bytes -> BinaryLayout, for decoding
+_LAYOUTS = _Memo()
+#: ``_header_key`` -> padded header bytes, for encoding: the same call, the same header
+_HEADERS = _Memo()
 
 
 def _resolve_refs(value: Any, field: str, body: Any, start: int, depth: int) -> Any:
@@ -689,10 +792,12 @@ def decode_response(
     """Decode a whole body; fields in ``arrays`` become arrays/pytrees, fields in
     ``batches`` lists of them; other fields are returned as parsed JSON."""
     obj = decode_body(body, content_type, header_length)
-    batch_set = set(batches)
-    for key in set(arrays) | batch_set:
+    for key in arrays:
         if key in obj:
-            obj[key] = decode_result(obj[key], key, key in batch_set)
+            obj[key] = decode_result(obj[key], key, False)
+    for key in batches:
+        if key in obj:
+            obj[key] = decode_result(obj[key], key, True)
     return obj
 
 
@@ -832,13 +937,59 @@ def encode_body_parts(payload: dict, encoding: str) -> tuple[list[Any], str, dic
         raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
     if encoding != "binary":
         return dumps_parts(from_tree(payload, encoding)), JSON_TYPE, {}
-    buffers = _Buffers()
-    header = dumps(from_tree(payload, "binary", buffers))
-    pad = -len(header) % ALIGN
-    parts: list[Any] = [header + b" " * pad]
-    for a in buffers.items:
+    arrays: list[np.ndarray] = []
+    key = _header_key(payload, arrays)
+    header = _HEADERS.get(key) if key is not None else None
+    if header is None:
+        buffers = _Buffers()
+        header = dumps(from_tree(payload, "binary", buffers))
+        header += b" " * (-len(header) % ALIGN)
+        arrays = buffers.items
+        if key is not None and len(header) <= BinaryLayout.MAX_HEADER:
+            _HEADERS.put(key, header)
+    else:
+        arrays = [_le_contig(a) for a in arrays]
+    parts: list[Any] = [header]
+    for a in arrays:
         if a.nbytes:
-            parts.append(memoryview(a.reshape(-1).view(np.uint8)))
+            parts.append(memoryview(array_bytes(a)))
             if a.nbytes % ALIGN:
-                parts.append(bytes(-a.nbytes % ALIGN))
-    return parts, BINARY_TYPE, {HEADER_LENGTH: str(len(header) + pad)}
+                parts.append(padding(a.nbytes))
+    return parts, BINARY_TYPE, {HEADER_LENGTH: str(len(header))}
+
+
+_PADDING = [bytes(k) for k in range(ALIGN)]
+
+
+def array_bytes(a: np.ndarray) -> np.ndarray:
+    """``a`` as the binary encoding stores it: little-endian, C order (copied if needed)."""
+    return _le_contig(a).reshape(-1).view(np.uint8)
+
+
+def padding(nbytes: int) -> bytes:
+    """The zero bytes that follow ``nbytes`` of array data in a binary body."""
+    return _PADDING[-nbytes % ALIGN]
+
+
+def _header_key(tree: Any, arrays: list[np.ndarray]) -> Any:
+    """What a binary header depends on: the tree with each array reduced to its dtype
+    and shape (the arrays are appended to ``arrays`` in ``from_tree``'s order), or None
+    when the tree holds something else (floats, scalars, JAX arrays): not remembered."""
+    kind = type(tree)
+    if kind is np.ndarray:
+        arrays.append(tree)
+        return tree.dtype, tree.shape
+    if kind is dict:
+        items = []
+        for k, v in tree.items():
+            sub = _header_key(v, arrays)
+            if sub is None:
+                return None
+            items.append((k, sub))
+        return dict, tuple(items)
+    if kind is list or kind is tuple:
+        subs = tuple(_header_key(v, arrays) for v in tree)
+        return None if None in subs else (list, subs)
+    if kind is str or kind is int or kind is bool or tree is None:
+        return kind, tree
+    return None

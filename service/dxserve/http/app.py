@@ -51,7 +51,13 @@ from . import problems, schemas
 from .metrics import Metrics
 from .responses import PartsResponse
 from .routes import OperatorDispatch, OperatorRoute
-from .wire import parse_operator_request, payload, response_encoding
+from .wire import (
+    decode_operator_request,
+    payload,
+    response_encoding,
+    result_nbytes,
+    wire_headers,
+)
 
 #: Bodies above this are decoded and encoded off the event loop.
 LARGE_BYTES = 256 * 1024
@@ -103,8 +109,11 @@ def export_platforms() -> list[str]:
     return ["cuda" if platform == "gpu" else platform]
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
+    """The whole body, refused (413) past ``limit`` bytes. ``declared``: the request's
+    Content-Length if the caller has read it already, else it is looked up here."""
+    if declared is None:
+        declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         err = PayloadTooLargeError(
             f"body of {declared} bytes exceeds the limit of {limit} bytes", field="body"
@@ -199,20 +208,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
 
     async def decode_operator(request: Request, op: OperatorSpec) -> tuple[Any, str, int]:
-        body = await read_body(request, settings.max_body_bytes)
-        content_type = request.headers.get("content-type")
-        encoding = response_encoding(content_type, request.headers.get("accept"), body)
-        length = request.headers.get(codec.HEADER_LENGTH)
-
-        def decode() -> Any:
-            return parse_operator_request(codec.decode_body(body, content_type, length), op)
-
-        parsed = await run_in_threadpool(decode) if len(body) > LARGE_BYTES else decode()
+        content_type, accept, length, declared = wire_headers(request.scope)
+        body = await read_body(request, settings.max_body_bytes, declared)
+        encoding = response_encoding(content_type, accept, body)
+        if len(body) > LARGE_BYTES:
+            parsed = await run_in_threadpool(
+                decode_operator_request, body, content_type, length, op
+            )
+        else:
+            parsed = decode_operator_request(body, content_type, length, op)
         return parsed, encoding, len(body)
 
     async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
-        nbytes = sum(getattr(v, "nbytes", 0) for v in jax.tree_util.tree_leaves(payload))
-        if nbytes > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
+        if result_nbytes(payload) > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
             parts, media, headers = await run_in_threadpool(
                 codec.encode_body_parts, payload, encoding
             )
@@ -229,7 +237,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             entry = registry.get(req.function)
             prep = handles.get(req.prep) if req.prep is not None else None
             found = lookup(
-                op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, prep, cache
+                op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, prep, cache,
+                req.signature,
             )
             # Same function, operator and body size: almost surely the same executable,
             # so its last run time predicts this one's (see worker.Workers.run).

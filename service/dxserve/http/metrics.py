@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+import itertools
+import math
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from ..batching import Batcher
 from ..preparation import PrepCache
@@ -17,41 +20,64 @@ class Metrics:
         self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None
     ) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "dxserve_requests", "HTTP requests answered", ["route", "status"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "dxserve_request_seconds", "Request latency (seconds) by route", ["route"],
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "dxserve_errors", "Problem responses by status", ["status"], registry=self.registry
-        )
+        self.requests = _RequestCollector()
+        self.registry.register(self.requests)
         self.registry.register(_CacheCollector(cache))
         if batcher is not None:
             self.registry.register(_BatchCollector(batcher))
         if workers is not None:
             self.registry.register(_DeviceCollector(workers))
-        # (route, status) -> the labelled children ``record`` updates. ``labels()``
-        # validates, locks and hashes on every call; a request needs only the same few
-        # children again, so look them up once (a race just labels twice, harmlessly).
-        self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
     def record(self, route: str, status: int, seconds: float) -> None:
         """Count and time one answered request (errors counted by status too)."""
-        children = self._children.get((route, status))
-        if children is None:
-            code = str(status)
-            error = self.errors.labels(code) if status >= 400 else None
-            children = (self.requests.labels(route, code), self.latency.labels(route), error)
-            self._children[(route, status)] = children
-        requests, latency, error = children
-        requests.inc()
-        latency.observe(seconds)
-        if error is not None:
-            error.inc()
+        self.requests.record(route, status, seconds)
+
+
+class _RequestCollector:
+    """``dxserve_requests``, ``dxserve_request_seconds`` and ``dxserve_errors``.
+
+    Counted in plain dicts and read at scrape time. ``record`` runs on the event loop
+    for every request; prometheus_client's ``Counter`` and ``Histogram`` take a lock per
+    update and look up labelled children, which a small request felt (SPEC §7). Only
+    the event-loop thread records, so no lock is needed; a scrape copies first.
+    """
+
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
+
+    def __init__(self) -> None:
+        self._bounds = (*self.BUCKETS, math.inf)
+        self._counts: dict[tuple[str, int], int] = {}  # (route, status) -> requests
+        self._latency: dict[str, list] = {}  # route -> [count per bucket..., sum]
+        self._errors: dict[int, int] = {}  # status -> problem responses
+
+    def record(self, route: str, status: int, seconds: float) -> None:
+        key = (route, status)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        latency = self._latency.get(route)
+        if latency is None:
+            latency = self._latency[route] = [0] * len(self._bounds) + [0.0]
+        latency[bisect.bisect_left(self._bounds, seconds)] += 1
+        latency[-1] += seconds
+        if status >= 400:
+            self._errors[status] = self._errors.get(status, 0) + 1
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "dxserve_requests", "HTTP requests answered", labels=["route", "status"]
+        )
+        for (route, status), n in list(self._counts.items()):
+            requests.add_metric([route, str(status)], n)
+        latency = HistogramMetricFamily(
+            "dxserve_request_seconds", "Request latency (seconds) by route", labels=["route"]
+        )
+        for route, counts in list(self._latency.items()):
+            cumulative = list(itertools.accumulate(counts[:-1]))
+            buckets = [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)]
+            latency.add_metric([route], buckets, sum_value=counts[-1])
+        errors = CounterMetricFamily("dxserve_errors", "Problem responses by status", labels=["status"])
+        for status, n in list(self._errors.items()):
+            errors.add_metric([str(status)], n)
+        return [requests, latency, errors]
 
 
 class _CacheCollector:

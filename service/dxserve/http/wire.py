@@ -16,6 +16,8 @@ from dxclient.backends import Backend, backend_from_json
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.operators import OperatorSpec
 
+from ..preparation import Signature
+
 OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep")
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
@@ -45,6 +47,75 @@ class OperatorRequest:
     tangents: tuple | None
     contexts: tuple
     prep: str | None
+    #: the inputs' ``Signature`` when already known (a repeated binary header), else None
+    signature: Signature | None = None
+
+
+def decode_operator_request(
+    body: bytes, content_type: str | None, header_length: str | None, op: OperatorSpec
+) -> OperatorRequest:
+    """Decode and validate the body of ``POST /{op}``; errors name the field.
+
+    A binary header seen before for this operator is not validated again: its layout
+    keeps the request it described (``_Repeat``), and only the arrays are new.
+    """
+    obj, layout = codec.decode_body_and_layout(body, content_type, header_length)
+    if layout is not None:
+        repeat = layout.memo.get(op.name)
+        if repeat is not None:
+            return repeat.request(obj)
+    req = parse_operator_request(obj, op)
+    if layout is not None and _all_binary(obj):
+        layout.memo[op.name] = _Repeat(req)
+    return req
+
+
+class _Repeat:
+    """What a binary header says about a request, checked once: all but the arrays."""
+
+    def __init__(self, req: OperatorRequest) -> None:
+        self.function, self.backend, self.prep = req.function, req.backend, req.prep
+        self.takes_tangents = req.tangents is not None
+        self.signature = Signature.of(req.x, req.tangents, req.contexts)
+
+    def request(self, obj: dict) -> OperatorRequest:
+        """The request for a body with this header (``obj``: its decoded JSON)."""
+        tangents = tuple(obj["tangents"]) if self.takes_tangents else None
+        return OperatorRequest(
+            self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
+            self.prep, self.signature,
+        )
+
+
+def _all_binary(obj: dict) -> bool:
+    """Every input array came from a binary buffer (nothing inline to validate again)."""
+
+    def arrays_only(tree: Any) -> bool:
+        if isinstance(tree, dict):
+            return all(arrays_only(v) for v in tree.values())
+        return isinstance(tree, np.ndarray)
+
+    return arrays_only(obj["x"]) and all(
+        arrays_only(t) for key in ("tangents", "contexts") for t in obj.get(key) or ()
+    )
+
+
+_WIRE_HEADERS = {
+    name: at for at, name in enumerate(
+        (b"content-type", b"accept", codec.HEADER_LENGTH.lower().encode(), b"content-length")
+    )
+}
+
+
+def wire_headers(scope: dict) -> list[str | None]:
+    """``[Content-Type, Accept, Dxserve-Header-Length, Content-Length]`` of an ASGI
+    request, the first of each (as Starlette's ``Headers.get`` gives), in one pass."""
+    found: list[str | None] = [None, None, None, None]
+    for name, value in scope["headers"]:
+        at = _WIRE_HEADERS.get(name)
+        if at is not None and found[at] is None:
+            found[at] = value.decode("latin-1")
+    return found
 
 
 def response_encoding(content_type: str | None, accept: str | None, body: bytes) -> str:
@@ -134,6 +205,15 @@ def _host(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
     return np.asarray(tree)
+
+
+def result_nbytes(tree: Any) -> int:
+    """Bytes of array data in a ``payload`` (dicts and tuples of arrays)."""
+    if isinstance(tree, dict):
+        return sum(result_nbytes(v) for v in tree.values())
+    if isinstance(tree, tuple | list):
+        return sum(result_nbytes(v) for v in tree)
+    return getattr(tree, "nbytes", 0)
 
 
 def payload(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
