@@ -9,7 +9,9 @@ follows. Each server configuration runs in its own process:
 * ``workers``: every job goes to the device worker thread (``DXSERVE_INLINE_BELOW=0``);
 
 each with request batching on (the default, ``DXSERVE_MAX_BATCH=32``) and off
-(``DXSERVE_MAX_BATCH=1``). wrk cycles through 16 different request bodies (16
+(``DXSERVE_MAX_BATCH=1``), plus a twin of ``inline``/``off`` in a second process: two
+processes of one configuration differ by several percent on a small VM, and the twin's
+"vs off" shows by how much. wrk cycles through 16 different request bodies (16
 different x), so merged batches hold different inputs. "merged" is the share of
 requests answered from a vmapped batch (``dxserve_batched_requests_total``).
 
@@ -43,6 +45,9 @@ CONFIGS = {
     ("inline", "off"): {"DXSERVE_MAX_BATCH": "1"},
     ("workers", "on"): {"DXSERVE_INLINE_BELOW": "0"},
     ("workers", "off"): {"DXSERVE_INLINE_BELOW": "0", "DXSERVE_MAX_BATCH": "1"},
+    # a second process of the same configuration: its "vs off" is the process-to-process
+    # noise of this machine, the band inside which on/off differences mean nothing
+    ("inline", "off-twin"): {"DXSERVE_MAX_BATCH": "1"},
 }
 BODIES = 16
 
@@ -143,9 +148,12 @@ def _merged(url: str) -> tuple[float, float]:
 def _measure(servers: dict, script: Path, seconds: float, rounds: int) -> list[list]:
     seq = {cfg: _sequential_client(srv.url, seconds) for cfg, srv in servers.items()}
     runs: dict[tuple, list] = {}
-    for _ in range(rounds):
+    configs = list(servers)
+    for r in range(rounds):
         for c in CONCURRENCY:
-            for cfg, srv in servers.items():
+            # each round starts with another server: none always runs right after a given one
+            for cfg in configs[r % len(configs):] + configs[: r % len(configs)]:
+                srv = servers[cfg]
                 total0, merged0 = _merged(srv.url)
                 rps, p50, errors = _wrk(srv.url, script, c, seconds)
                 total1, merged1 = _merged(srv.url)
@@ -220,10 +228,11 @@ def main() -> None:
     out = Tee()
     out(machine_line())
     out(f"POST /gradient, rosenbrock n = {N}, binary encoding; wrk rows: median of "
-        f"{args.rounds} runs of {args.seconds:g} s, interleaved across the four servers (all "
-        "running at once); 'vs sequential' = req/s over the sequential dxclient.Client's on "
+        f"{args.rounds} runs of {args.seconds:g} s, interleaved across the five servers (all "
+        "running at once, the order rotated each round); 'vs sequential' = req/s over the "
+        "sequential dxclient.Client's on "
         "the same server; 'vs wrk c=1' = over wrk with one connection; 'vs off' = over the "
-        "same row with batching off")
+        "same row with batching off (for off-twin: over its twin, the noise band)")
     out()
     out(markdown_table(
         ["server", "batching", "load", "clients", "req/s", "vs sequential", "vs wrk c=1",
