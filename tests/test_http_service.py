@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import threading
 import time
 import uuid
@@ -437,3 +438,36 @@ def test_token_required_for_compute_when_configured(tmp_path: Any) -> None:
         r = http.post("/gradient", json=body, headers={"authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json() == {"gradient": [2.0, 4.0]}
         assert http.get("/health").status_code == 200  # liveness needs no token
+
+
+class _CountingFinder:
+    """A meta-path finder that finds nothing and counts the imports that searched."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        self.names.append(name)
+        return None
+
+
+def test_async_client_calls_import_nothing(server: Any) -> None:
+    """No module lookups per request: httpcore imports ``sniffio`` on every async call,
+    and a missing ``sniffio`` (anyio>=4.11 stopped installing it) made each call search
+    sys.path (encode/httpcore#1103); dxclient depends on it for that reason."""
+    x = np.linspace(-1.0, 1.5, 8)
+
+    async def calls() -> list[np.ndarray]:
+        async with AsyncClient(server.url) as client:
+            await client.gradient("rosenbrock", "jax-reverse", x)  # connect, warm up
+            finder = _CountingFinder()
+            sys.meta_path.insert(0, finder)
+            try:
+                got = [await client.gradient("rosenbrock", "jax-reverse", x) for _ in range(5)]
+            finally:
+                sys.meta_path.remove(finder)
+            assert finder.names == [], f"imports searched on every call: {set(finder.names)}"
+            return got
+
+    for got in asyncio.run(calls()):
+        np.testing.assert_allclose(got, rosenbrock_gradient(x), rtol=1e-12)
