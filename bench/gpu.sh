@@ -17,6 +17,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q "jax[$JAX_EXTRA]>=0.6,<0.11" -e ./clients/python[jax] -e .
 fi
 PY=$VENV/bin/python
+# Several JAX processes share the GPU here (each bench process and its servers; six servers
+# in the throughput table). By default each one grabs 75% of the GPU's memory at start-up
+# and the second one fails, so allocate on demand instead.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 "$PY" -c "import jax; d = jax.devices(); print('devices:', d); assert d[0].platform == 'gpu', 'no GPU visible to JAX'"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" bench/hvp.py --save hvp-gpu.md

@@ -9,8 +9,8 @@ follows. Each server configuration runs in its own process:
 * ``workers``: every job goes to the device worker thread (``DXSERVE_INLINE_BELOW=0``);
 
 each with request batching on (the default, ``DXSERVE_MAX_BATCH=32``) and off
-(``DXSERVE_MAX_BATCH=1``), plus a twin of ``inline``/``off`` in a second process: two
-processes of one configuration differ by several percent on a small VM, and the twin's
+(``DXSERVE_MAX_BATCH=1``), plus a twin of each ``off`` in a second process: two
+processes of one configuration differ by several percent on a small VM, and a twin's
 "vs off" shows by how much. wrk cycles through 16 different request bodies (16
 different x), so merged batches hold different inputs. "merged" is the share of
 requests answered from a vmapped batch (``dxserve_batched_requests_total``).
@@ -48,6 +48,7 @@ CONFIGS = {
     # a second process of the same configuration: its "vs off" is the process-to-process
     # noise of this machine, the band inside which on/off differences mean nothing
     ("inline", "off-twin"): {"DXSERVE_MAX_BATCH": "1"},
+    ("workers", "off-twin"): {"DXSERVE_INLINE_BELOW": "0", "DXSERVE_MAX_BATCH": "1"},
 }
 BODIES = 16
 
@@ -228,7 +229,7 @@ def main() -> None:
     out = Tee()
     out(machine_line())
     out(f"POST /gradient, rosenbrock n = {N}, binary encoding; wrk rows: median of "
-        f"{args.rounds} runs of {args.seconds:g} s, interleaved across the five servers (all "
+        f"{args.rounds} runs of {args.seconds:g} s, interleaved across the six servers (all "
         "running at once, the order rotated each round); 'vs sequential' = req/s over the "
         "sequential dxclient.Client's on "
         "the same server; 'vs wrk c=1' = over wrk with one connection; 'vs off' = over the "
