@@ -134,7 +134,11 @@ class _RepeatCalls:
     def __init__(self) -> None:
         self._calls: dict[tuple, Call] = {}
 
-    def key(self, operator, f, backend, x, tangents, contexts, prep, encoding, prepare):  # noqa: ANN001, ANN201
+    def key(
+        self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
+        prep: RemotePrep | None, encoding: str, prepare: bool,
+    ) -> tuple | None:
+        """The call's key if it is the repeating kind, else None."""
         if (
             encoding != "binary" or type(x) is not np.ndarray or tangents is not None
             or contexts or prep is not None or type(f) is not str
