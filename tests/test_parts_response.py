@@ -117,3 +117,27 @@ def test_large_result_over_starlette_testclient(app: Any) -> None:
     assert response.status_code == 200
     assert int(response.headers["content-length"]) == len(response.content)
     np.testing.assert_allclose(response.json()["jacobian"], J, rtol=1e-12)
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json"])
+def test_body_response_sends_what_starlette_response_sends(encoding: str) -> None:
+    from starlette.responses import Response
+
+    from dxserve.http.responses import BodyResponse
+
+    body, media, headers = codec.encode_body({"gradient": np.arange(3.0)}, encoding)
+
+    async def sent(response: Any) -> list[dict]:
+        messages: list[dict] = []
+
+        async def send(message: dict) -> None:
+            messages.append(message)
+
+        await response({"type": "http", "method": "POST"}, None, send)
+        return messages
+
+    ours = asyncio.run(sent(BodyResponse(body, 201, media, headers)))
+    reference = asyncio.run(sent(Response(body, 201, headers, media_type=media)))
+    assert ours[0]["status"] == reference[0]["status"] == 201
+    assert sorted(ours[0]["headers"]) == sorted(reference[0]["headers"])
+    assert ours[1:] == reference[1:]

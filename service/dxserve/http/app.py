@@ -49,7 +49,7 @@ from ..store import DirectoryStore
 from ..worker import Workers
 from . import problems, schemas
 from .metrics import Metrics
-from .responses import PartsResponse
+from .responses import BodyResponse, PartsResponse
 from .routes import OperatorDispatch, OperatorRoute
 from .wire import (
     decode_operator_request,
@@ -226,7 +226,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             return PartsResponse(parts, status, headers, media_type=media)
         body, media, headers = codec.encode_body(payload, encoding)
-        return Response(body, status, headers, media_type=media)
+        return BodyResponse(body, status, media, headers)
 
     # --- operators ------------------------------------------------------------
     def operator_route(op: OperatorSpec) -> Callable[[Request], Awaitable[Response]]:

@@ -1,4 +1,9 @@
-"""A response written as consecutive parts, never joined into one ``bytes``.
+"""Responses for operator results: small ones ready-made, large ones in parts.
+
+``BodyResponse`` is a complete small body whose headers are all known, so it skips
+Starlette's header assembly (a dict walk and charset rules) that every small answer paid.
+
+``PartsResponse`` is written as consecutive parts, never joined into one ``bytes``.
 
 Large binary results are sent this way: the header, then each array's own memory
 (a byte memoryview) straight to the socket. Joining them first would copy the whole
@@ -49,3 +54,18 @@ class PartsResponse(Response):
 def _byte_view(part: Any) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class BodyResponse(Response):
+    def __init__(
+        self, body: bytes, status_code: int, media_type: str, headers: Mapping[str, str]
+    ) -> None:
+        self.body = body
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.raw_headers = [
+            (b"content-length", str(len(body)).encode()),
+            (b"content-type", media_type.encode("latin-1")),
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
+        ]
