@@ -31,9 +31,9 @@ from dxclient import AsyncClient, _models, codec
 from dxclient.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.http import create_app
-from dxserve.http.wire import parse_operator_request, response_encoding
+from dxserve.http.wire import decode_operator_request, response_encoding
 from dxserve.http.wire import payload as result_payload
-from dxserve.preparation import PrepCache, Signature, _normalize, call
+from dxserve.preparation import PrepCache, call, lookup
 from dxserve.settings import Settings
 
 ENCODINGS = ("binary", "b64", "json")
@@ -56,18 +56,21 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
     c = _models.operator_call("gradient", "rosenbrock", backend, x, None, (), None, enc)
     ctype, length = c.headers["content-type"], c.headers.get(codec.HEADER_LENGTH)
 
-    def server_decode():
+    def server_decode():  # as the server does it: a repeated binary header is remembered
         response_encoding(ctype, c.headers.get("accept"), c.body)
-        return parse_operator_request(codec.decode_body(c.body, ctype, length), op)
+        return decode_operator_request(c.body, ctype, length, op)
 
+    server_decode()
     req = server_decode()
     call(op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, None, cache)  # compile
-    key_parts = _normalize(req.x, req.tangents, req.contexts)
-    prep = cache.get((entry.fn, op.name, req.backend, Signature.of(*key_parts)))
 
-    def lookup():
-        xx, tt, cc = _normalize(req.x, req.tangents, req.contexts)
-        return cache.get((entry.fn, op.name, req.backend, Signature.of(xx, tt, cc)))
+    def find():
+        return lookup(
+            op.name, entry.fn, req.backend, req.x, req.tangents, req.contexts, None, cache,
+            req.signature,
+        ).prep
+
+    prep = find()
 
     raw = jax.block_until_ready(prep.run("gradient", req.x, req.tangents, req.contexts))
     payload = result_payload(op, raw)
@@ -79,7 +82,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
         "client encode": lambda: _models.operator_call(
             "gradient", "rosenbrock", backend, x, None, (), None, enc),
         "server decode+validate": server_decode,
-        "normalize+signature+cache lookup": lookup,
+        "normalize+signature+cache lookup": find,
         "compute (prep.run)": lambda: jax.block_until_ready(
             prep.run("gradient", req.x, req.tangents, req.contexts)),
         "result to numpy": lambda: result_payload(op, raw),
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             out("# Where POST /gradient spends its time (Rosenbrock, float64, in process)")
             out()
             out(f"{machine_line()}; medians (ms) of interleaved rounds. 'ASGI in process' goes "
-                "through httpx.ASGITransport, which adds its own cost (it retries the import of "
-                "the absent `sniffio` on every request), so compare it with care.")
+                "through httpx.ASGITransport, which adds its own cost (an async HTTP client stack), "
+                "so compare it with care.")
             out()
             sizes = [int(float(s)) for s in args.sizes.split(",")]
             for n in sizes:
