@@ -53,6 +53,7 @@ from dxclient.errors import (
     UnsupportedOperatorError,
 )
 from dxclient.export import ARTIFACTS, split_bundle
+from dxclient.platforms import export_platform
 
 __all__ = [
     "ALLOWED_CUSTOM_CALL_TARGETS",
@@ -134,8 +135,7 @@ def custom_call_targets(mlir_text: str) -> set[str]:
 
 def server_platform() -> str:
     """This process's default platform in ``jax.export`` terms (``gpu`` -> ``cuda``)."""
-    p = jax.devices()[0].platform
-    return {"gpu": "cuda"}.get(p, p)
+    return export_platform(jax.devices()[0].platform)
 
 
 # ----------------------------------------------------------------------------
@@ -555,8 +555,7 @@ def load_exported(
     except ValueError as e:
         raise _bad(str(e)) from None
 
-    platform = platform or server_platform()
-    platform = {"gpu": "cuda"}.get(platform, platform)
+    platform = export_platform(platform) if platform else server_platform()
     try:
         platforms = tuple(str(p) for p in _as_list(manifest.get("platforms")))
         sig = manifest["signature"]

@@ -38,6 +38,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .platforms import export_platform
+
 MAGIC = b"DXEXPORT"
 FORMAT_NAME = "dxserve-export"
 FORMAT_VERSION = 1
@@ -222,8 +224,7 @@ def export_function(
     platforms = tuple(str(p) for p in platforms)
     if not platforms:
         raise ValueError("platforms must not be empty")
-    plat_map = {"gpu": "cuda"}
-    platforms = tuple(plat_map.get(p, p) for p in platforms)
+    platforms = tuple(export_platform(p) for p in platforms)
 
     concrete = jax.tree_util.tree_map(_as_spec, tuple(example_args))
     leaves = jax.tree_util.tree_leaves(concrete)
