@@ -470,7 +470,9 @@ def test_deep_pytree_and_json_do_not_crash():
 def test_errors_render_as_problems():
     with pytest.raises(MalformedRequestError) as e:
         to_tree([[1.0], [2.0, 3.0]], "x")
-    problem = e.value.to_problem()
+    from dxserve.http.problems import problem_document  # the HTTP layer renders it
+
+    problem = problem_document(e.value)
     assert problem["status"] == 400 and problem["field"] == "x[1]"
 
 

@@ -452,7 +452,9 @@ def test_hostile_expression_is_rejected(tripwire, source, args, field, needle):
     err = info.value
     assert err.field == field
     assert needle in err.detail, err.detail
-    problem = err.to_problem()
+    from dxserve.http.problems import problem_document  # the HTTP layer renders it
+
+    problem = problem_document(err)
     assert problem["status"] == 422 and problem["field"] == field
     if field == "expression" and "line" in err.extra:
         assert {"line", "col"} <= set(err.extra)

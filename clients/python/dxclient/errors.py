@@ -1,8 +1,11 @@
 """Typed errors shared by the library, the server and the client.
 
-Every error knows its HTTP status and renders itself as an RFC 9457 problem
-document, so the server maps exceptions to responses without a lookup table and
-the client turns a problem document back into the same exception class.
+An error's identity is its ``slug`` (the problem ``type`` URI is
+``PROBLEM_TYPE_PREFIX + slug``) and its ``title``. Errors carry no HTTP status:
+the library raises them without any HTTP meaning, the server's HTTP layer maps
+each class to a status (``dxserve.http.problems.STATUS``) when it renders the
+problem document, and the client turns a problem document back into the same
+exception class by its ``type``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ PROBLEM_TYPE_PREFIX = "urn:dxserve:problem:"
 class DxError(Exception):
     """Base class. ``field`` names the offending request field (dotted path)."""
 
-    status: ClassVar[int] = 400
     slug: ClassVar[str] = "bad-request"
     title: ClassVar[str] = "Bad request"
 
@@ -29,24 +31,17 @@ class DxError(Exception):
     def type(self) -> str:
         return PROBLEM_TYPE_PREFIX + self.slug
 
-    def to_problem(self) -> dict[str, Any]:
-        """The RFC 9457 body: type, title, status, detail, plus ``field`` and extras."""
-        problem: dict[str, Any] = {
-            "type": self.type,
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-        }
-        if self.field is not None:
-            problem["field"] = self.field
-        problem.update(self.extra)
-        return problem
-
     @staticmethod
     def from_problem(status: int, problem: dict[str, Any]) -> DxError:
-        """Rebuild the typed exception a server sent as a problem document."""
+        """Rebuild the typed exception a server sent as a problem document (client side).
+
+        The class comes from the problem's ``type``; a type this client does not know
+        falls back to a class by HTTP status (``_CLIENT_FALLBACK_BY_STATUS``), else
+        ``DxError``. The HTTP status is kept on the instance as ``status`` and
+        ``http_status``, the document itself as ``problem``.
+        """
         slug = str(problem.get("type", "")).removeprefix(PROBLEM_TYPE_PREFIX)
-        cls = _BY_SLUG.get(slug) or _BY_STATUS.get(status) or DxError
+        cls = _BY_SLUG.get(slug) or _CLIENT_FALLBACK_BY_STATUS.get(status) or DxError
         extra = {
             k: v
             for k, v in problem.items()
@@ -54,6 +49,7 @@ class DxError(Exception):
         }
         err = cls(str(problem.get("detail", "")), field=problem.get("field"), **extra)
         err.problem = problem  # type: ignore[attr-defined]
+        err.status = status  # type: ignore[attr-defined]
         err.http_status = status  # type: ignore[attr-defined]
         return err
 
@@ -62,47 +58,47 @@ class DxError(Exception):
         return f"{self.title}{where}: {self.detail}"
 
 
-# --- 400 ------------------------------------------------------------------
+# --- the request cannot be read ----------------------------------------
 class MalformedRequestError(DxError):
     """The body cannot be parsed: bad JSON, bad base64, lying binary header."""
 
-    status, slug, title = 400, "malformed-request", "Malformed request"
+    slug, title = "malformed-request", "Malformed request"
 
 
-# --- 401 / 404 / 409 / 413 / 415 -----------------------------------------
+# --- access, lookup, conflicts, body limits ------------------------------
 class UnauthorizedError(DxError):
-    status, slug, title = 401, "unauthorized", "Missing or invalid bearer token"
+    slug, title = "unauthorized", "Missing or invalid bearer token"
 
 
 class UnknownFunctionError(DxError):
-    status, slug, title = 404, "unknown-function", "Unknown function"
+    slug, title = "unknown-function", "Unknown function"
 
 
 class UnknownPreparationError(DxError):
-    status, slug, title = 404, "unknown-preparation", "Unknown preparation handle"
+    slug, title = "unknown-preparation", "Unknown preparation handle"
 
 
 class PreparationMismatchError(DxError):
     """A call's signature (shapes, dtypes, structure) differs from its prep's."""
 
-    status, slug, title = 409, "preparation-mismatch", "Call does not match its preparation"
+    slug, title = "preparation-mismatch", "Call does not match its preparation"
 
 
 class FunctionConflictError(DxError):
-    status, slug, title = 409, "function-conflict", "Name already used by other content"
+    slug, title = "function-conflict", "Name already used by other content"
 
 
 class PayloadTooLargeError(DxError):
-    status, slug, title = 413, "payload-too-large", "Request body too large"
+    slug, title = "payload-too-large", "Request body too large"
 
 
 class UnsupportedMediaTypeError(DxError):
-    status, slug, title = 415, "unsupported-media-type", "Unsupported media type"
+    slug, title = "unsupported-media-type", "Unsupported media type"
 
 
-# --- 422: well-formed but semantically wrong ------------------------------
+# --- well-formed but semantically wrong ----------------------------------
 class InvalidArgumentError(DxError):
-    status, slug, title = 422, "invalid-argument", "Invalid argument"
+    slug, title = "invalid-argument", "Invalid argument"
 
 
 class ShapeMismatchError(InvalidArgumentError):
@@ -147,21 +143,21 @@ class ResultTooLargeError(InvalidArgumentError):
     slug, title = "result-too-large", "Result would exceed the size limit"
 
 
-# --- 429 / 503 / 504 -------------------------------------------------------
+# --- limits and failures on the serving side ------------------------------
 class TooManyFunctionsError(DxError):
-    status, slug, title = 429, "too-many-functions", "Function limit reached"
+    slug, title = "too-many-functions", "Function limit reached"
 
 
 class OverloadedError(DxError):
-    status, slug, title = 503, "overloaded", "Server overloaded, retry later"
+    slug, title = "overloaded", "Server overloaded, retry later"
 
 
 class DeadlineExceededError(DxError):
-    status, slug, title = 504, "deadline-exceeded", "Computation timed out"
+    slug, title = "deadline-exceeded", "Computation timed out"
 
 
 class InternalError(DxError):
-    status, slug, title = 500, "internal", "Internal error"
+    slug, title = "internal", "Internal error"
 
 
 def _subclasses(cls: type[DxError]) -> list[type[DxError]]:
@@ -173,6 +169,21 @@ def _subclasses(cls: type[DxError]) -> list[type[DxError]]:
 
 
 _BY_SLUG: dict[str, type[DxError]] = {c.slug: c for c in [DxError, *_subclasses(DxError)]}
-_BY_STATUS: dict[int, type[DxError]] = {}
-for _cls in [DxError, *_subclasses(DxError)]:
-    _BY_STATUS.setdefault(_cls.status, _cls)
+
+# Client side only: the class for a problem document whose ``type`` this client
+# does not know (a newer server, or a proxy's own error page), chosen by the HTTP
+# status it came with. The library never uses it; the server's class -> status
+# mapping lives in its HTTP layer (``dxserve.http.problems.STATUS``).
+_CLIENT_FALLBACK_BY_STATUS: dict[int, type[DxError]] = {
+    400: DxError,
+    401: UnauthorizedError,
+    404: UnknownFunctionError,
+    409: PreparationMismatchError,
+    413: PayloadTooLargeError,
+    415: UnsupportedMediaTypeError,
+    422: InvalidArgumentError,
+    429: TooManyFunctionsError,
+    500: InternalError,
+    503: OverloadedError,
+    504: DeadlineExceededError,
+}

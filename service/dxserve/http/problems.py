@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,20 +11,88 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from dxclient.codec import dumps
-from dxclient.errors import DxError, InternalError, InvalidArgumentError
+from dxclient.errors import (
+    DeadlineExceededError,
+    DxError,
+    FunctionConflictError,
+    InternalError,
+    InvalidArgumentError,
+    MalformedRequestError,
+    OverloadedError,
+    PayloadTooLargeError,
+    PreparationMismatchError,
+    TooManyFunctionsError,
+    UnauthorizedError,
+    UnknownFunctionError,
+    UnknownPreparationError,
+    UnsupportedMediaTypeError,
+)
 
 PROBLEM_TYPE = "application/problem+json"
 log = logging.getLogger("dxserve.http")
 
+# The HTTP status of each error class. Errors themselves carry no status (the
+# library has no HTTP meaning); a class not listed takes the status of its nearest
+# listed base, so every InvalidArgumentError subclass answers 422 and any other
+# DxError 400.
+STATUS: dict[type[DxError], int] = {
+    DxError: 400,
+    MalformedRequestError: 400,
+    UnauthorizedError: 401,
+    UnknownFunctionError: 404,
+    UnknownPreparationError: 404,
+    PreparationMismatchError: 409,
+    FunctionConflictError: 409,
+    PayloadTooLargeError: 413,
+    UnsupportedMediaTypeError: 415,
+    InvalidArgumentError: 422,
+    TooManyFunctionsError: 429,
+    InternalError: 500,
+    OverloadedError: 503,
+    DeadlineExceededError: 504,
+}
 
-def problem_response(error: DxError, *, close: bool = False) -> Response:
+
+def status_of(error: DxError | type[DxError]) -> int:
+    """The HTTP status an error (or error class) is answered with, per ``STATUS``."""
+    cls = error if isinstance(error, type) else type(error)
+    for base in cls.__mro__:
+        status = STATUS.get(base)
+        if status is not None:
+            return status
+    raise TypeError(f"{cls.__name__} is not a DxError")
+
+
+def problem_document(error: DxError, status: int | None = None) -> dict[str, Any]:
+    """The RFC 9457 body: type, title, status, detail, plus ``field`` and extras.
+
+    ``status`` defaults to ``status_of(error)``.
+    """
+    problem: dict[str, Any] = {
+        "type": error.type,
+        "title": error.title,
+        "status": status_of(error) if status is None else status,
+        "detail": error.detail,
+    }
+    if error.field is not None:
+        problem["field"] = error.field
+    problem.update(error.extra)
+    return problem
+
+
+def problem_response(error: DxError, *, status: int | None = None, close: bool = False) -> Response:
+    """``error`` as an ``application/problem+json`` response (status from ``STATUS``
+    unless given), with ``Retry-After`` when the error has ``retry_after``."""
     headers = {}
     retry = error.extra.get("retry_after")
     if retry is not None:
         headers["Retry-After"] = str(retry)
     if close:
         headers["Connection"] = "close"
-    return Response(dumps(error.to_problem()), error.status, headers, media_type=PROBLEM_TYPE)
+    status = status_of(error) if status is None else status
+    return Response(
+        dumps(problem_document(error, status)), status, headers, media_type=PROBLEM_TYPE
+    )
 
 
 def _field_of(loc: tuple) -> str:
@@ -58,11 +127,12 @@ def install(app: FastAPI) -> None:
                 f"; use {allowed}" if allowed else ""
             )
             field = "method"
+        # Starlette's own errors (unknown route, wrong method) have no DxError class;
+        # they keep Starlette's status and get a slug and title of their own.
         err = DxError(detail, field=field)
-        err.status = exc.status_code  # type: ignore[misc]
         err.title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")  # type: ignore[misc]
         err.slug = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http")  # type: ignore[misc]
-        response = problem_response(err)
+        response = problem_response(err, status=exc.status_code)
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
