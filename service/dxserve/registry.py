@@ -1,18 +1,15 @@
-"""The function registry: one name space for the three kinds of function.
+"""The function registry: one name space for every kind of function.
 
-* ``module``: the deployer's trusted Python (``@dxserve.function``), never stored;
-* ``expression``: a whitelisted ``jnp`` expression, compiled from its AST;
-* ``export``: a JAX export (StableHLO) uploaded by a client.
-
-Expressions and exports are persisted in a content-addressed ``FunctionStore``
-and reloaded at start, so they survive restarts.
+The kinds (``dxserve.kinds``) are ``module`` (the deployer's trusted Python,
+``@dxserve.function``, never stored), ``expression`` (a whitelisted ``jnp``
+expression), ``export`` (a JAX export uploaded by a client) and any kind added
+with ``dxserve.kinds.add_kind``. Functions of persistent kinds are kept in a
+content-addressed ``FunctionStore`` and rebuilt at start, so they survive restarts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -21,13 +18,18 @@ from typing import Any
 
 from dxclient.errors import (
     FunctionConflictError,
+    InvalidArgumentError,
     TooManyFunctionsError,
     UnknownFunctionError,
 )
 
-from . import executable_cache
+from . import executable_cache, kinds
 from .functions import FunctionInfo, module_functions
+from .kinds.expression import expression_content
+from .kinds.module import MODULE
 from .store import FunctionStore, StoredFunction, validate_name
+
+__all__ = ["Entry", "Registry", "expression_content"]
 
 log = logging.getLogger("dxserve.registry")
 
@@ -37,7 +39,7 @@ class Entry:
     """A registered function and what clients may know about it."""
 
     name: str
-    kind: str  # "module" | "expression" | "export"
+    kind: str  # a kind's name: "module", "expression", "export", ...
     fn: Callable = field(repr=False, compare=False)
     description: str = ""
     signature: dict[str, Any] = field(default_factory=dict)
@@ -45,45 +47,27 @@ class Entry:
     created: str | None = None
 
     def describe(self) -> dict[str, Any]:
-        out = {
-            "name": self.name,
-            "kind": self.kind,
-            "description": self.description,
-            "signature": self.signature,
-        }
-        if self.digest:
-            out["digest"] = self.digest
-        if self.created:
-            out["created"] = self.created
-        return out
-
-
-def expression_content(expression: str, args: list[str]) -> bytes:
-    """Canonical bytes of an expression, so identical registrations hash alike."""
-    return json.dumps({"args": list(args), "expression": expression}, sort_keys=True).encode()
+        """The JSON of ``GET /functions/{name}``, as this entry's kind describes it."""
+        kind = kinds.get_kind(self.kind)
+        return kind.describe(self) if kind is not None else kinds.standard_description(self)
 
 
 def _build(record: StoredFunction) -> Entry:
-    meta = record.metadata
-    if record.kind == "expression":
-        from .expressions import compile_expression
-
-        spec = json.loads(record.content)
-        fn = compile_expression(spec["expression"], spec["args"])
-        signature = {"args": spec["args"], "expression": spec["expression"]}
-    else:
-        from .exported import load_exported
-
-        loaded = load_exported(record.content)
-        fn = loaded.fn
-        signature = loaded.signature
-    executable_cache.identify(fn, record.kind, record.content)  # persisted by content
+    kind = kinds.get_kind(record.kind)
+    if kind is None or not kind.persistent:
+        raise InvalidArgumentError(
+            f"kind must be one of {sorted(kinds.stored_names())}, got {record.kind!r}",
+            field="kind",
+        )
+    built = kind.build(record.content)
+    # Persisted executables of stored functions are keyed by kind and content.
+    executable_cache.identify(built.fn, kind.name, record.content)
     return Entry(
         record.name,
         record.kind,
-        fn,
-        meta.get("description", ""),
-        signature,
+        built.fn,
+        record.metadata.get("description", ""),
+        built.signature,
         record.digest,
         record.created,
     )
@@ -109,11 +93,9 @@ class Registry:
         return names
 
     def add_python(self, info: FunctionInfo, fn: Callable) -> Entry:
-        try:
-            params = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            params = []
-        entry = Entry(info.name, "module", fn, info.description, {"args": params})
+        """Register one server-side callable (kind ``module``, never stored)."""
+        built = MODULE.wrap(fn)
+        entry = Entry(info.name, MODULE.name, built.fn, info.description, built.signature)
         with self._lock:
             self._entries[info.name] = entry
         return entry
@@ -155,9 +137,23 @@ class Registry:
 
     def registered(self) -> int:
         """How many functions were registered by clients (server-side ones not counted)."""
-        return sum(1 for e in self._entries.values() if e.kind != "module")
+        with self._lock:  # concurrent registrations resize the dict
+            return sum(1 for e in self._entries.values() if e.kind != MODULE.name)
 
     # --- writes ------------------------------------------------------------
+    def register_body(self, body: dict[str, Any]) -> tuple[Entry, bool]:
+        """Register from a decoded ``POST /functions`` body; ``(entry, created)``.
+
+        Validates the body (``RegisterFunction``, exactly one kind's fields, that
+        kind's ``validate``), then builds, persists and publishes as ``register``.
+        Raises the typed errors of ``dxclient.errors``.
+        """
+        request = kinds.parse_register_body(body)
+        return self.register(
+            request.name, request.kind, request.content, request.description,
+            replace=request.replace,
+        )
+
     def register(
         self,
         name: str,
@@ -173,9 +169,13 @@ class Registry:
         not compile is refused without touching the store.
         """
         validate_name(name)
+        if kind not in kinds.stored_names():
+            raise InvalidArgumentError(
+                f"kind must be one of {sorted(kinds.stored_names())}, got {kind!r}", field="kind"
+            )
         with self._lock:
             existing = self._entries.get(name)
-        if existing is not None and existing.kind == "module":
+        if existing is not None and existing.kind == MODULE.name:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function and cannot be replaced", field="name"
             )
@@ -205,7 +205,7 @@ class Registry:
 
     def delete(self, name: str) -> Entry:
         entry = self.get(name, "name")
-        if entry.kind == "module":
+        if entry.kind == MODULE.name:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function; remove it from the server's modules",
                 field="name",

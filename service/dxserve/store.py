@@ -1,10 +1,11 @@
 """Persistent, content-addressed function registry.
 
-Every registered function (``kind`` "expression" or "export"; server-side
-"module" functions are never stored) is kept under the SHA-256 of its content,
-with a name -> digest mapping and JSON metadata.  :class:`FunctionStore` is the
-small interface the server talks to, so a Redis or object-store backend can be
-dropped in later; :class:`DirectoryStore` is the embedded default.
+Every registered function of a persistent kind (``dxserve.kinds``: "expression",
+"export" or an added kind; server-side "module" functions are never stored) is
+kept under the SHA-256 of its content, with a name -> digest mapping and JSON
+metadata.  :class:`FunctionStore` is the small interface the server talks to, so
+a Redis or object-store backend can be dropped in later; :class:`DirectoryStore`
+is the embedded default.
 
 On-disk layout of a :class:`DirectoryStore` root::
 
@@ -50,6 +51,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from dxclient.errors import FunctionConflictError, InvalidArgumentError
 
+from .kinds import stored_names
+
 try:  # POSIX only; on other platforms the single-owner rule is not enforced.
     import fcntl
 except ImportError:  # pragma: no cover
@@ -58,7 +61,6 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "KINDS",
     "NAME_PATTERN",
     "DirectoryStore",
     "FunctionStore",
@@ -68,7 +70,6 @@ __all__ = [
     "validate_name",
 ]
 
-KINDS = frozenset({"expression", "export"})
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 _DIGEST_PATTERN = re.compile(r"^sha256:([0-9a-f]{64})$")
 _RECORD_FORMAT = 1
@@ -119,6 +120,13 @@ class FunctionStore(Protocol):
     def __len__(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    # KINDS was a constant; the kinds a store keeps are now those added to dxserve.kinds.
+    if name == "KINDS":
+        return stored_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def content_digest(content: bytes) -> str:
@@ -244,9 +252,10 @@ class DirectoryStore:
         replace: bool = False,
     ) -> tuple[StoredFunction, bool]:
         validate_name(name)
-        if kind not in KINDS:
+        kinds = stored_names()
+        if kind not in kinds:
             raise InvalidArgumentError(
-                f"kind must be one of {sorted(KINDS)}, got {kind!r}", field="kind"
+                f"kind must be one of {sorted(kinds)}, got {kind!r}", field="kind"
             )
         if not isinstance(content, bytes | bytearray | memoryview):
             raise InvalidArgumentError("content must be bytes", field="content")
@@ -417,7 +426,7 @@ class DirectoryStore:
             if name != path.name[: -len(".json")]:
                 raise ValueError(f"record name {name!r} does not match its file name")
             validate_name(name)
-            if kind not in KINDS:
+            if kind not in stored_names():  # e.g. a plug-in kind not added in this process
                 raise ValueError(f"unknown kind {kind!r}")
             if not isinstance(metadata, dict) or not isinstance(created, str):
                 raise ValueError("bad metadata or created")

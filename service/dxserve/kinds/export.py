@@ -1,0 +1,50 @@
+"""The ``export`` kind: an uploaded JAX export bundle (``dxserve.exported``).
+
+Body field: ``export``, the base64 of a ``dxclient.export.export_function`` bundle.
+Content: the bundle bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field
+
+from dxclient.errors import MalformedRequestError
+
+from . import BaseKind, Built
+
+__all__ = ["EXPORT", "ExportKind"]
+
+
+class ExportKind(BaseKind):
+    name = "export"
+    summary = "a JAX export"
+    fields = {
+        "export": (str | None, Field(None, description="base64 of a dxclient export bundle")),
+    }
+
+    def validate(self, values: Mapping[str, Any]) -> bytes:
+        try:
+            return base64.b64decode(values["export"], validate=True)
+        except (binascii.Error, ValueError):
+            raise MalformedRequestError("export must be base64", field="export") from None
+
+    def build(self, content: bytes) -> Built:
+        # The bundle itself is checked here (InvalidExportError, field "export"):
+        # loading it is the check, and validate would only do it twice.
+        import jax
+
+        from ..exported import load_exported
+
+        # dxserve computes float64 in 64-bit mode, which need not be on globally: a
+        # float64 export is checked and loaded in that mode, as it will run.
+        with jax.enable_x64(True):
+            loaded = load_exported(content)
+        return Built(loaded.fn, loaded.signature)
+
+
+EXPORT = ExportKind()
