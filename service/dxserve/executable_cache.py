@@ -11,9 +11,10 @@ for), so a restarted server does not run the function's Python at all.
 
 The key (``key``) is made of
 
-* the function: a registered expression or export by a hash of its content
-  (``identify``, called by the registry); a server-side ``@dxserve.function`` by
-  module, qualified name and a hash of the Python source of its top-level package
+* the function: a registered function of a stored kind (expression, export, ...)
+  by its kind and a hash of its content (``identify``, called by the registry); a
+  server-side ``@dxserve.function`` by module, qualified name and a hash of the Python
+  source of its top-level package
   (or of its module, when that is not in a package). Anything else (closures,
   lambdas, partials, callable objects) is not persisted;
 * the operator's results, the resolved backend, the input signature (tree
@@ -128,7 +129,7 @@ def enabled() -> bool:
 
 
 def identify(fn: Callable, kind: str, content: bytes) -> None:
-    """Mark ``fn`` (a registered expression or export) with a hash of its content."""
+    """Mark ``fn``, a function of the stored ``kind`` (``dxserve.kinds``), by its content."""
     tag = f"{kind}:{hashlib.sha256(content).hexdigest()}"
     try:
         with _state.lock:
