@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dxclient import codec
+from dxclient.encodings import common
 
 ENCODING_NAMES = ("json", "b64", "binary")
 
@@ -311,7 +312,7 @@ GOLDEN_WITHOUT_ORJSON: dict[str, dict[str, str]] = {
 
 def _without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the codec on the stdlib ``json`` module, as a client without orjson does."""
-    monkeypatch.setattr(codec, "orjson", None)
+    monkeypatch.setattr(common, "orjson", None)
 
 
 def _expected(value: Any) -> np.ndarray:
@@ -443,6 +444,93 @@ def test_response_encoding_is_pinned(content_type: str | None) -> None:
 
 def _response_encoding() -> Any:
     return pytest.importorskip("dxclient.encodings.negotiation").response_encoding
+
+
+
+# --------------------------------------------------------------------------- plug-in
+
+
+class HexJson(common.JsonBody):
+    """A toy fourth encoding, all of it here: arrays as hex strings in a JSON body of
+    its own media type; decoding gives numpy arrays directly."""
+
+    name = "hex"
+    media_type = "application/x-dxserve-hex+json"
+
+    def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
+        dtype = common.check_dtype(a, field)
+        data = common.le_contig(a).tobytes().hex()
+        return {common.MARKER: data, "dtype": dtype, "shape": list(a.shape)}
+
+    def encode_body(self, payload: dict) -> tuple[bytes, str, dict[str, str]]:
+        body, _, headers = super().encode_body(payload)
+        return body, self.media_type, headers
+
+    def encode_body_parts(self, payload: dict) -> tuple[list[Any], str, dict[str, str]]:
+        return [self.encode_body(payload)[0]], self.media_type, {}
+
+    def decode_body(
+        self, body: bytes | bytearray | memoryview, header_length: str | None,
+        max_header_bytes: int,
+    ) -> tuple[dict, None]:
+        return self._arrays(common.decode_json_object(body), "body"), None
+
+    def _arrays(self, value: Any, field: str) -> Any:
+        if isinstance(value, dict):
+            if common.MARKER in value:
+                dtype, shape = common.typed_header(value, field, common.MAX_DEPTH)
+                return np.frombuffer(bytes.fromhex(value[common.MARKER]), dtype).reshape(shape)
+            return {k: self._arrays(v, common.join(field, k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._arrays(v, f"{field}[{i}]") for i, v in enumerate(value)]
+        return value
+
+
+@pytest.fixture
+def hex_encoding() -> Any:
+    from dxclient.encodings import ENCODINGS, register_encoding, unregister_encoding
+
+    encoding = register_encoding(HexJson())
+    try:
+        yield encoding
+    finally:
+        unregister_encoding(encoding.name)
+    assert "hex" not in ENCODINGS
+
+
+def test_a_registered_encoding_round_trips(hex_encoding: Any) -> None:
+    from dxclient.encodings import MEDIA_TYPES
+    from dxclient.encodings.negotiation import decoder_for, response_encoding
+
+    payload, arrays, batches = CASES["request_tangents"]
+    body, media, headers = codec.encode_body(payload, "hex")
+    assert media == "application/x-dxserve-hex+json" and headers == {}
+    assert b'"__ndarray__":"000000000000f03f' in body  # hex, little-endian
+    assert codec.encode_body_parts(payload, "hex")[0] == [body]
+    assert decoder_for(f"{media}; charset=utf-8") is hex_encoding
+    assert MEDIA_TYPES[media] is hex_encoding
+    out = codec.decode_response(body, media, None, arrays=arrays, batches=batches)
+    _assert_same_tree(out["x"], payload["x"])
+    for got, want in zip(out["tangents"], payload["tangents"], strict=True):
+        _assert_same_tree(got, want)
+    assert out["function"] == "f" and out["backend"] == payload["backend"]
+    assert codec.from_tree(np.float32([1.0]), "hex")["__ndarray__"] == "0000803f"
+    # negotiation: the request's own encoding, or the one Accept names
+    assert response_encoding(media, None, body) == "hex"
+    assert response_encoding(codec.JSON_TYPE, media, b"{}") == "hex"
+    assert response_encoding(media, codec.BINARY_TYPE, body) == "binary"
+    # the built-in encodings are untouched
+    assert codec.encode_body({"g": np.arange(2.0)}, "json")[0] == b'{"g":[0.0,1.0]}'
+
+
+def test_unknown_encodings_and_media_types_are_refused() -> None:
+    from dxclient.errors import UnsupportedMediaTypeError
+
+    with pytest.raises(ValueError, match="unknown encoding 'hex'"):
+        codec.encode_body({"x": np.ones(1)}, "hex")
+    with pytest.raises(UnsupportedMediaTypeError) as e:
+        codec.decode_body(b"{}", "application/x-dxserve-hex+json", None)
+    assert "application/json or application/vnd.dxserve.binary" in str(e.value)
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the tables above

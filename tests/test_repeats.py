@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from dxclient import JaxForward, JaxReverse, SecondOrder, _models, codec
+from dxclient.encodings import binary
 from dxclient.errors import MalformedRequestError
 from dxclient.operators import OPERATORS
 from dxserve.http import wire
@@ -24,15 +25,15 @@ from dxserve.preparation import Signature
 @pytest.fixture(autouse=True)
 def forget() -> None:
     """Every test starts with nothing remembered."""
-    codec._LAYOUTS = codec._Memo()
-    codec._HEADERS = codec._Memo()
+    binary._LAYOUTS = binary.Memo()
+    binary._HEADERS = binary.Memo()
     _models._REPEATS = _models._RepeatCalls()
 
 
 def _uncached_body(payload: dict) -> bytes:
-    codec._HEADERS = codec._Memo()
+    binary._HEADERS = binary.Memo()
     body, _, _ = codec.encode_body(payload, "binary")
-    codec._HEADERS = codec._Memo()
+    binary._HEADERS = binary.Memo()
     return body
 
 
@@ -111,7 +112,7 @@ def test_long_headers_are_not_remembered() -> None:
 
 
 def test_memo_stays_bounded() -> None:
-    memo = codec._Memo(max_entries=4)
+    memo = binary.Memo(max_entries=4)
     for i in range(10):
         memo.put(i, i)
     assert len(memo._items) <= 4 and memo.get(9) == 9
@@ -139,7 +140,7 @@ def test_repeated_client_call_is_byte_identical(operator, f, backend, x, prepare
 
     def full(value: np.ndarray) -> _models.Call:
         _models._REPEATS = _models._RepeatCalls()
-        codec._HEADERS = codec._Memo()
+        binary._HEADERS = binary.Memo()
         return call(value)
 
     call(x)  # remembered

@@ -1,0 +1,88 @@
+"""The ``Encoding`` protocol and the registry of encodings by name and by media type."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Encoding(Protocol):
+    """One way of writing arrays on the wire.
+
+    ``name`` is what a client asks for ("json", "b64", "binary"); ``media_type`` the
+    Content-Type of its bodies. Several encodings may share a media type ("json" and
+    "b64" are both ``application/json``): the first one registered decodes it.
+    """
+
+    name: str
+    media_type: str
+
+    def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
+        """One array (any shape, an allowed dtype) -> its JSON-able wire form.
+
+        ``buffers`` is the body's collector of out-of-line data (None for encodings
+        that keep arrays inline); ``field`` is the error path, e.g. ``"x.w"``.
+        Raises DtypeMismatchError for a dtype outside ``ALLOWED_DTYPES``.
+        """
+        ...
+
+    def encode_body(self, payload: dict) -> tuple[bytes, str, dict[str, str]]:
+        """``payload`` (str -> arrays, pytrees, lists of them, JSON values) ->
+        ``(body, media type, extra HTTP headers)``."""
+        ...
+
+    def encode_body_parts(self, payload: dict) -> tuple[list[Any], str, dict[str, str]]:
+        """``encode_body`` with the body as consecutive bytes-like parts (joined, the
+        same bytes), so large bodies are written without one long GIL-holding call."""
+        ...
+
+    def decode_body(
+        self, body: bytes | bytearray | memoryview, header_length: str | None,
+        max_header_bytes: int,
+    ) -> tuple[dict, Any]:
+        """A body -> ``(its top-level object, a reusable layout or None)``.
+
+        Arrays the encoding carries out of line come back as numpy arrays; inline ones
+        (lists, typed objects) are left for ``to_tree``, which also passes numpy arrays
+        through. ``header_length`` is the ``Dxserve-Header-Length`` HTTP header, if any.
+        Raises MalformedRequestError (400) for a body it cannot read.
+        """
+        ...
+
+
+#: name -> encoding, in registration order
+ENCODINGS: dict[str, Encoding] = {}
+#: media type (lower case) -> the encoding that decodes bodies of that type
+MEDIA_TYPES: dict[str, Encoding] = {}
+
+
+def register_encoding(encoding: Encoding) -> Encoding:
+    """Make ``encoding`` available by its name (``encode_body(payload, name)``) and its
+    media type (decoding, content negotiation). A name registered again is replaced.
+    Returns ``encoding``, so a module can keep what it registered."""
+    if encoding.name in ENCODINGS:
+        unregister_encoding(encoding.name)
+    ENCODINGS[encoding.name] = encoding
+    MEDIA_TYPES.setdefault(encoding.media_type.lower(), encoding)
+    return encoding
+
+
+def unregister_encoding(name: str) -> None:
+    """Forget the encoding called ``name`` (and its media type, if it decoded it)."""
+    encoding = ENCODINGS.pop(name)
+    media = encoding.media_type.lower()
+    if MEDIA_TYPES.get(media) is encoding:
+        del MEDIA_TYPES[media]
+        for other in ENCODINGS.values():  # another one of that media type takes over
+            if other.media_type.lower() == media:
+                MEDIA_TYPES[media] = other
+                break
+
+
+def encoding_named(name: str) -> Encoding:
+    """The registered encoding called ``name``; ValueError naming the known ones."""
+    encoding = ENCODINGS.get(name)
+    if encoding is None:
+        raise ValueError(f"unknown encoding {name!r}; use one of {tuple(ENCODINGS)}")
+    return encoding

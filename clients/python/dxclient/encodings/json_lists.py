@@ -1,0 +1,341 @@
+"""The "json" encoding: float64 arrays as plain JSON numbers and nested lists.
+
+Every other dtype is a typed object ``{"__ndarray__": <number|nested list>, "dtype":
+"float32", "shape": [2]}``. Non-finite floats are the strings ``"NaN"``, ``"Infinity"``,
+``"-Infinity"``. Bool data are JSON ``true``/``false``. Complex data are nested
+``[re, im]`` pairs (the list has one extra trailing axis of length 2). A float64 array
+whose shape has a 0 before its last axis (e.g. ``(0, 3)``) is sent as a typed object,
+because a bare nested list cannot carry that shape.
+
+Reading arrays back is ``to_tree``: it turns any decoded JSON value into arrays, lists
+and typed objects of every inline form (list data, base64), and passes the numpy views
+of a binary body through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import MalformedRequestError
+from . import common
+from .binary import BINARY_TYPE, HEADER_LENGTH
+from .common import (
+    F64,
+    JSON_TYPE,
+    MARKER,
+    MAX_DEPTH,
+    SPELLINGS,
+    JsonBody,
+    check_dtype,
+    join,
+    json_float,
+    typed_header,
+)
+from .typed_b64 import from_b64
+
+
+class JsonLists(JsonBody):
+    """float64 arrays as JSON numbers / nested lists, other dtypes as typed objects."""
+
+    name = "json"
+    media_type = JSON_TYPE
+
+    def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
+        """An array -> nested lists (float64), else ``{"__ndarray__": data, "dtype",
+        "shape"}`` with list data; with orjson the data may be a C-contiguous ndarray."""
+        name = check_dtype(a, field)
+        shape = list(a.shape)
+        kind = a.dtype.kind
+        if kind == "f":
+            data = _json_floats(a.astype(np.float64, copy=False))
+            if name == "float64" and 0 not in shape[:-1]:
+                return data
+        elif kind == "c":
+            data = _json_floats(np.stack([a.real, a.imag], axis=-1).astype(np.float64))
+        elif a.ndim == 0:
+            data = a.item()
+        elif common.orjson is not None:
+            data = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+        else:
+            data = a.tolist()
+        return {MARKER: data, "dtype": name, "shape": shape}
+
+
+def _json_floats(a: np.ndarray) -> Any:
+    """float64 array -> JSON-able data (ndarray for orjson, else nested lists)."""
+    if a.ndim == 0:
+        return json_float(float(a))
+    if np.isfinite(a).all():
+        return np.ascontiguousarray(a) if common.orjson is not None else a.tolist()
+    obj = a.astype(object)
+    obj[np.isnan(a)] = "NaN"
+    obj[a == np.inf] = "Infinity"
+    obj[a == -np.inf] = "-Infinity"
+    return obj.tolist()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def to_tree(
+    value: Any,
+    field: str,
+    *,
+    default_dtype: Any = np.float64,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
+    """Turn one decoded JSON value into an ndarray or a dict-pytree of ndarrays.
+
+    Numbers and (nested) lists become ``default_dtype`` arrays (0-d for numbers);
+    typed objects keep their dtype and shape; ndarrays (binary views) pass through.
+    Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
+    like ``"x[2][1]"`` or ``"contexts[0].w"``.
+    """
+    return _to_tree(value, field, np.dtype(default_dtype), max_depth, 0)
+
+
+def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -> Any:
+    if depth > max_depth:
+        raise MalformedRequestError(f"pytree nested deeper than {max_depth}", field=field)
+    if isinstance(value, np.ndarray):
+        check_dtype(value, field)
+        return value
+    if isinstance(value, dict):
+        if MARKER in value:
+            return _typed(value, field, max_depth)
+        out = {}
+        for key, v in value.items():
+            if not isinstance(key, str) or key.startswith("__"):
+                raise MalformedRequestError(
+                    f"pytree key {key!r} is reserved (keys starting with '__' are not allowed)",
+                    field=join(field, str(key)),
+                )
+            out[key] = _to_tree(v, join(field, key), dt, max_depth, depth + 1)
+        return out
+    return _data_to_array(value, field, dt, max_depth - depth)
+
+
+def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
+    dt, shape = typed_header(obj, field, max_depth)
+    data = obj[MARKER]
+    if isinstance(data, dict):
+        raise MalformedRequestError(
+            "buffer reference outside a binary body (Content-Type "
+            f"{BINARY_TYPE} with {HEADER_LENGTH} needed)",
+            field=field,
+        )
+    if isinstance(data, str) and not (shape == () and dt.kind == "f" and data in SPELLINGS):
+        return from_b64(data, dt, shape, field)
+    # JSON data
+    if dt.kind == "c":
+        pairs = _data_to_array(data, field, F64, max_depth + 1, complex_pairs=True)
+        _check_shape(pairs.shape, (*shape, 2), field)
+        pairs = pairs.reshape((*shape, 2))
+        out = np.empty(shape, dtype=np.complex128)
+        out.real = pairs[..., 0]
+        out.imag = pairs[..., 1]
+        return out.astype(dt)
+    a = _data_to_array(data, field, dt, max_depth)
+    _check_shape(a.shape, shape, field)
+    return a.reshape(shape)
+
+
+def _check_shape(got: tuple[int, ...], declared: tuple[int, ...], field: str) -> None:
+    if got == declared:
+        return
+    # a nested list cannot express axes after a zero-length axis: compare the prefix
+    if 0 in declared:
+        prefix = declared[: declared.index(0) + 1]
+        if got == prefix:
+            return
+    raise MalformedRequestError(
+        f"data has shape {list(got)} but the typed array declares shape {list(declared)}",
+        field=field,
+    )
+
+
+def _data_to_array(
+    value: Any, field: str, dt: np.dtype, max_depth: int, complex_pairs: bool = False
+) -> np.ndarray:
+    """JSON number / nested list / spelling string -> ndarray of dtype ``dt``."""
+    kind = dt.kind
+    if kind == "c" and not complex_pairs:
+        # plain numbers for a complex default: real values
+        return _data_to_array(value, field, F64, max_depth).astype(dt)
+    t = type(value)
+    if t is bool:
+        if kind == "b":
+            return np.asarray(value, dtype=dt)
+        raise MalformedRequestError("booleans are not numbers", field=field)
+    if t is float or t is int:
+        if kind == "f":
+            return _cast_float(np.asarray(float(value) if t is int else value), dt, field)
+        if kind in "iu":
+            if t is not int:
+                raise MalformedRequestError(f"expected an integer for {dt.name}", field=field)
+            return _cast_int([value], dt, field).reshape(())
+        raise MalformedRequestError(f"expected a boolean for {dt.name}", field=field)
+    if t is str:
+        if kind == "f" and value in SPELLINGS:
+            return _cast_float(np.asarray(SPELLINGS[value]), dt, field)
+        raise MalformedRequestError(
+            f"unexpected string {value[:40]!r}; only 'NaN', 'Infinity', '-Infinity' allowed",
+            field=field,
+        )
+    if t is not list:
+        what = "null" if value is None else type(value).__name__
+        if isinstance(value, dict):
+            what = "object (lists are arrays; pytrees are objects of arrays)"
+        raise MalformedRequestError(f"expected a number or a list, got {what}", field=field)
+
+    # probe the depth along first elements (cheap) before handing to numpy
+    ndim, v = 0, value
+    while type(v) is list:
+        ndim += 1
+        if ndim > max_depth:
+            raise MalformedRequestError(f"list nested deeper than {max_depth}", field=field)
+        if not v:
+            break
+        v = v[0]
+    # one C-speed pass over the leaf types (also catches bools, which numpy would
+    # silently turn into 0/1, and strings, which make np.asarray very slow)
+    if _leaf_types(value, ndim) <= _FAST_TYPES[kind]:
+        try:
+            if kind == "f":
+                if ndim == 1:  # fromiter is the quickest list -> float64 conversion
+                    a = np.fromiter(value, dtype=np.float64, count=len(value))
+                else:
+                    a = np.array(value, dtype=np.float64)
+                return _cast_float(a, dt, field)
+            if kind in "iu":
+                return _cast_int(value, dt, field)
+            return np.array(value, dtype=dt)
+        except (ValueError, TypeError, OverflowError):
+            pass  # ragged or out of range: the slow path says where
+    return _slow(value, field, dt, ndim)
+
+
+def _cast_float(a: np.ndarray, dt: np.dtype, field: str) -> np.ndarray:
+    if a.dtype == dt:
+        return a
+    with np.errstate(over="ignore"):
+        out = a.astype(dt)
+    if dt.itemsize < a.dtype.itemsize and not np.isfinite(out).all():
+        if (np.isfinite(a) != np.isfinite(out)).any():
+            raise MalformedRequestError(f"value out of range for {dt.name}", field=field)
+    return out
+
+
+def _cast_int(a: Any, dt: np.dtype, field: str) -> np.ndarray:
+    try:
+        src = np.asarray(a)
+        if src.dtype.kind in "iu" and src.dtype != dt:
+            info = np.iinfo(dt)
+            if src.size and (src.min() < info.min or src.max() > info.max):
+                raise OverflowError
+            return src.astype(dt)
+        return np.array(a, dtype=dt)
+    except OverflowError:
+        raise MalformedRequestError(f"integer out of range for {dt.name}", field=field) from None
+
+
+_FAST_TYPES = {
+    "f": frozenset((float, int)),
+    "i": frozenset((int,)),
+    "u": frozenset((int,)),
+    "b": frozenset((bool,)),
+}
+
+
+def _leaf_types(value: list, ndim: int) -> set:
+    """Types found at depth ``ndim`` (``list`` when a row is not a list: ragged)."""
+    if ndim <= 1:
+        return set(map(type, value))
+    types: set = set()
+    for sub in value:
+        if type(sub) is not list:
+            return {list}
+        types |= _leaf_types(sub, ndim - 1)
+    return types
+
+
+def _slow(value: list, field: str, dt: np.dtype, ndim: int) -> np.ndarray:
+    """Element-wise validation with precise error paths (strings, None, ragged...)."""
+    shape: list[int] = []
+    v = value
+    for _ in range(ndim):
+        shape.append(len(v))
+        if not v:
+            break
+        v = v[0]
+    kind = dt.kind
+    flat: list[Any] = []
+    append = flat.append
+
+    def leaf(x: Any, path: str) -> None:
+        t = type(x)
+        if kind == "b":
+            if t is bool:
+                return append(x)
+            raise MalformedRequestError(f"expected a boolean for {dt.name}", field=path)
+        if t is bool:
+            raise MalformedRequestError("booleans are not numbers", field=path)
+        if kind in "iu":
+            if t is int:
+                return append(x)
+            raise MalformedRequestError(f"expected an integer for {dt.name}", field=path)
+        if t is float:
+            return append(x)
+        if t is int:
+            try:
+                return append(float(x))
+            except OverflowError:
+                raise MalformedRequestError("integer too large", field=path) from None
+        if t is str:
+            if x in SPELLINGS:
+                return append(SPELLINGS[x])
+            raise MalformedRequestError(
+                f"unexpected string {x[:40]!r}; only 'NaN', 'Infinity', '-Infinity' allowed",
+                field=path,
+            )
+        what = "null" if x is None else type(x).__name__
+        if t is dict:
+            what = "object (lists are arrays; a list of pytrees is not allowed)"
+        if t is list:
+            what = "a list (ragged: nesting deeper here than elsewhere)"
+        raise MalformedRequestError(f"expected a number, got {what}", field=path)
+
+    fast_type = {"f": float, "i": int, "u": int, "b": bool}[kind]
+    last = len(shape) - 1
+
+    def walk(x: Any, path: str, d: int) -> None:
+        if d == len(shape):
+            return leaf(x, path)
+        if d == last and type(x) is list and len(x) == shape[d]:
+            # innermost row: convert in bulk, fall back per element only on trouble
+            row = [SPELLINGS.get(y, y) if type(y) is str else y for y in x] if kind == "f" else x
+            if set(map(type, row)) <= {fast_type}:
+                flat.extend(row)
+                return
+            for i, y in enumerate(x):
+                leaf(y, f"{path}[{i}]")
+            return
+        if type(x) is not list:
+            raise MalformedRequestError(
+                f"ragged list: expected a list of length {shape[d]} here", field=path
+            )
+        if len(x) != shape[d]:
+            raise MalformedRequestError(
+                f"ragged list: length {len(x)}, expected {shape[d]}", field=path
+            )
+        for i, y in enumerate(x):
+            walk(y, f"{path}[{i}]", d + 1)
+
+    walk(value, field, 0)
+    if kind == "f":
+        return _cast_float(np.array(flat, dtype=np.float64).reshape(shape), dt, field)
+    if kind in "iu":
+        return _cast_int(flat, dt, field).reshape(shape)
+    return np.array(flat, dtype=dt).reshape(shape)
