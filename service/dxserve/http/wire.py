@@ -1,7 +1,8 @@
 """From bytes to a validated operator request, and from results back to bytes.
 
-The codec (``dxclient.codec``) owns the array formats; this module knows which
-request fields hold arrays and which encoding a response should use.
+The codec (``dxclient.codec``, formats in ``dxclient.encodings``) owns the array
+formats and content negotiation (``response_encoding``, re-exported here); this module
+knows which request fields hold arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from dxclient import codec
 from dxclient.backends import Backend, backend_from_json
+from dxclient.encodings.negotiation import response_encoding as response_encoding
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.operators import OperatorSpec
 
@@ -116,34 +118,6 @@ def wire_headers(scope: dict) -> list[str | None]:
         if at is not None and found[at] is None:
             found[at] = value.decode("latin-1")
     return found
-
-
-def response_encoding(content_type: str | None, accept: str | None, body: bytes) -> str:
-    """The encoding of the answer: ``Accept`` if it says, else the request's own.
-
-    ``Accept: application/vnd.dxserve.binary`` -> binary; ``application/json;
-    arrays=b64`` or ``arrays=lists`` picks the JSON flavour; plain
-    ``application/json`` answers a binary request with lists and otherwise
-    mirrors the request (b64 if it carried base64 arrays).
-    """
-    binary_request = (content_type or "").lower().startswith(codec.BINARY_TYPE)
-    if accept:
-        accept_l = accept.lower()
-        if codec.BINARY_TYPE in accept_l:
-            return "binary"
-        if "arrays=b64" in accept_l:
-            return "b64"
-        if "arrays=lists" in accept_l:
-            return "json"
-        if binary_request and codec.JSON_TYPE in accept_l:
-            return "json"
-    if binary_request:
-        return "binary"
-    marker = b'"' + codec.MARKER.encode() + b'"'
-    at = body.find(marker)
-    if at >= 0 and body[at + len(marker):].lstrip(b" :\t\r\n")[:1] == b'"':
-        return "b64"
-    return "json"
 
 
 def _array_list(value: Any, field: str) -> tuple:
