@@ -16,9 +16,7 @@ import numpy as np
 from . import codec
 from .backends import Backend, backend_from_json
 from .errors import DxError
-from .operators import ALIASES, OPERATORS, OperatorSpec
-
-BATCH_RESULTS = frozenset({"pushforwards", "pullbacks", "hvps"})
+from .operators import ALIASES, BATCH_RESULTS, OPERATORS, OperatorSpec
 
 
 @dataclass(frozen=True)
@@ -194,10 +192,7 @@ def operator_result(operator: str, headers: Any, content: bytes) -> Any:
 @functools.cache
 def _result_kinds(op: OperatorSpec) -> tuple[frozenset[str], frozenset[str]]:
     """``op``'s results that are one array each, and those that are a batch of them."""
-    return (
-        frozenset(r for r in op.results if r not in BATCH_RESULTS),
-        frozenset(r for r in op.results if r in BATCH_RESULTS),
-    )
+    return frozenset(op.results) - op.batch_results, op.batch_results
 
 
 _CONTENT_TYPE, _HEADER_LENGTH = b"content-type", codec.HEADER_LENGTH.lower().encode()
