@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from dxclient.operators import OPERATORS, OperatorSpec
-
-from ..kinds import names as kind_names
-from ..kinds import register_model
 
 
 class TypedArray(BaseModel):
@@ -40,6 +38,9 @@ class BackendObject(BaseModel):
     type: Literal["jax-forward", "jax-reverse", "finite-differences", "second-order", "auto"]
 
 
+_SHAPED_LIKE = {"x": "x", "y": "f(x)"}
+
+
 def request_model(op: OperatorSpec) -> type[BaseModel]:
     fields: dict[str, Any] = {
         "function": (str, Field(description="Name of a registered function", examples=["rosenbrock"])),
@@ -54,21 +55,15 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
         ),
         "prep": (str | None, Field(None, description="Handle from POST /prepare/{operator}")),
     }
-    example: dict[str, Any] = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
-    if op.takes_tangents:
-        like = "f(x)" if op.family == "pullback" else "x"
+    if op.tangents_like is not None:
+        like = _SHAPED_LIKE[op.tangents_like]
         fields["tangents"] = (
             list[Array],
             Field(description=f"A batch of tangents, each shaped like {like}", min_length=1),
         )
-        example["tangents"] = [[1.0, 0.0, 0.0]] if op.family != "pullback" else [1.0]
-        if op.family == "pushforward":
-            example["function"] = "sin_cumsum"
-    if op.family in ("derivative", "second_derivative"):
-        example = {"function": "normal_logpdf", "backend": "auto", "x": 0.5}
     model = create_model(
         f"{_camel(op.name)}Request",
-        __config__=ConfigDict(json_schema_extra={"example": example}),
+        __config__=ConfigDict(json_schema_extra={"example": copy.deepcopy(dict(op.example))}),
         **fields,
     )
     return model
@@ -77,7 +72,7 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
 def response_model(op: OperatorSpec) -> type[BaseModel]:
     fields: dict[str, Any] = {}
     for name in op.results:
-        if name.endswith("s") and name in ("pushforwards", "pullbacks", "hvps"):
+        if name in op.batch_results:
             fields[name] = (list[Array], Field(description="One result per tangent"))
         else:
             fields[name] = (Array, Field(description=ARRAY_DOC))
@@ -102,22 +97,31 @@ class Problem(BaseModel):
     field: str | None = Field(None, description="The request field that was wrong")
 
 
-def __getattr__(name: str) -> Any:
-    # RegisterFunction (the POST /functions body) has the fields of every kind added
-    # to dxserve.kinds, so it is built from them when used rather than at import.
-    if name == "RegisterFunction":
-        return register_model()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class RegisterFunction(BaseModel):
+    """Register an expression (``expression`` + ``args``) or a JAX export (``export``)."""
 
-
-def _kind_names(schema: dict[str, Any]) -> None:
-    # Read when the schema is generated, so kinds added later are listed too.
-    schema["enum"] = kind_names()
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "example": {
+                "name": "sq",
+                "expression": "jnp.sum(jnp.sin(x) ** 2)",
+                "args": ["x"],
+                "description": "sum of squared sines",
+            }
+        },
+    )
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
+    description: str = Field("", max_length=4096)
+    expression: str | None = Field(None, description="Whitelisted jnp expression")
+    args: list[str] = Field(default_factory=lambda: ["x"], description="First is active")
+    export: str | None = Field(None, description="base64 of a dxclient export bundle")
+    replace: bool = False
 
 
 class FunctionInfoModel(BaseModel):
     name: str
-    kind: str = Field(json_schema_extra=_kind_names)
+    kind: Literal["module", "expression", "export"]
     description: str
     signature: dict[str, Any]
     digest: str | None = None
