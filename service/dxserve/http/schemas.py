@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from dxclient.operators import OPERATORS, OperatorSpec
 
+from ..kinds import names as kind_names
+from ..kinds import register_model
+
 
 class TypedArray(BaseModel):
     """An array with its dtype: base64 of little-endian C-order bytes (or a nested
@@ -97,31 +100,22 @@ class Problem(BaseModel):
     field: str | None = Field(None, description="The request field that was wrong")
 
 
-class RegisterFunction(BaseModel):
-    """Register an expression (``expression`` + ``args``) or a JAX export (``export``)."""
+def __getattr__(name: str) -> Any:
+    # RegisterFunction (the POST /functions body) has the fields of every kind added
+    # to dxserve.kinds, so it is built from them when used rather than at import.
+    if name == "RegisterFunction":
+        return register_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "example": {
-                "name": "sq",
-                "expression": "jnp.sum(jnp.sin(x) ** 2)",
-                "args": ["x"],
-                "description": "sum of squared sines",
-            }
-        },
-    )
-    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
-    description: str = Field("", max_length=4096)
-    expression: str | None = Field(None, description="Whitelisted jnp expression")
-    args: list[str] = Field(default_factory=lambda: ["x"], description="First is active")
-    export: str | None = Field(None, description="base64 of a dxclient export bundle")
-    replace: bool = False
+
+def _kind_names(schema: dict[str, Any]) -> None:
+    # Read when the schema is generated, so kinds added later are listed too.
+    schema["enum"] = kind_names()
 
 
 class FunctionInfoModel(BaseModel):
     name: str
-    kind: Literal["module", "expression", "export"]
+    kind: str = Field(json_schema_extra=_kind_names)
     description: str
     signature: dict[str, Any]
     digest: str | None = None
