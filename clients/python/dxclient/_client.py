@@ -3,15 +3,26 @@
     client = Client("http://127.0.0.1:8000")
     g = client.gradient("rosenbrock", JaxReverse(), np.array([1.0, 2.0, 3.0]))
 
-Both share the request model (``_models``) and the operator methods
-(``_operators``); the transport is swappable, so tests can mount the ASGI app
-in process (``transport=httpx.ASGITransport(app)`` for the async client).
+Every method is written once, in ``_ClientBase``, without doing any I/O: it builds
+``Call``s and parses their responses. The two classes differ only in how a call
+travels, two small methods each:
+
+* ``_run(call, url, parse, *args)`` sends one call and returns
+  ``parse(*args, response)``: right away for ``Client``, as an awaitable for
+  ``AsyncClient``. Operator calls (the hot path) go straight through it.
+* other methods are plans, generators that ``yield`` each ``Call``, receive its
+  response and ``return`` the result (``register`` asks ``/ready`` first). ``_drive``
+  runs a plan, each call through ``_run``.
+
+The transport is swappable, so tests can mount the ASGI app in process
+(``transport=httpx.ASGITransport(app)`` for the async client).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 import httpx
 
@@ -22,6 +33,11 @@ from .backends import Backend
 
 DEFAULT_TIMEOUT = 120.0
 
+T = TypeVar("T")
+#: A method's requests and result, without I/O: yields calls, is sent their responses,
+#: returns the result. ``Client`` returns that result, ``AsyncClient`` an awaitable of it.
+Plan = Generator[Call, httpx.Response, T]
+
 
 def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
@@ -31,9 +47,10 @@ class _OperatorURLs:
     """Operator paths resolved against the client's base URL once per path.
 
     httpx parses a relative path and then parses the merged URL again on every
-    request: ~0.1 ms, as much as encoding and decoding a small operator call together
-    (SPEC §7 small-request target). A resolved ``httpx.URL`` is used as it is. Only
-    the operator table's fixed paths go through here, so the cache stays small.
+    request: ~0.1 ms, as much as encoding and decoding a small operator call together,
+    which is most of a small call's client-side cost. A resolved ``httpx.URL`` is used
+    as it is. Only the operator table's fixed paths go through here, so the cache stays
+    small.
     """
 
     def __init__(self) -> None:
@@ -58,8 +75,37 @@ def _export(fn: Callable, example_args: tuple, platforms: Sequence[str], **kw: A
     return export_function(fn, *example_args, platforms=tuple(platforms), **kw)
 
 
-class Client(OperatorMethods):
-    """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
+def _get(path: str) -> Call:
+    return Call("GET", path, b"", {})
+
+
+def _response(response: httpx.Response) -> httpx.Response:
+    return response
+
+
+def _operator_answer(operator: str, response: httpx.Response) -> Any:
+    return _models.operator_result(operator, response.headers, response.content)
+
+
+def _prep_answer(response: httpx.Response) -> RemotePrep:
+    return _models.prep_result(response.content)
+
+
+def _plan(method: Callable[..., Plan[Any]]) -> Callable[..., Any]:
+    """Make a plan-writing method public: ``Client`` runs it, ``AsyncClient`` awaits it."""
+
+    @functools.wraps(method)
+    def run(self: _ClientBase, *args: Any, **kwargs: Any) -> Any:
+        return self._drive(method(self, *args, **kwargs))
+
+    return run
+
+
+class _ClientBase(OperatorMethods):
+    """Everything ``Client`` and ``AsyncClient`` share: each method, once."""
+
+    http: Any  # httpx.Client or httpx.AsyncClient
+    _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
 
     def __init__(
         self,
@@ -68,49 +114,63 @@ class Client(OperatorMethods):
         token: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         encoding: str = "binary",
-        transport: httpx.BaseTransport | None = None,
-        http: httpx.Client | None = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        http: httpx.Client | httpx.AsyncClient | None = None,
     ) -> None:
+        """``encoding``: "binary" (default), "b64" or "json". ``http``: an httpx client
+        to use instead of a new one (``url``, ``timeout`` and ``transport`` then unused)."""
         self.encoding = encoding
-        self.http = http or httpx.Client(
+        self.http = http or self._HTTP(
             base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
         )
         if http is not None and token:
             self.http.headers.update(_headers(token))
         self._urls = _OperatorURLs()
 
-    def _send(self, call: Call, url: httpx.URL | None = None) -> httpx.Response:
-        response = self.http.request(
-            call.method, call.path if url is None else url, content=call.body, headers=call.headers
-        )
-        _models.raise_for_problem(response.status_code, response.headers, response.content)
-        return response
+    # --- how calls travel: one implementation per class ---------------------------
+    def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> Any:
+        """Send ``call`` (to ``url``, its path resolved, if given); ``parse(*args, response)``.
 
-    def _get(self, path: str) -> Any:
-        response = self.http.get(path)
-        _models.raise_for_problem(response.status_code, response.headers, response.content)
-        return response.json()
+        A problem document raises its ``DxError``.
+        """
+        raise NotImplementedError
 
-    # --- operators -----------------------------------------------------------
-    def _operator(self, operator, f, backend, x, tangents, contexts, prep):  # noqa: ANN001
+    def _drive(self, plan: Plan[T]) -> Any:
+        """Send each call ``plan`` yields; its return value."""
+        raise NotImplementedError
+
+    # --- operators -------------------------------------------------------------
+    def _operator(
+        self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
+        tangents: Any, contexts: tuple, prep: RemotePrep | None,
+    ) -> Any:
         call = _models.operator_call(operator, f, backend, x, tangents, contexts, prep, self.encoding)
-        response = self._send(call, self._urls.resolve(self.http, call.path))
-        return _models.operator_result(operator, response.headers, response.content)
+        url = self._urls.resolve(self.http, call.path)
+        return self._run(call, url, _operator_answer, operator)
 
-    def _prepare(self, operator, f, backend, x, tangents, contexts):  # noqa: ANN001
+    def _prepare(
+        self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
+        tangents: Any, contexts: tuple,
+    ) -> Any:
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True
         )
-        return _models.prep_result(self._send(call, self._urls.resolve(self.http, call.path)).content)
+        return self._run(call, self._urls.resolve(self.http, call.path), _prep_answer)
 
     # --- functions -------------------------------------------------------------
-    def function(self, name: str) -> RemoteFunction:
+    @_plan
+    def function(self, name: str) -> Plan[RemoteFunction]:
         """The registered function ``name`` (raises ``UnknownFunctionError``)."""
-        return _models.function_result(self._send(Call("GET", f"/functions/{name}", b"", {})).content)
+        response = yield _get(f"/functions/{name}")
+        return _models.function_from(response.json())
 
-    def functions(self) -> list[RemoteFunction]:
-        return [_models.function_from(o) for o in self._get("/functions")["functions"]]
+    @_plan
+    def functions(self) -> Plan[list[RemoteFunction]]:
+        """Every registered function."""
+        response = yield _get("/functions")
+        return [_models.function_from(o) for o in response.json()["functions"]]
 
+    @_plan
     def register(
         self,
         fn: Callable,
@@ -119,20 +179,21 @@ class Client(OperatorMethods):
         description: str = "",
         replace: bool = False,
         **export_options: Any,
-    ) -> RemoteFunction:
+    ) -> Plan[RemoteFunction]:
         """Export ``fn(x, *contexts)`` with ``jax.export`` (needs jax locally) and upload it.
 
         Lowered for every platform the server reports in ``GET /ready`` unless
         ``platforms=`` says otherwise; other options go to ``export_function``
         (``polymorphic_shapes``, ``constraints``).
         """
-        platforms = export_options.pop("platforms", None) or self.ready()["export_platforms"]
+        platforms = export_options.pop("platforms", None)
+        if not platforms:
+            platforms = (yield _get("/ready")).json()["export_platforms"]
         bundle = _export(fn, example_args, platforms, **export_options)
-        call = _models.register_call(
-            name or fn.__name__, description, replace, export=bundle
-        )
-        return _models.function_result(self._send(call).content)
+        call = _models.register_call(name or fn.__name__, description, replace, export=bundle)
+        return _models.function_result((yield call).content)
 
+    @_plan
     def register_expression(
         self,
         name: str,
@@ -141,26 +202,55 @@ class Client(OperatorMethods):
         *,
         description: str = "",
         replace: bool = False,
-    ) -> RemoteFunction:
+    ) -> Plan[RemoteFunction]:
         """Register a whitelisted ``jnp`` expression; the first arg is the active input."""
         call = _models.register_call(
             name, description, replace, expression=expression, args=tuple(args)
         )
-        return _models.function_result(self._send(call).content)
+        return _models.function_result((yield call).content)
 
-    def delete(self, f: RemoteFunction | str) -> None:
-        response = self.http.delete(f"/functions/{_models.function_name(f)}")
-        _models.raise_for_problem(response.status_code, response.headers, response.content)
+    @_plan
+    def delete(self, f: RemoteFunction | str) -> Plan[None]:
+        """Remove a registered function."""
+        yield Call("DELETE", f"/functions/{_models.function_name(f)}", b"", {})
 
     # --- service ---------------------------------------------------------------
-    def health(self) -> dict:
-        return self._get("/health")
+    @_plan
+    def health(self) -> Plan[dict]:
+        """Liveness: ``{"status": "ok"}``."""
+        return (yield _get("/health")).json()
 
-    def ready(self) -> dict:
-        return self._get("/ready")
+    @_plan
+    def ready(self) -> Plan[dict]:
+        """Readiness, with the platforms exports should be lowered for."""
+        return (yield _get("/ready")).json()
 
-    def backends(self) -> list[dict]:
-        return self._get("/backends")["backends"]
+    @_plan
+    def backends(self) -> Plan[list[dict]]:
+        """The backends the server offers, with their parameters and operators."""
+        return (yield _get("/backends")).json()["backends"]
+
+
+class Client(_ClientBase):
+    """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
+
+    _HTTP = httpx.Client
+    http: httpx.Client
+
+    def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> T:
+        response = self.http.request(
+            call.method, call.path if url is None else url, content=call.body, headers=call.headers
+        )
+        _models.raise_for_problem(response.status_code, response.headers, response.content)
+        return parse(*args, response)
+
+    def _drive(self, plan: Plan[T]) -> T:
+        try:
+            call = next(plan)
+            while True:
+                call = plan.send(self._run(call, None, _response))
+        except StopIteration as done:
+            return done.value
 
     def close(self) -> None:
         self.http.close()
@@ -172,95 +262,28 @@ class Client(OperatorMethods):
         self.close()
 
 
-class AsyncClient(OperatorMethods):
+class AsyncClient(_ClientBase):
     """Asynchronous client: the same methods as ``Client``, awaited."""
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8000",
-        *,
-        token: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        encoding: str = "binary",
-        transport: httpx.AsyncBaseTransport | None = None,
-        http: httpx.AsyncClient | None = None,
-    ) -> None:
-        self.encoding = encoding
-        self.http = http or httpx.AsyncClient(
-            base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
-        )
-        self._urls = _OperatorURLs()
+    _HTTP = httpx.AsyncClient
+    http: httpx.AsyncClient
 
-    async def _send(self, call: Call, url: httpx.URL | None = None) -> httpx.Response:
+    async def _run(
+        self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any
+    ) -> T:
         response = await self.http.request(
             call.method, call.path if url is None else url, content=call.body, headers=call.headers
         )
         _models.raise_for_problem(response.status_code, response.headers, response.content)
-        return response
+        return parse(*args, response)
 
-    async def _get(self, path: str) -> Any:
-        response = await self.http.get(path)
-        _models.raise_for_problem(response.status_code, response.headers, response.content)
-        return response.json()
-
-    async def _operator(self, operator, f, backend, x, tangents, contexts, prep):  # noqa: ANN001
-        call = _models.operator_call(operator, f, backend, x, tangents, contexts, prep, self.encoding)
-        response = await self._send(call, self._urls.resolve(self.http, call.path))
-        return _models.operator_result(operator, response.headers, response.content)
-
-    async def _prepare(self, operator, f, backend, x, tangents, contexts):  # noqa: ANN001
-        call = _models.operator_call(
-            operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True
-        )
-        response = await self._send(call, self._urls.resolve(self.http, call.path))
-        return _models.prep_result(response.content)
-
-    async def function(self, name: str) -> RemoteFunction:
-        return _models.function_from(await self._get(f"/functions/{name}"))
-
-    async def functions(self) -> list[RemoteFunction]:
-        return [_models.function_from(o) for o in (await self._get("/functions"))["functions"]]
-
-    async def register(
-        self,
-        fn: Callable,
-        *example_args: Any,
-        name: str | None = None,
-        description: str = "",
-        replace: bool = False,
-        **export_options: Any,
-    ) -> RemoteFunction:
-        platforms = export_options.pop("platforms", None) or (await self.ready())["export_platforms"]
-        bundle = _export(fn, example_args, platforms, **export_options)
-        call = _models.register_call(name or fn.__name__, description, replace, export=bundle)
-        return _models.function_result((await self._send(call)).content)
-
-    async def register_expression(
-        self,
-        name: str,
-        expression: str,
-        args: Sequence[str] = ("x",),
-        *,
-        description: str = "",
-        replace: bool = False,
-    ) -> RemoteFunction:
-        call = _models.register_call(
-            name, description, replace, expression=expression, args=tuple(args)
-        )
-        return _models.function_result((await self._send(call)).content)
-
-    async def delete(self, f: RemoteFunction | str) -> None:
-        response = await self.http.delete(f"/functions/{_models.function_name(f)}")
-        _models.raise_for_problem(response.status_code, response.headers, response.content)
-
-    async def health(self) -> dict:
-        return await self._get("/health")
-
-    async def ready(self) -> dict:
-        return await self._get("/ready")
-
-    async def backends(self) -> list[dict]:
-        return (await self._get("/backends"))["backends"]
+    async def _drive(self, plan: Plan[T]) -> T:
+        try:
+            call = next(plan)
+            while True:
+                call = plan.send(await self._run(call, None, _response))
+        except StopIteration as done:
+            return done.value
 
     async def aclose(self) -> None:
         await self.http.aclose()
