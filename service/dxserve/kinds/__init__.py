@@ -43,7 +43,10 @@ __all__ = [
     "names",
     "parse_register_body",
     "register_model",
+    "registrable",
     "remove_kind",
+    "selector",
+    "standard_description",
     "stored_names",
 ]
 
@@ -141,7 +144,7 @@ def selector(kind: FunctionKind) -> str | None:
 
 # --- the registry of kinds ----------------------------------------------------
 _lock = threading.Lock()
-_kinds: dict[str, FunctionKind] = {}  # in registration order: schemas list them so
+_kinds: dict[str, FunctionKind] = {}  # in the order added, which the schemas keep
 _model_cache: list[Any] = []  # [(kinds snapshot, model)]: rebuilt when the kinds change
 
 
