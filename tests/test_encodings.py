@@ -462,18 +462,12 @@ class HexJson(common.JsonBody):
         data = common.le_contig(a).tobytes().hex()
         return {common.MARKER: data, "dtype": dtype, "shape": list(a.shape)}
 
-    def encode_body(self, payload: dict) -> tuple[bytes, str, dict[str, str]]:
-        body, _, headers = super().encode_body(payload)
-        return body, self.media_type, headers
-
-    def encode_body_parts(self, payload: dict) -> tuple[list[Any], str, dict[str, str]]:
-        return [self.encode_body(payload)[0]], self.media_type, {}
-
     def decode_body(
         self, body: bytes | bytearray | memoryview, header_length: str | None,
         max_header_bytes: int,
     ) -> tuple[dict, None]:
-        return self._arrays(common.decode_json_object(body), "body"), None
+        obj, _ = super().decode_body(body, header_length, max_header_bytes)
+        return self._arrays(obj, "body"), None
 
     def _arrays(self, value: Any, field: str) -> Any:
         if isinstance(value, dict):
@@ -506,7 +500,7 @@ def test_a_registered_encoding_round_trips(hex_encoding: Any) -> None:
     body, media, headers = codec.encode_body(payload, "hex")
     assert media == "application/x-dxserve-hex+json" and headers == {}
     assert b'"__ndarray__":"000000000000f03f' in body  # hex, little-endian
-    assert codec.encode_body_parts(payload, "hex")[0] == [body]
+    assert b"".join(codec.encode_body_parts(payload, "hex")[0]) == body
     assert decoder_for(f"{media}; charset=utf-8") is hex_encoding
     assert MEDIA_TYPES[media] is hex_encoding
     out = codec.decode_response(body, media, None, arrays=arrays, batches=batches)

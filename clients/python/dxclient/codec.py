@@ -119,7 +119,7 @@ def from_tree(tree: Any, encoding: str, buffers: Any = None, field: str = "") ->
     The result is serializable with ``dumps`` (with orjson it may hold C-contiguous
     ndarrays). For "binary", pass a collector of the arrays' buffers as ``buffers``.
     """
-    return encode_tree(tree, encoding_named(encoding).encode_array, buffers, field)
+    return encode_tree(tree, encoding_named(encoding), buffers, field)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -78,7 +78,7 @@ class Binary:
         header = _HEADERS.get(key) if key is not None else None
         if header is None:
             buffers = _Buffers()
-            header = dumps(encode_tree(payload, self.encode_array, buffers, ""))
+            header = dumps(encode_tree(payload, self, buffers, ""))
             header += b" " * (-len(header) % ALIGN)
             arrays = buffers.items
             if key is not None and len(header) <= BinaryLayout.MAX_HEADER:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
+
+if TYPE_CHECKING:
+    from .base import Encoding
 
 try:
     import orjson
@@ -40,9 +42,6 @@ NAMES = {**{np.dtype(name): name for name in ALLOWED_DTYPES}, **{dt: n for n, dt
 SPELLINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 TYPED_KEYS = frozenset((MARKER, "dtype", "shape"))
 F64 = np.dtype(np.float64)
-
-#: ``encode_array(a, buffers, field)`` of an encoding: one array -> its wire form
-ArrayEncoder = Callable[[np.ndarray, Any, str], Any]
 
 
 # --------------------------------------------------------------------------- JSON text
@@ -137,16 +136,6 @@ def json_kind(value: Any) -> str:
     if value is None:
         return "null"
     return {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
-
-
-def decode_json_object(body: bytes | bytearray | memoryview) -> dict:
-    """A JSON body -> its top-level object, arrays left in their JSON form (``to_tree``)."""
-    obj = loads(body, field="body")
-    if not isinstance(obj, dict):
-        raise MalformedRequestError(
-            f"the body must be a JSON object, got {json_kind(obj)}", field="body"
-        )
-    return obj
 
 
 def json_float(x: float) -> float | str:
@@ -245,10 +234,10 @@ def is_arraylike(x: Any) -> bool:
     )
 
 
-def encode_tree(tree: Any, encode_array: ArrayEncoder, buffers: Any, field: str) -> Any:
+def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
     """Arrays (anything with ``__array__``), dicts of them, tuples/lists of them -> their
-    wire form, each array given by ``encode_array(array, buffers, field)``; other JSON
-    values pass through (non-finite Python floats become their string spellings)."""
+    wire form, each array given by ``encoding.encode_array(array, buffers, field)``; other
+    JSON values pass through (non-finite Python floats become their string spellings)."""
     if isinstance(tree, dict):
         out = {}
         for key, v in tree.items():
@@ -257,43 +246,52 @@ def encode_tree(tree: Any, encode_array: ArrayEncoder, buffers: Any, field: str)
                     f"key {key!r} cannot be sent (keys starting with '__' are reserved)",
                     field=join(field, str(key)),
                 )
-            out[key] = encode_tree(v, encode_array, buffers, join(field, key))
+            out[key] = encode_tree(v, encoding, buffers, join(field, key))
         return out
     if isinstance(tree, list | tuple):
-        return [encode_tree(v, encode_array, buffers, f"{field}[{i}]") for i, v in enumerate(tree)]
+        return [encode_tree(v, encoding, buffers, f"{field}[{i}]") for i, v in enumerate(tree)]
     if isinstance(tree, float):
         return json_float(tree)
     if tree is None or isinstance(tree, str | int):
         return tree
     if is_arraylike(tree):
-        return encode_array(np.asarray(tree), buffers, field)
+        return encoding.encode_array(np.asarray(tree), buffers, field)
     raise InvalidArgumentError(f"cannot encode a {type(tree).__name__}", field=field or None)
 
 
 class JsonBody:
     """Encoding and decoding of a JSON body, for encodings whose arrays are inline.
 
-    A subclass gives ``encode_array`` (and ``name`` and ``media_type``); arrays in a
-    decoded body stay in their JSON form for ``to_tree``.
+    A subclass gives ``name``, ``media_type`` and ``encode_array``; arrays in a decoded
+    body stay in their JSON form for ``to_tree``.
     """
+
+    name: str
+    media_type: str = JSON_TYPE
 
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:  # pragma: no cover
         raise NotImplementedError
 
     def encode_body(self, payload: dict) -> tuple[bytes, str, dict[str, str]]:
         """``payload`` -> ``(one JSON body, media type, {})``."""
-        return dumps(encode_tree(payload, self.encode_array, None, "")), JSON_TYPE, {}
+        return dumps(encode_tree(payload, self, None, "")), self.media_type, {}
 
     def encode_body_parts(self, payload: dict) -> tuple[list[Any], str, dict[str, str]]:
         """``encode_body`` with large arrays written a block at a time (``dumps_parts``)."""
-        return dumps_parts(encode_tree(payload, self.encode_array, None, "")), JSON_TYPE, {}
+        return dumps_parts(encode_tree(payload, self, None, "")), self.media_type, {}
 
     def decode_body(
         self, body: bytes | bytearray | memoryview, header_length: str | None,
         max_header_bytes: int,
     ) -> tuple[dict, None]:
-        """A JSON body -> ``(its object, None)``; typed objects and lists left for ``to_tree``."""
-        return decode_json_object(body), None
+        """A JSON body -> ``(its top-level object, None)``; arrays stay in their JSON form
+        (lists, typed objects) for ``to_tree``."""
+        obj = loads(body, field="body")
+        if not isinstance(obj, dict):
+            raise MalformedRequestError(
+                f"the body must be a JSON object, got {json_kind(obj)}", field="body"
+            )
+        return obj, None
 
 
 class Memo:

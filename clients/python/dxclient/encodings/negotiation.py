@@ -17,6 +17,9 @@ def decoder_for(content_type: str | None) -> Encoding:
     Raises UnsupportedMediaTypeError (415, field "Content-Type") for a media type no
     registered encoding reads, or no Content-Type at all.
     """
+    encoding = MEDIA_TYPES.get(content_type)  # the usual, exact spelling: no string work
+    if encoding is not None:
+        return encoding
     media = (content_type or "").split(";", 1)[0].strip().lower()
     encoding = MEDIA_TYPES.get(media)
     if encoding is not None:
