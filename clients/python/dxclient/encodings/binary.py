@@ -107,7 +107,9 @@ class Binary:
         """
         field = HEADER_LENGTH
         if header_length is None:
-            raise MalformedRequestError(f"binary body needs the {HEADER_LENGTH} header", field=field)
+            raise MalformedRequestError(
+                f"binary body needs the {HEADER_LENGTH} header", field=field
+            )
         text = header_length.strip()
         if not text.isascii() or not text.isdigit() or len(text) > 18:
             raise MalformedRequestError(
@@ -117,7 +119,9 @@ class Binary:
         if n == 0:
             raise MalformedRequestError("header length must be positive", field=field)
         if n > max_header_bytes:
-            raise MalformedRequestError(f"header length {n} exceeds {max_header_bytes}", field=field)
+            raise MalformedRequestError(
+                f"header length {n} exceeds {max_header_bytes}", field=field
+            )
         if n > len(body):
             raise MalformedRequestError(
                 f"header length {n} exceeds the body length {len(body)}", field=field
@@ -277,7 +281,7 @@ def padding(nbytes: int) -> bytes:
 
 def _header_key(tree: Any, arrays: list[np.ndarray]) -> Any:
     """What a binary header depends on: the tree with each array reduced to its dtype
-    and shape (the arrays are appended to ``arrays`` in ``from_tree``'s order), or None
+    and shape (the arrays are appended to ``arrays`` in ``encode_tree``'s order), or None
     when the tree holds something else (floats, scalars, JAX arrays): not remembered."""
     kind = type(tree)
     if kind is np.ndarray:

@@ -27,7 +27,8 @@ class TypedB64(JsonBody):
         """An array -> its typed object with base64 of its little-endian C-order bytes."""
         name = check_dtype(a, field)
         raw = memoryview(le_contig(a).reshape(-1).view(np.uint8))
-        return {MARKER: base64.b64encode(raw).decode("ascii"), "dtype": name, "shape": list(a.shape)}
+        data = base64.b64encode(raw).decode("ascii")
+        return {MARKER: data, "dtype": name, "shape": list(a.shape)}
 
 
 def from_b64(data: str, dt: np.dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
