@@ -107,10 +107,10 @@ class SecondOrder:
     def __post_init__(self) -> None:
         for part in ("outer", "inner"):
             value = getattr(self, part)
-            if not isinstance(value, (JaxForward, JaxReverse, FiniteDifferences)):
+            if type(value) not in _CLASSES or isinstance(value, SecondOrder | Auto):
                 raise InvalidBackendError(
                     f"{part} must be a first-order backend "
-                    "(jax-forward, jax-reverse or finite-differences)",
+                    "(jax-forward, jax-reverse, finite-differences or a registered one)",
                     field=f"backend.{part}",
                 )
 
@@ -130,6 +130,7 @@ class Auto:
 
 Backend = JaxForward | JaxReverse | FiniteDifferences | SecondOrder | Auto
 
+#: type -> descriptor class; ``register_backend_type`` adds plug-in backends.
 BACKEND_TYPES: dict[str, type] = {
     cls.type: cls for cls in (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto)
 }
@@ -143,6 +144,38 @@ _PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
+def register_backend_type(descriptor: type, parameters: tuple[str, ...] = ()) -> None:
+    """Make ``backend_from_json`` know ``descriptor`` (a frozen dataclass with a
+    ``type`` class attribute and ``to_json()``) and the JSON parameters it takes."""
+    kind = descriptor.type
+    if not isinstance(kind, str) or not kind:
+        raise ValueError("a backend descriptor needs a non-empty string class attribute 'type'")
+    BACKEND_TYPES[kind] = descriptor
+    _PARAMS[kind] = tuple(parameters)
+    _SHORTHANDS.pop(kind, None)
+    try:
+        _SHORTHANDS[kind] = descriptor()
+    except TypeError:  # it has required parameters: no shorthand
+        pass
+
+
+def backend_to_json(value: Any, field: str = "backend") -> Any:
+    """The JSON form of a descriptor or shorthand; a dict of a type this process does
+    not know (a server-side plug-in) is passed on as it is, for the server to check."""
+    if isinstance(value, dict):
+        kind = value.get("type")
+        if isinstance(kind, str) and kind not in BACKEND_TYPES:
+            return value
+    return backend_from_json(value, field).to_json()
+
+
+class _DescriptorClasses:
+    """``type(value) in _CLASSES``: is ``value`` a registered descriptor (a live view)."""
+
+    def __contains__(self, cls: object) -> bool:
+        return getattr(cls, "type", None) in BACKEND_TYPES and BACKEND_TYPES[cls.type] is cls
+
+
 def _compact(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
@@ -152,7 +185,7 @@ def backend_from_json(value: Any, field: str = "backend") -> Backend:
 
     Raises ``InvalidBackendError`` naming the offending field.
     """
-    if isinstance(value, (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto)):
+    if type(value) in _CLASSES:
         return value
     if isinstance(value, str):
         shorthand = _SHORTHANDS.get(value)
@@ -198,6 +231,7 @@ def backend_from_json(value: Any, field: str = "backend") -> Backend:
         raise InvalidBackendError(exc.detail, field=(exc.field or field).replace("backend", field, 1)) from None
 
 
+_CLASSES = _DescriptorClasses()
 _SHORTHANDS: dict[str, Backend] = {
     "jax-forward": JaxForward(),
     "jax-reverse": JaxReverse(),

@@ -1,4 +1,8 @@
-"""Backend descriptors (shared with the client) and the engines behind them."""
+"""Backend descriptors (shared with the client) and the engines behind them.
+
+The built-in backends are registered here with the same ``register_backend`` a
+plug-in uses.
+"""
 
 from dxclient.backends import (
     Auto,
@@ -10,17 +14,63 @@ from dxclient.backends import (
     backend_from_json,
 )
 
-from .resolve import engine_for, engines_for, resolve_backend
+from .engine import Engine
+from .finite_differences import FiniteDifferencesEngine
+from .jax_modes import ForwardEngine, ReverseEngine
+from .plugins import PLUGINS, SECOND_ORDER, backend_table, register_backend
+from .selection import engine_for, engines_for, resolve_backend
+
+register_backend(
+    JaxForward,
+    lambda b, *, traced, nested: ForwardEngine(b.batch_size, traced),
+    parameters={"batch_size": "tangents per vectorized call (null: all)"},
+    notes="second order as forward-over-reverse",
+)
+register_backend(
+    JaxReverse,
+    lambda b, *, traced, nested: ReverseEngine(b.batch_size, traced),
+    parameters={"batch_size": "rows per vectorized call (null: all)"},
+    notes="second order as forward-over-reverse",
+)
+register_backend(
+    FiniteDifferences,
+    lambda b, *, traced, nested: FiniteDifferencesEngine(
+        b.method, b.step, b.batch_size, traced=traced, nested=nested
+    ),
+    parameters={
+        "method": "'central' (default) or 'forward'",
+        "step": "relative step in (0, 1); null picks cbrt(eps) or sqrt(eps)",
+        "batch_size": "tangents per vectorized call",
+    },
+    notes="works on black-box functions; second order as finite differences over finite differences",
+)
+register_backend(
+    SecondOrder,
+    None,
+    parameters={"outer": "first-order backend", "inner": "first-order backend"},
+    operators=SECOND_ORDER,
+)
+register_backend(
+    Auto,
+    None,
+    parameters={},
+    notes="reverse for gradients/pullbacks, forward for pushforwards/derivatives, "
+    "Jacobians by size, forward-over-reverse for second order",
+)
 
 __all__ = [
+    "PLUGINS",
     "Auto",
     "Backend",
+    "Engine",
     "FiniteDifferences",
     "JaxForward",
     "JaxReverse",
     "SecondOrder",
     "backend_from_json",
+    "backend_table",
     "engine_for",
     "engines_for",
+    "register_backend",
     "resolve_backend",
 ]

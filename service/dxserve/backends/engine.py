@@ -1,37 +1,190 @@
-"""The contract every first-order engine fulfils.
+"""The contract of a first-order engine, and DifferentiationInterface's fallbacks.
 
-Operators own the maths and call only these five primitives; an engine owns the
-mechanics of one mode. ``g`` is a function of the active input alone (contexts
-are already closed over), tangent batches carry a leading axis.
+Operators own the maths and call only the methods of ``Engine``; an engine owns the
+mechanics of one mode: how to take a pushforward or a pullback, and how to compile
+what the operators build from them. An engine implements at least one of
+``pushforward`` and ``pullback``; gradient, derivative, Jacobian and the other
+direction fall back on it, as DI's operators do. An engine overrides a fallback
+where it can do better (JAX's reverse mode reaches pushforwards by transposing its
+VJP, for instance, instead of building the Jacobian).
+
+``g`` is a function of the active input alone (contexts are already closed over);
+tangent batches carry a leading axis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal
 
-Tree = Any
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _tangents
+from ._tangents import Tree
+
 Fn = Callable[[Tree], Tree]
+Mode = Literal["forward", "reverse"]
 
 
-class Engine(Protocol):
-    #: False when the engine calls ``g`` on concrete arrays (black-box functions).
-    traced: bool
-    batch_size: int | None
-    #: "pushforward" or "pullback": the direction computed without a transpose.
-    natural: str
+class Engine:
+    """Base class of engines: override ``pushforward`` or ``pullback`` (or both).
 
+    Class attributes an engine sets:
+
+    * ``traces``: True when the engine's maths runs under JAX tracing (``jit``,
+      ``vmap``); False for engines that need concrete arrays (a numpy engine). An
+      operator is compiled only when every engine it uses traces and JAX can trace
+      the function.
+    * ``mode``: the direction the engine computes without help. Fallbacks use it to
+      pick the cheaper way (columns for forward, rows for reverse). Left unset, it is
+      the direction the subclass overrides.
+    """
+
+    traces: ClassVar[bool] = True
+    mode: ClassVar[Mode]
+    #: Tangents per vectorized call (None: the whole batch at once).
+    batch_size: int | None = None
+    #: False when the function is a black box: the engine then gets concrete arrays.
+    traced: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.pushforward is not Engine.pushforward
+        reverse = cls.pullback is not Engine.pullback
+        if not (forward or reverse):
+            raise TypeError(f"{cls.__name__} must implement pushforward or pullback")
+        if "mode" not in cls.__dict__ and not hasattr(cls, "mode"):
+            cls.mode = "forward" if forward else "reverse"
+
+    # --- array helpers: JAX when traced, numpy on black boxes ------------------
+    @property
+    def xp(self) -> Any:
+        """The array module this engine computes with for the current function."""
+        return jnp if self.traced and self.traces else np
+
+    def map(self, fn: Fn, batch: Tree) -> Tree:
+        """``fn`` over the leading axis of ``batch``, ``batch_size`` items at a time."""
+        if self.traced and self.traces:
+            return _tangents.chunked_vmap(fn, batch, self.batch_size)
+        return _tangents.loop_map(fn, batch, self.batch_size)
+
+    def flatten(self, x: Tree) -> tuple[Any, Callable[[Any], Tree]]:
+        """``(vector, unflatten)`` of a pytree of arrays."""
+        if self.traced and self.traces:
+            return _tangents.flat(x)
+        return _tangents.np_flat(x)
+
+    def basis(self, n: int, dtype: Any) -> Any:
+        """The ``(n, n)`` identity: row i is the i-th basis tangent."""
+        return self.xp.eye(n, dtype=dtype)
+
+    # --- the two primitives -----------------------------------------------------
     def pushforward(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
-        """``(g(x), J @ t for t in tx)``; ``tx`` has x's structure plus a leading axis."""
+        """``(g(x), J @ t for t in tx)``; ``tx`` has x's structure plus a leading axis.
+
+        Fallback: the Jacobian from pullbacks of y's basis rows, then ``J @ t``.
+        """
+        y, rows, unflatten_x = self._rows(g, x)  # rows: (m, n)
+        xp = self.xp
+        t_flat = self.map(lambda t: self.flatten(t)[0], tx)  # (k, n)
+        products = xp.reshape(t_flat, (t_flat.shape[0], -1)) @ xp.reshape(rows, (rows.shape[0], -1)).T
+        return y, self.map(lambda r: _unflatten_like(r, y, xp), products)
 
     def pullback(self, g: Fn, x: Tree, ty: Tree) -> tuple[Tree, Tree]:
-        """``(g(x), J^T @ c for c in ty)``; ``ty`` has y's structure plus a leading axis."""
+        """``(g(x), J^T @ c for c in ty)``; ``ty`` has y's structure plus a leading axis.
 
+        Fallback: the Jacobian from pushforwards of x's basis columns, then ``J^T @ c``.
+        """
+        xp = self.xp
+        y, cols, unflatten = self._columns(g, x)
+        col_leaves = jax.tree_util.tree_leaves(cols)
+        ct_leaves = jax.tree_util.tree_leaves(ty)
+        k = ct_leaves[0].shape[0]
+        n = col_leaves[0].shape[0]
+        total = 0
+        for col, ct in zip(col_leaves, ct_leaves, strict=True):
+            total = total + xp.reshape(ct, (k, -1)) @ xp.reshape(col, (n, -1)).T
+        return y, self.map(unflatten, total)
+
+    # --- what follows from them -------------------------------------------------
     def gradient(self, g: Fn, x: Tree) -> tuple[Any, Tree]:
         """``(g(x), ∇g(x))`` for scalar ``g``; the gradient has x's structure."""
+        if self.mode == "reverse":
+            y = g(x) if not self.traced or not self.traces else jax.eval_shape(g, x)
+            ones = self.xp.ones((1, *np.shape(y)), _dtype_of(y))
+            y, grads = self.pullback(g, x, ones)
+            return y, jax.tree_util.tree_map(lambda leaf: leaf[0], grads)
+        y, cols, unflatten = self._columns(g, x)
+        return y, unflatten(cols)
 
     def derivative(self, g: Fn, x: Any) -> tuple[Tree, Tree]:
         """``(g(x), g'(x))`` for scalar ``x``; the derivative has y's structure."""
+        y, ty = self.pushforward(g, x, self.xp.ones((1,), x.dtype))
+        return y, jax.tree_util.tree_map(lambda t: t[0], ty)
 
     def jacobian(self, g: Fn, x: Any) -> tuple[Any, Any]:
         """``(g(x), J)`` for array x and y; ``J.shape == y.shape + x.shape``."""
+        xp = self.xp
+        if self.mode == "reverse":
+            y, rows, _ = self._rows(g, x)
+            return y, xp.reshape(rows, (*np.shape(y), *np.shape(x)))
+        y, cols, _ = self._columns(g, x)
+        n = cols.shape[0]
+        m = int(np.prod(np.shape(y)))
+        return y, xp.reshape(xp.reshape(cols, (n, m)).T, (*np.shape(y), *np.shape(x)))
+
+    def symmetric_products(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
+        """``(g(x), J @ t for t in tx)`` for a ``g`` whose Jacobian is symmetric (a
+        gradient, so J is a Hessian): J t = J^T t, so the engine takes its own mode."""
+        if self.mode == "reverse":
+            return self.pullback(g, x, tx)
+        return self.pushforward(g, x, tx)
+
+    def over_batch(
+        self, primitive: Callable[[Fn, Tree, Tree], tuple[Tree, Tree]], g: Fn, x: Tree,
+        tangents: tuple[Tree, ...],
+    ) -> tuple[Tree, tuple[Tree, ...]]:
+        """``primitive(g, x, stacked)`` on a tuple of tangents: ``(g(x), tuple of results)``."""
+        y, out = primitive(g, x, _tangents.stack_tuple(tangents, self.xp))
+        return y, _tangents.unstack_tuple(out, len(tangents))
+
+    # --- compilation --------------------------------------------------------------
+    def compile(self, fn: Callable, args: tuple, key: Any = None) -> Callable:
+        """``fn`` compiled for ``args`` (or ``fn`` itself where it cannot be traced).
+
+        ``key`` (see ``executable_cache.key``) persists the executable across restarts.
+        """
+        if not (self.traced and self.traces):
+            return fn
+        from .. import executable_cache  # the JAX compiler, with its persistent cache
+
+        return executable_cache.compile_or_load(key, fn, *args)
+
+    # --- fallback helpers ---------------------------------------------------------
+    def _columns(self, g: Fn, x: Tree) -> tuple[Tree, Any, Callable]:
+        """``(g(x), cols, unflatten)``: cols stacks ``J @ e_i`` over flat x, shape (n, *y)."""
+        v, unflatten = self.flatten(x)
+        y, cols = self.pushforward(lambda u: g(unflatten(u)), v, self.basis(v.size, v.dtype))
+        return y, cols, unflatten
+
+    def _rows(self, g: Fn, x: Tree) -> tuple[Any, Any, Callable]:
+        """``(g(x), rows, unflatten)``: rows stacks flat ``J^T @ e_j`` over flat y, (m, n)."""
+        xp = self.xp
+        shape_y = jax.eval_shape(g, x) if self.traced and self.traces else g(x)
+        m = int(np.prod(np.shape(shape_y)))
+        dtype = _dtype_of(shape_y)
+        eye = self.basis(m, dtype)
+        y, out = self.pullback(g, x, xp.reshape(eye, (m, *np.shape(shape_y))))
+        flat_rows = self.map(lambda r: self.flatten(r)[0], out)
+        _, unflatten = self.flatten(x)
+        return y, flat_rows, unflatten
+
+
+def _dtype_of(y: Any) -> Any:
+    return y.dtype if hasattr(y, "dtype") else np.asarray(y).dtype
+
+
+def _unflatten_like(flat: Any, y: Any, xp: Any) -> Any:
+    return xp.reshape(flat, np.shape(y))

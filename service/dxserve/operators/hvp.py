@@ -1,7 +1,7 @@
 """hvp: Hessian-vector products ``(H t1, ..., H tk)`` of a scalar-valued f.
 
 The outer mode differentiates the inner mode's gradient. Because H is symmetric,
-the outer mode may go in its natural direction: a forward outer takes JVPs of the
+the outer mode may go in its own direction (``Engine.symmetric_products``): a forward outer takes JVPs of the
 gradient (forward-over-reverse, the default: about 2-3 gradients' cost), a
 reverse outer takes VJPs of it (reverse-over-reverse).
 """
@@ -11,10 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
-from ..backends._batching import stack_tuple, unstack_tuple
 from ..preparation import Family, Inputs, Prep, call, prepare, register_family
 from . import _checks
 
@@ -26,15 +22,12 @@ def _check(inputs: Inputs) -> None:
 
 
 def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
-    xp = jnp if outer.traced else np
-    along = getattr(outer, outer.natural)
-
     def run(x, tangents, contexts):
         def grad(u):
             return inner.gradient(lambda v: f(v, *contexts), u)[1]
 
-        g, hv = along(grad, x, stack_tuple(tangents, xp))
-        return {"gradient": g, "hvps": unstack_tuple(hv, len(tangents))}
+        g, hvps = outer.over_batch(outer.symmetric_products, grad, x, tangents)
+        return {"gradient": g, "hvps": hvps}
 
     return run
 

@@ -8,10 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
-from ..backends._batching import stack_tuple, unstack_tuple
 from ..preparation import Family, Inputs, Prep, call, prepare, register_family
 from . import _checks
 
@@ -22,11 +18,9 @@ def _check(inputs: Inputs) -> None:
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
-    xp = jnp if engine.traced else np
-
     def run(x, tangents, contexts):
-        y, tx = engine.pullback(lambda u: f(u, *contexts), x, stack_tuple(tangents, xp))
-        return {"value": y, "pullbacks": unstack_tuple(tx, len(tangents))}
+        y, results = engine.over_batch(engine.pullback, lambda u: f(u, *contexts), x, tangents)
+        return {"value": y, "pullbacks": results}
 
     return run
 

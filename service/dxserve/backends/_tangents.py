@@ -1,4 +1,4 @@
-"""Mechanics shared by engines: batched maps, basis tangents, flattening."""
+"""Tangent batches: chunked maps over their leading axis, flattening, stacking."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def loop_map(fn: Callable[[Tree], Tree], batch: Tree, batch_size: int | None = N
 def flat(x: Tree) -> tuple[jax.Array, Callable[[jax.Array], Tree]]:
     """Flatten a pytree of arrays to one vector and return the inverse."""
     return ravel_pytree(x)
+
+
+def np_flat(x: Tree) -> tuple[np.ndarray, Callable[[np.ndarray], Tree]]:
+    """``flat`` in numpy, for engines that work on concrete arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    leaves = [np.asarray(leaf) for leaf in leaves]
+    vec = np.concatenate([leaf.ravel() for leaf in leaves]) if leaves else np.zeros(0)
+    shapes = [leaf.shape for leaf in leaves]
+    sizes = np.cumsum([leaf.size for leaf in leaves])[:-1]
+
+    def unflatten(v: np.ndarray) -> Tree:
+        parts = np.split(np.asarray(v), sizes)
+        return jax.tree_util.tree_unflatten(
+            treedef, [p.reshape(s) for p, s in zip(parts, shapes, strict=True)]
+        )
+
+    return vec, unflatten
 
 
 def basis(n: int, dtype: Any) -> jax.Array:

@@ -1,12 +1,13 @@
-"""Turn what the user asked for into concrete engines, per operator.
+"""Turn what the user asked for into concrete descriptors and engines, per operator.
 
 ``Auto()`` picks: reverse for gradients and pullbacks, forward for pushforwards and
 derivatives, forward vs reverse for Jacobians by comparing sizes (forward when
 n = x.size ≤ m = y.size), forward-over-reverse for second order. A function JAX
 cannot trace gets finite differences. A single first-order backend asked for a
 second-order operator follows DifferentiationInterface's rule: JAX modes become
-forward-over-reverse (keeping the backend's batch_size on the outer mode), finite
-differences become finite differences over finite differences.
+forward-over-reverse (keeping the backend's batch_size on the outer mode), any
+other backend ``b`` becomes ``SecondOrder(b, b)`` (finite differences over finite
+differences, say).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from dxclient.backends import (
 from dxclient.errors import UnsupportedOperatorError
 
 from .engine import Engine
-from .finite_differences import FiniteDifferencesEngine
-from .jax_modes import ForwardEngine, ReverseEngine
+from .plugins import PLUGINS
 
 SECOND_ORDER_FAMILIES = frozenset({"hvp", "hessian", "second_derivative"})
 
@@ -55,29 +55,27 @@ def resolve_backend(
             )
         return backend
     if second:
-        if isinstance(backend, FiniteDifferences):
-            return SecondOrder(backend, backend)
-        return SecondOrder(JaxForward(batch_size=backend.batch_size), JaxReverse())
+        if isinstance(backend, JaxForward | JaxReverse):
+            return SecondOrder(JaxForward(batch_size=backend.batch_size), JaxReverse())
+        return SecondOrder(backend, backend)
     return backend
 
 
 def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engine:
     """The engine for a concrete first-order descriptor."""
-    if isinstance(backend, FiniteDifferences):
-        return FiniteDifferencesEngine(
-            backend.method, backend.step, backend.batch_size, traced=traced, nested=nested
+    plugin = PLUGINS.get(backend.type)
+    if plugin is None or plugin.engine is None:
+        raise UnsupportedOperatorError(
+            f"{backend.type} is not a first-order backend", field="backend"
         )
-    if not traced:
+    engine = plugin.engine(backend, traced=traced, nested=nested)
+    if not traced and engine.traces and not isinstance(backend, FiniteDifferences):
         raise UnsupportedOperatorError(
             f"{backend.type} needs a function JAX can trace; this one is a black box. "
             "Use 'finite-differences'",
             field="backend",
         )
-    if isinstance(backend, JaxForward):
-        return ForwardEngine(backend.batch_size)
-    if isinstance(backend, JaxReverse):
-        return ReverseEngine(backend.batch_size)
-    raise UnsupportedOperatorError(f"{backend.type} is not a first-order backend", field="backend")
+    return engine
 
 
 def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
@@ -88,7 +86,5 @@ def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | Non
         )
         outer = engine_for(backend.outer, traced=traced, nested=both_fd)
         inner = engine_for(backend.inner, traced=traced, nested=both_fd)
-        if not traced and not both_fd:
-            raise UnsupportedOperatorError("black-box functions need finite differences", field="backend")
         return outer, inner
     return engine_for(backend, traced=traced), None

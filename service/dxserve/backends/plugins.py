@@ -1,0 +1,75 @@
+"""The table of backend types: each descriptor with its engine and what it serves.
+
+``register_backend`` is the one call that adds a backend. After it, the descriptor
+parses from JSON (``{"type": name, ...}``) in process and over HTTP, the Python
+client can name it, ``GET /backends`` lists it, and its engine differentiates.
+The built-in JAX and finite-difference backends register through the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from dxclient.backends import register_backend_type
+from dxclient.operators import OPERATORS
+
+from .engine import Engine
+
+#: ``factory(descriptor, *, traced, nested) -> Engine``: ``traced`` is False for a
+#: function JAX cannot trace, ``nested`` True inside another finite difference.
+EngineFactory = Callable[..., Engine]
+
+FIRST_ORDER = tuple(n for n, op in OPERATORS.items() if op.order <= 1)
+SECOND_ORDER = tuple(n for n, op in OPERATORS.items() if op.order == 2)
+
+
+@dataclass(frozen=True)
+class BackendPlugin:
+    descriptor: type
+    engine: EngineFactory | None  # None: a backend that chooses others (auto, second-order)
+    parameters: dict[str, str] = field(default_factory=dict)
+    operators: tuple[str, ...] = FIRST_ORDER + SECOND_ORDER
+    notes: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": self.descriptor.type,
+            "parameters": dict(self.parameters),
+            "operators": list(self.operators),
+        }
+        if self.notes:
+            out["notes"] = self.notes
+        return out
+
+
+PLUGINS: dict[str, BackendPlugin] = {}
+
+
+def register_backend(
+    descriptor: type,
+    engine: EngineFactory | None,
+    *,
+    parameters: dict[str, str] | None = None,
+    operators: tuple[str, ...] = FIRST_ORDER + SECOND_ORDER,
+    notes: str = "",
+) -> BackendPlugin:
+    """Add a backend type: ``descriptor`` (a frozen dataclass with a class attribute
+    ``type`` and ``to_json()``) and ``engine(descriptor, *, traced, nested)``.
+
+    ``parameters`` documents the descriptor's JSON parameters (name -> meaning); by
+    default they are its dataclass fields. A first-order backend asked for a second
+    order operator is used as ``SecondOrder(b, b)``.
+    """
+    if parameters is None:
+        parameters = {f.name: f.name for f in fields(descriptor)} if is_dataclass(descriptor) else {}
+    register_backend_type(descriptor, tuple(parameters))
+    plugin = BackendPlugin(descriptor, engine, dict(parameters), tuple(operators), notes)
+    PLUGINS[descriptor.type] = plugin
+    return plugin
+
+
+def backend_table() -> list[dict[str, Any]]:
+    """What ``GET /backends`` lists: every type, its parameters and its operators."""
+    return [plugin.describe() for plugin in PLUGINS.values()]
