@@ -49,7 +49,7 @@ def rounds_for(n: int) -> int:
 def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str, float]:  # noqa: ANN001
     op = OPERATORS["gradient"]
     backend = JaxReverse()
-    registry, workers = app.state.registry, app.state.workers
+    registry, workers = app.state.service.registry, app.state.service.workers
     entry = registry.get("rosenbrock")
     cache = PrepCache()
     x = np.random.default_rng(n).uniform(-1.5, 1.5, n)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.save:
                 print(f"saved {out.save(args.save)}", file=sys.stderr)
         finally:
-            app.state.workers.close()
+            app.state.service.close()
             loop.close()
     return 0
 

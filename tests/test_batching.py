@@ -23,9 +23,9 @@ import pytest
 import dxserve
 from dxclient import Client
 from dxclient.errors import DeadlineExceededError
-from dxserve import batching
-from dxserve.batching import Batcher, bucket
+from dxserve import request_batching as batching
 from dxserve.preparation import prepare
+from dxserve.request_batching import Batcher, bucket
 from dxserve.worker import DeviceWorker
 
 

@@ -71,7 +71,7 @@ def test_health_stays_fast_while_a_long_jacobian_runs(server: Any) -> None:
     before (on a quiet machine that is ~1 ms; on a shared CI box it absorbs the noise
     that other processes cause, while a blocked event loop still costs seconds).
     """
-    n = 1200
+    n = 2400
     rng = np.random.default_rng(0)
     W = rng.normal(size=(n, n)) / math.sqrt(n)
     x = np.linspace(-1.0, 1.0, n)

@@ -112,14 +112,22 @@ def test_compute_nice_setting(monkeypatch):
 
 def test_switch_interval_setting(monkeypatch, tmp_path):
     from dxserve.http import create_app
+    from dxserve.runtime import bootstrap
 
     assert Settings().switch_interval == 0.001
     monkeypatch.setenv("DXSERVE_SWITCH_INTERVAL", "0")
     with pytest.raises(ValueError):
         Settings()
+    monkeypatch.delenv("DXSERVE_SWITCH_INTERVAL")
     before = sys.getswitchinterval()
+    settings = Settings(
+        store=tmp_path / "s", compilation_cache="", switch_interval=0.002, warm_up=False
+    )
     try:
-        create_app(Settings(store=tmp_path / "s", compilation_cache="", switch_interval=0.002))
+        app = create_app(settings)  # building the app changes nothing process-wide
+        assert sys.getswitchinterval() == before
+        app.state.service.close()
+        bootstrap(settings)  # the server's start-up does
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before)

@@ -1,18 +1,15 @@
 """dxserve: DifferentiationInterface-style derivatives over JAX, in process or served.
 
-Importing dxserve enables JAX's 64-bit mode (``jax_enable_x64``) so float64 inputs
-are differentiated in float64; float32 inputs still compute in float32.
+Float64 inputs are differentiated in float64 and float32 inputs in float32: dxserve
+turns on JAX's 64-bit mode only around its own tracing and execution, so importing
+it changes nothing in the caller's JAX configuration.
 
     import dxserve
     from dxserve import JaxReverse
     dxserve.gradient(lambda x: (x**2).sum(), JaxReverse(), np.arange(3.0))
 """
 
-import jax
-
-jax.config.update("jax_enable_x64", True)
-
-from dxclient.backends import (  # noqa: E402
+from dxclient.backends import (
     Auto,
     Backend,
     FiniteDifferences,
@@ -21,7 +18,7 @@ from dxclient.backends import (  # noqa: E402
     SecondOrder,
     backend_from_json,
 )
-from dxclient.errors import (  # noqa: E402
+from dxclient.errors import (
     DxError,
     NotScalarInputError,
     NotScalarOutputError,
@@ -30,15 +27,17 @@ from dxclient.errors import (  # noqa: E402
     UnsupportedOperatorError,
 )
 
-from .functions import function  # noqa: E402
-from .operators import *  # noqa: E402,F403
-from .operators import __all__ as _operator_names  # noqa: E402
-from .preparation import CACHE, Prep  # noqa: E402
-from .resolve import resolve  # noqa: E402
+from .backends import Engine, register_backend
+from .functions import function
+from .operators import *  # noqa: F403
+from .operators import __all__ as _operator_names
+from .precision import float64_scope
+from .preparation import CACHE, Prep, resolve
 
 __all__ = [
-    "Auto", "Backend", "CACHE", "DxError", "FiniteDifferences", "JaxForward", "JaxReverse",
-    "NotScalarInputError", "NotScalarOutputError", "Prep", "PreparationMismatchError",
-    "SecondOrder", "ShapeMismatchError", "UnsupportedOperatorError", "backend_from_json",
-    "function", "resolve", *_operator_names,
+    "Auto", "Backend", "CACHE", "DxError", "Engine", "FiniteDifferences", "JaxForward",
+    "JaxReverse", "NotScalarInputError", "NotScalarOutputError", "Prep",
+    "PreparationMismatchError", "SecondOrder", "ShapeMismatchError",
+    "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",
+    "register_backend", "resolve", *_operator_names,
 ]

@@ -37,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .http import create_app
+    from .runtime import bootstrap
     from .store import StoreLockedError
 
     sys.path.insert(0, os.getcwd())  # so --functions can name modules of the working directory
+    bootstrap(settings)
     try:
         app = create_app(settings)
     except StoreLockedError as exc:

@@ -280,38 +280,6 @@ def _environment() -> str:
     return _state.environment
 
 
-# --- start-up --------------------------------------------------------------------
-_warmed = False
-
-
-def _warm_up_function(x):
-    return jax.numpy.sum(jax.numpy.sin(x) * x)
-
-
-def warm_up() -> float:
-    """Pay JAX's one-time costs at start-up rather than on the first request.
-
-    Prepares and runs a tiny HVP (forward-over-reverse: the deepest path) of a
-    module function, which initialises the backend, tracing, lowering and XLA's
-    compiler, or, when this cache has it, the executable loader. Once per
-    process; returns the seconds it took (0.0 after the first call).
-    """
-    global _warmed
-    if _warmed:
-        return 0.0
-    _warmed = True
-    from .preparation import prepare
-
-    start = time.perf_counter()
-    x, t = np.linspace(0.5, 1.0, 4), (np.ones(4),)
-    try:
-        prep = prepare("hvp", _warm_up_function, "auto", x, t, ())
-        jax.block_until_ready(prep.run("hvp", x, t, ()))
-    except Exception as exc:  # a warm-up must never stop the server
-        log.warning("warm-up failed: %s", exc)
-    return time.perf_counter() - start
-
-
 # --- compile, load, store ------------------------------------------------------
 def compile_or_load(key: Key | None, fn: Callable, *args: Any) -> Any:
     """``jax.jit(fn).lower(*args).compile()``, through this cache when ``key`` is given."""

@@ -14,7 +14,7 @@ def document() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         app = create_app(Settings(store=tmp, compilation_cache="", functions=["dxserve.examples"]))
         spec = app.openapi()
-        app.state.registry.store.close()
+        app.state.service.close()
         return spec
 
 

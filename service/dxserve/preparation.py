@@ -11,8 +11,6 @@ preps in a bounded LRU keyed by (function, operator, backend, signature).
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,11 +27,13 @@ from dxclient.errors import (
     ResultTooLargeError,
     ShapeMismatchError,
 )
-from dxclient.operators import OPERATORS
+from dxclient.lru import LRU
+from dxclient.operators import ALIASES, OPERATORS
 
 from . import executable_cache
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
+from .precision import float64_scope
 
 Tree = Any
 Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape, dtype), ...))
@@ -182,15 +182,18 @@ class Prep:
     backend: Backend
     resolved: Backend
     signature: Signature
-    traced: bool
     output: Tree = field(repr=False)
     build: Callable = field(repr=False)  # run(x, tangents, contexts) -> dict, not compiled
+    #: the engine that compiles the operator (the outer one for second order)
+    compiler: Engine = field(repr=False)
+    #: True when the operator is compiled by JAX (function and engines all trace)
+    traced: bool = True
     executables: dict[tuple, Callable] = field(default_factory=dict, repr=False)  # (op, device)
+    batch_plans: dict[str, Any] = field(default_factory=dict, repr=False)  # see request_batching
 
     def holds(self, operator: str, device: Any) -> bool:
         """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
         return (operator, device) in self.executables
-    batch_plans: dict[str, Any] = field(default_factory=dict, repr=False)  # see batching.py
 
     @property
     def family(self) -> str:
@@ -218,17 +221,34 @@ class Prep:
         key = (operator, jax.config.jax_default_device)
         exe = self.executables.get(key)
         if exe is None:
-            exe = self.executables[key] = _compile(
-                self.build, OPERATORS[operator].results, self.traced, x, tangents, contexts,
-                origin=(self.function, self.resolved),
-            )
+            exe = self.executables[key] = self._compile(operator, x, tangents, contexts)
         return exe
+
+    def _compile(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> Callable:
+        """Keep only ``operator``'s results (so XLA drops the rest) and compile for these
+        inputs; the executable persists across restarts when that cache is configured."""
+        results = OPERATORS[operator].results
+        build = self.build
+
+        def run(x, tangents, contexts):
+            out = build(x, tangents, contexts)
+            return tuple(out[name] for name in results)
+
+        if not self.traced:
+            return run
+        key = executable_cache.key(self.function, self.resolved, results, x, tangents, contexts)
+        try:
+            return self.compiler.compile(run, (x, tangents, contexts), key)
+        except DxError:
+            raise
+        except Exception as exc:
+            raise FunctionEvaluationError(_short(exc), field="function") from exc
 
     def run(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> tuple:
         """The results of ``operator``, in ``OPERATORS[operator].results`` order."""
-        exe = self.executable(operator, x, tangents, contexts)
         try:
-            return exe(x, tangents, contexts)
+            with float64_scope():
+                return self.executable(operator, x, tangents, contexts)(x, tangents, contexts)
         except DxError:
             raise
         except Exception as exc:
@@ -239,31 +259,6 @@ class Prep:
                 ) from exc
             # a black-box function failing on these values
             raise FunctionEvaluationError(_short(exc), field="function") from exc
-
-
-def _compile(
-    build: Callable, results: tuple[str, ...], traced: bool, x: Tree, tangents: tuple | None,
-    contexts: tuple, origin: tuple[Callable, Backend] | None = None,
-) -> Callable:
-    """Keep only ``results`` (so XLA drops the rest) and compile for these inputs.
-
-    ``origin`` (function, resolved backend) lets ``executable_cache`` persist the
-    executable across restarts when it is configured (the server does).
-    """
-
-    def run(x, tangents, contexts):
-        out = build(x, tangents, contexts)
-        return tuple(out[name] for name in results)
-
-    if not traced:
-        return run
-    key = None if origin is None else executable_cache.key(*origin, results, x, tangents, contexts)
-    try:
-        return executable_cache.compile_or_load(key, run, x, tangents, contexts)
-    except DxError:
-        raise
-    except Exception as exc:
-        raise FunctionEvaluationError(_short(exc), field="function") from exc
 
 
 def _short(exc: BaseException) -> str:
@@ -299,32 +294,19 @@ def _size(tree: Tree) -> int:
     return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(tree))
 
 
-#: Largest number of result elements one call may produce (the server sets it from
-#: ``DXSERVE_MAX_RESULT_ELEMENTS``): a Jacobian or Hessian grows with n², and an
-#: out-of-memory device is worse than a clear 422.
+#: Largest number of result elements one call may produce by default: a Jacobian or
+#: Hessian grows with n², and an out-of-memory device is worse than a clear 422.
 MAX_RESULT_ELEMENTS = 2**27
 
-_RESULT_ELEMENTS: dict[str, Callable[[int, int, int], int]] = {  # (n, m, k) -> elements
-    "value": lambda n, m, k: m,
-    "derivative": lambda n, m, k: 2 * m,
-    "second_derivative": lambda n, m, k: 3 * m,
-    "gradient": lambda n, m, k: n + m,
-    "jacobian": lambda n, m, k: m * n + m,
-    "hessian": lambda n, m, k: n * n + n + 1,
-    "pushforward": lambda n, m, k: (k + 1) * m,
-    "pullback": lambda n, m, k: k * n + m,
-    "hvp": lambda n, m, k: (k + 1) * n,
-}
 
-
-def _check_result_size(family: str, inputs: Inputs) -> None:
+def _check_result_size(family: str, inputs: Inputs, limit: int) -> None:
     n, m = _size(inputs.x), _size(inputs.y)
     k = len(inputs.tangents or ())
-    elements = _RESULT_ELEMENTS[family](n, m, k)
-    if elements > MAX_RESULT_ELEMENTS:
+    elements = OPERATORS[family].result_elements(n, m, k)
+    if elements > limit:
         raise ResultTooLargeError(
             f"{family} here would return {elements:,} numbers, over the limit of "
-            f"{MAX_RESULT_ELEMENTS:,}; use pushforward/pullback/hvp on fewer tangents, "
+            f"{limit:,}; use pushforward/pullback/hvp on fewer tangents, "
             "or raise DXSERVE_MAX_RESULT_ELEMENTS",
             field="x",
         )
@@ -338,13 +320,25 @@ def prepare(
     tangents: Sequence | None,
     contexts: Sequence,
     cache: PrepCache | None = None,
+    max_result_elements: int | None = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
     With a ``cache``, backends that resolve to the same concrete one (``"auto"``
     and ``SecondOrder(JaxForward(), JaxReverse())`` for an HVP, say) share one
-    compiled executable.
+    compiled executable. Float64 inputs trace and compile in float64.
+    ``max_result_elements`` defaults to ``MAX_RESULT_ELEMENTS``.
     """
+    if max_result_elements is None:
+        max_result_elements = MAX_RESULT_ELEMENTS
+    with float64_scope():
+        return _prepare(operator, f, backend, x, tangents, contexts, cache, max_result_elements)
+
+
+def _prepare(
+    operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
+    contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
+) -> Prep:
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
@@ -354,14 +348,16 @@ def prepare(
     spec = FAMILIES[family]
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
-    _check_result_size(family, inputs)
+    _check_result_size(family, inputs, max_result_elements)
     signature = Signature.of(x, tangents, contexts)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
         return replace(twin, backend=backend)
+    compiled = traced and engine.traces and (inner is None or inner.traces)
     prep = Prep(
-        operator, f, backend, resolved, signature, traced, y, spec.build(f, engine, inner, inputs)
+        operator, f, backend, resolved, signature, y, spec.build(f, engine, inner, inputs),
+        engine, compiled,
     )
     prep.executable(operator, x, tangents, contexts)
     if cache is not None:
@@ -382,58 +378,48 @@ def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
 
 # --- implicit cache and the call path -------------------------------------
 class PrepCache:
-    """A thread-safe LRU of preps keyed by (function, operator, backend, signature)."""
+    """Preps keyed by (function, operator, backend, signature), bounded LRUs.
+
+    Beside the requested backend's key, a prep is also kept under its concrete
+    backend, so backends that resolve alike share one compiled executable.
+    """
 
     def __init__(self, maxsize: int = 512) -> None:
         self.maxsize = maxsize
-        self._items: OrderedDict[tuple, Prep] = OrderedDict()
-        self._resolved: OrderedDict[tuple, Prep] = OrderedDict()  # keyed by concrete backend
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._items: LRU[tuple, Prep] = LRU(maxsize)
+        self._resolved: LRU[tuple, Prep] = LRU(maxsize)
+
+    @property
+    def hits(self) -> int:
+        return self._items.hits
+
+    @property
+    def misses(self) -> int:
+        return self._items.misses
 
     def get(self, key: tuple) -> Prep | None:
-        with self._lock:
-            prep = self._items.get(key)
-            if prep is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return prep
+        return self._items.get(key)
 
     def peek(self, key: tuple) -> Prep | None:
         """``get`` without counting a hit or a miss."""
-        with self._lock:
-            return self._items.get(key)
+        return self._items.peek(key)
 
     def put(self, key: tuple, prep: Prep) -> None:
-        with self._lock:
-            self._items[key] = prep
-            self._items.move_to_end(key)
-            while len(self._items) > self.maxsize:
-                self._items.popitem(last=False)
+        self._items.put(key, prep)
 
     def get_resolved(self, key: tuple) -> Prep | None:
-        with self._lock:
-            return self._resolved.get(key)
+        return self._resolved.peek(key)
 
     def put_resolved(self, key: tuple, prep: Prep) -> None:
-        with self._lock:
-            self._resolved[key] = prep
-            while len(self._resolved) > self.maxsize:
-                self._resolved.popitem(last=False)
+        self._resolved.put(key, prep)
 
     def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._resolved.clear()
+        self._items.clear()
+        self._resolved.clear()
 
     def forget(self, function: Callable) -> None:
-        with self._lock:
-            for items in (self._items, self._resolved):
-                for key in [k for k in items if k[0] is function]:
-                    del items[key]
+        for items in (self._items, self._resolved):
+            items.discard_where(lambda key, _: key[0] is function)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -459,7 +445,7 @@ class Lookup:
     def inputs(self) -> tuple:
         return self.x, self.tangents, self.contexts
 
-    def prepare(self, cache: PrepCache) -> Prep:
+    def prepare(self, cache: PrepCache, max_result_elements: int | None = None) -> Prep:
         """Trace and compile for this call (the slow path) and keep the prep in ``cache``.
 
         Requests for a new signature that arrive together are all looked up before the
@@ -469,7 +455,7 @@ class Lookup:
         if prep is None:
             prep = prepare(
                 self.operator, self.function, self.backend, self.x, self.tangents,
-                self.contexts, cache,
+                self.contexts, cache, max_result_elements,
             )
             cache.put(self.key, prep)
         return prep
@@ -515,7 +501,18 @@ def call(
     cache: PrepCache = CACHE,
 ) -> Any:
     """Run ``operator``; return its result, or a tuple of results (DI's order)."""
-    found = lookup(operator, f, backend, x, tangents, contexts, prep, cache)
-    prep = found.prep or found.prepare(cache)
-    out = prep.run(found.operator, *found.inputs)
+    with float64_scope():
+        found = lookup(operator, f, backend, x, tangents, contexts, prep, cache)
+        prep = found.prep or found.prepare(cache)
+        out = prep.run(found.operator, *found.inputs)
     return out[0] if len(out) == 1 else out
+
+
+def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:
+    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied)."""
+    family = OPERATORS[ALIASES.get(operator, operator)].family
+    x = as_tree(x)
+    contexts = tuple(as_tree(c) for c in contexts)
+    with float64_scope():
+        traced, y = probe(f, x, contexts)
+    return resolve_backend(backend, family, traced=traced, n=_size(x), m=_size(y))

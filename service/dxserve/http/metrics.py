@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ..batching import Batcher
 from ..preparation import PrepCache
+from ..request_batching import Batcher
 from ..worker import Workers
 
 
@@ -38,7 +38,7 @@ class _RequestCollector:
 
     Counted in plain dicts and read at scrape time. ``record`` runs on the event loop
     for every request; prometheus_client's ``Counter`` and ``Histogram`` take a lock per
-    update and look up labelled children, which a small request felt (SPEC §7). Only
+    update and look up labelled children,, which a small request felt. Only
     the event-loop thread records, so no lock is needed; a scrape copies first.
     """
 

@@ -1,94 +1,196 @@
-"""The operator endpoints' hot path: served without FastAPI's per-request machinery.
+"""The HTTP endpoints: decode, call the ``Service``, encode. Nothing else.
 
-The operator handlers take the raw ``Request`` and parse and validate the body
-themselves (``wire``), so what FastAPI and Starlette do around an ``APIRoute`` per
-request (dependency solving, two ``AsyncExitStack``s, telemetry hooks, a linear
-regex scan over every route, the exception and exit-stack middlewares) has nothing
-to do for them. Profiled on the 2-core bench machine it cost about as much as the
-whole computation of a small gradient, against SPEC §7's small-request target.
-
-``OperatorRoute`` stays an ``APIRoute``, so the OpenAPI document and every other
-request (a GET on an operator path answers 405 through the router, as before) are
-unchanged. ``OperatorDispatch`` is the innermost user middleware: it sends a POST to
-an ``OperatorRoute`` path straight to the route's endpoint, inside every other
-middleware (metrics, CORS if ever added, the server-error handler) and with the
-app's exception handlers applied exactly as Starlette's ``ExceptionMiddleware``
-would, so answers, problem documents and metrics are the same.
+Each endpoint finds the service on ``request.app.state.service``; no endpoint holds
+state of its own.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 
-from fastapi import FastAPI
-from fastapi.routing import APIRoute
-from starlette._utils import get_route_path
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.routing import Match
-from starlette.types import ASGIApp, Receive, Scope, Send
+from dxclient import codec
+from dxclient.errors import MalformedRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from dxclient.operators import OperatorSpec
 
+from ..service import Action, Service
+from .responses import BodyResponse, PartsResponse
+from .wire import (
+    OperatorRequest,
+    decode_operator_request,
+    response_encoding,
+    result_nbytes,
+    wire_headers,
+)
 
-class OperatorRoute(APIRoute):
-    """An ``APIRoute`` on a fixed path whose endpoint is ``async (Request) -> Response``."""
-
-    def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
-        super().__init__(path, endpoint, **kwargs)
-        if self.param_convertors:  # matches() and OperatorDispatch compare paths literally
-            raise ValueError(f"OperatorRoute needs a fixed path, got {path!r}")
-
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        # A string comparison, not a regex: the router tries these ~40 routes before
-        # /functions, /health and the rest.
-        if scope["type"] != "http" or get_route_path(scope) != self.path:
-            return Match.NONE, {}
-        child = {"endpoint": self.endpoint, "path_params": {}, "route": self}
-        return (Match.FULL if scope["method"] in self.methods else Match.PARTIAL), child
+#: Bodies above this are decoded and encoded off the event loop.
+LARGE_BYTES = 256 * 1024
 
 
-class OperatorDispatch:
-    """Pure ASGI: ``POST`` to an ``OperatorRoute`` path -> its endpoint, directly.
+def service_of(request: Request) -> Service:
+    return request.app.state.service
 
-    Add it before any other middleware (``add_middleware`` puts later ones outside).
-    Routes are read when Starlette builds the middleware stack, at the first request
-    (or lifespan start-up), so every route registered by then is served.
-    """
 
-    def __init__(self, app: ASGIApp, api: FastAPI) -> None:
-        self.app = app
-        self.routes = {r.path: r for r in api.router.routes if isinstance(r, OperatorRoute)}
-        # What ExceptionMiddleware handles; 500/Exception belong to ServerErrorMiddleware,
-        # further out, so an unexpected error propagates to it as from any route.
-        self.handlers = {
-            key: handler for key, handler in api.exception_handlers.items()
-            if key not in (500, Exception)
-        }
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.routes.get(get_route_path(scope))
-        if route is None:
-            await self.app(scope, receive, send)
-            return
-        scope["endpoint"], scope["path_params"], scope["route"] = route.endpoint, {}, route
-        request = Request(scope, receive, send)
-        try:
-            response = await route.endpoint(request)
-        except Exception as exc:
-            handler = self._handler(exc)
-            if handler is None:
-                raise
-            response = handler(request, exc)
-            if inspect.isawaitable(response):
-                response = await response
-        await response(scope, receive, send)
-
-    def _handler(self, exc: Exception) -> Any:
-        if isinstance(exc, HTTPException) and exc.status_code in self.handlers:
-            return self.handlers[exc.status_code]
-        for cls in type(exc).__mro__:
-            if cls in self.handlers:
-                return self.handlers[cls]
+def bearer_token(request: Request) -> str | None:
+    """The bearer token presented (``""`` for another scheme), None without the header."""
+    given = request.headers.get("authorization")
+    if given is None:
         return None
+    scheme, _, token = given.partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
+def authorize(request: Request, action: Action) -> None:
+    service_of(request).authorize(bearer_token(request), action)
+
+
+async def read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
+    """The whole body, refused (413) past ``limit`` bytes. ``declared``: the request's
+    Content-Length if the caller has read it already, else it is looked up here."""
+    if declared is None:
+        declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        err = PayloadTooLargeError(
+            f"body of {declared} bytes exceeds the limit of {limit} bytes", field="body"
+        )
+        err.close = True  # type: ignore[attr-defined]  # the unread body makes the connection unusable
+        raise err
+    # Straight from ASGI receive, not ``request.stream()``: a small body is one message,
+    # returned as is (the async generator and the join cost ~5 us per small request).
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            err = PayloadTooLargeError(f"body exceeds the limit of {limit} bytes", field="body")
+            err.close = True  # type: ignore[attr-defined]
+            raise err
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorRequest, str, int]:
+    """``(request, response encoding, body size)`` of ``POST /{op}``."""
+    content_type, accept, length, declared = wire_headers(request.scope)
+    body = await read_body(request, service_of(request).settings.max_body_bytes, declared)
+    encoding = response_encoding(content_type, accept, body)
+    if len(body) > LARGE_BYTES:
+        parsed = await run_in_threadpool(decode_operator_request, body, content_type, length, op)
+    else:
+        parsed = decode_operator_request(body, content_type, length, op)
+    return parsed, encoding, len(body)
+
+
+async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
+    if result_nbytes(payload) > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
+        parts, media, headers = await run_in_threadpool(codec.encode_body_parts, payload, encoding)
+        return PartsResponse(parts, status, headers, media_type=media)
+    body, media, headers = codec.encode_body(payload, encoding)
+    return BodyResponse(body, status, media, headers)
+
+
+class OperatorEndpoint:
+    """``POST /{operator}``: the operator's results, named after it."""
+
+    def __init__(self, op: OperatorSpec) -> None:
+        self.op = op
+        self.__name__ = op.name
+        takes = " and `tangents` (a list)" if op.takes_tangents else ""
+        self.__doc__ = (
+            f"`{op.name}` of a registered function at `x`{takes}. "
+            f"Returns {', '.join(f'`{r}`' for r in op.results)}. Arrays may be JSON lists, "
+            "typed base64 objects, or the binary framing (`application/vnd.dxserve.binary`)."
+        )
+
+    async def __call__(self, request: Request) -> Response:
+        service = service_of(request)
+        if service.settings.require_token_for_compute:
+            authorize(request, "compute")
+        req, encoding, size = await decode_operator(request, self.op)
+        results = await service.call(
+            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+            req.prep, signature=req.signature, hint=size,
+        )
+        return await encode(results, encoding)
+
+
+class PrepareEndpoint:
+    """``POST /prepare/{operator}``: compile once; a handle to pass as ``prep``."""
+
+    def __init__(self, op: OperatorSpec) -> None:
+        self.op = op
+        self.__name__ = f"prepare_{op.name}"
+        self.__doc__ = f"Compile `{op.name}` once for this signature; returns a handle."
+
+    async def __call__(self, request: Request) -> Response:
+        service = service_of(request)
+        if service.settings.require_token_for_compute:
+            authorize(request, "compute")
+        req, _, _ = await decode_operator(request, self.op)
+        handle = await service.prepare(
+            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts
+        )
+        return JSONResponse(handle)
+
+
+async def list_functions(request: Request) -> dict:
+    """Every registered function with its kind, signature and description."""
+    return {"functions": service_of(request).functions()}
+
+
+async def get_function(name: str, request: Request) -> dict:
+    """One function's kind, signature and description."""
+    return service_of(request).function(name)
+
+
+async def register_function(request: Request) -> Response:
+    """Register an expression or an uploaded JAX export (token needed if configured)."""
+    authorize(request, "write")
+    media = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    if media != codec.JSON_TYPE:
+        raise UnsupportedMediaTypeError(
+            f"POST /functions takes {codec.JSON_TYPE}, got {media or 'nothing'}",
+            field="Content-Type",
+        )
+    service = service_of(request)
+    body = await read_body(request, service.settings.max_upload_bytes)
+    raw = codec.loads(body, field="body")
+    if not isinstance(raw, dict):
+        raise MalformedRequestError("the body must be a JSON object", field="body")
+    described, created = await service.register(raw)
+    return JSONResponse(described, 201 if created else 200)
+
+
+async def delete_function(name: str, request: Request) -> dict:
+    """Remove a registered expression or export (token needed if configured)."""
+    authorize(request, "write")
+    return {"deleted": await service_of(request).delete(name)}
+
+
+async def list_backends(request: Request) -> dict:
+    """Every backend type, its parameters, and the operators it serves."""
+    return {"backends": service_of(request).backends()}
+
+
+async def health() -> dict:
+    """Liveness: answers from the event loop even while workers compute."""
+    return {"status": "ok"}
+
+
+async def ready(request: Request) -> dict:
+    """Readiness plus what this server runs on."""
+    return service_of(request).ready()
+
+
+async def prometheus(request: Request) -> Response:
+    """Prometheus text exposition."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

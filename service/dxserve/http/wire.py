@@ -168,19 +168,6 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
     return OperatorRequest(function, backend, x, tangents, contexts, prep)
 
 
-def _host(tree: Any) -> Any:
-    """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches.
-
-    Called inside the device job, so the job ends when the results are ready and the
-    encoder never waits on the device.
-    """
-    if isinstance(tree, tuple):
-        return tuple(_host(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _host(v) for k, v in tree.items()}
-    return np.asarray(tree)
-
-
 def result_nbytes(tree: Any) -> int:
     """Bytes of array data in a ``payload`` (dicts and tuples of arrays)."""
     if isinstance(tree, dict):
@@ -188,8 +175,3 @@ def result_nbytes(tree: Any) -> int:
     if isinstance(tree, tuple | list):
         return sum(result_nbytes(v) for v in tree)
     return getattr(tree, "nbytes", 0)
-
-
-def payload(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
-    """``{result name: numpy value}`` from ``Prep.run``'s outputs (``op.results`` order)."""
-    return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}

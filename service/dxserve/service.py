@@ -1,0 +1,274 @@
+"""``Service``: everything a dxserve server does, with no transport in it.
+
+It owns the function registry, preparations and their handles, scheduling (device
+workers and request batching), limits and authorization decisions. Its methods
+take and return plain Python values (numpy arrays and pytrees, dicts, typed
+``DxError``s); the HTTP app decodes, calls one method and encodes, and any other
+front door (a Ray Serve replica, a test) drives the same object.
+
+    service = Service(Settings(store="my-store"))
+    g = await service.gradient("rosenbrock", "jax-reverse", np.array([1.0, 2.0, 3.0]))
+    out = await service.call("value_and_gradient", "rosenbrock", "auto", x)  # by name
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from dxclient.backends import Backend
+from dxclient.errors import UnauthorizedError, UnknownPreparationError
+from dxclient.lru import LRU
+from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
+from dxclient.platforms import export_platform
+
+from .backends import backend_table
+from .precision import float64_scope
+from .preparation import Prep, PrepCache, Signature, lookup, prepare
+from .registry import Registry
+from .request_batching import Batcher
+from .settings import Settings
+from .store import DirectoryStore
+from .worker import Workers
+
+Action = Literal["compute", "write"]
+
+
+class PrepHandles:
+    """Handles returned by ``Service.prepare``: a bounded LRU of preps."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: LRU[str, Prep] = LRU(maxsize)
+
+    def add(self, prep: Prep) -> str:
+        handle = secrets.token_urlsafe(12)
+        self._items.put(handle, prep)
+        return handle
+
+    def get(self, handle: str) -> Prep:
+        prep = self._items.peek(handle)
+        if prep is None:
+            raise UnknownPreparationError(
+                f"no prepared operator {handle!r} (expired or never made); POST /prepare again",
+                field="prep",
+            )
+        return prep
+
+    def forget(self, function: Callable) -> None:
+        self._items.discard_where(lambda _, prep: prep.function is function)
+
+
+class Service:
+    """The registry, preparations, workers and limits of one server process.
+
+    Built from ``Settings``; nothing process-wide changes here (``runtime.bootstrap``
+    makes those choices). ``close()`` stops the workers and releases the store.
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings = settings or Settings()
+        self.store = DirectoryStore(settings.store)
+        self.registry = Registry(self.store, settings.max_functions)
+        with float64_scope():  # stored exports may carry float64 signatures
+            for module in settings.functions:
+                self.registry.add_module(module)
+            self.registry.load_store()
+        self.cache = PrepCache(settings.cache_size)
+        self.handles = PrepHandles(settings.max_prepared)
+        self.registry.on_remove.append(lambda entry: self.cache.forget(entry.fn))
+        self.registry.on_remove.append(lambda entry: self.handles.forget(entry.fn))
+        self.batcher = Batcher()
+        self.workers = Workers(
+            settings.queue_size, settings.request_timeout, settings.inline_below,
+            settings.max_batch, settings.batch_wait, settings.compute_nice,
+        )
+        self._tokens = settings.tokens()
+
+    # --- authorization ------------------------------------------------------------
+    def authorize(self, token: str | None, action: Action) -> None:
+        """Raise ``UnauthorizedError`` unless ``token`` may do ``action``.
+
+        Registry writes need a token whenever tokens are configured; computations
+        only when ``require_token_for_compute`` is set. ``token`` is the bearer token
+        the caller presented (None: none).
+        """
+        if not self._tokens or (action == "compute" and not self.settings.require_token_for_compute):
+            return
+        if token is not None and any(
+            hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens
+        ):
+            return
+        raise UnauthorizedError(
+            "send 'Authorization: Bearer <token>' with a valid token" if token is not None
+            else "this server needs 'Authorization: Bearer <token>' for this request",
+            field="Authorization",
+        )
+
+    # --- operators --------------------------------------------------------------------
+    async def call(
+        self,
+        operator: str,
+        function: str,
+        backend: Backend | str | dict,
+        x: Any,
+        tangents: Sequence | None = None,
+        contexts: Sequence = (),
+        prep: str | None = None,
+        *,
+        signature: Signature | None = None,
+        hint: Hashable = None,
+    ) -> dict[str, Any]:
+        """Run ``operator`` on a registered function: ``{result name: numpy value}``.
+
+        ``prep`` is a handle from ``prepare``. ``signature``: the inputs' signature if
+        the caller knows it already. ``hint``: anything that tells similar calls apart
+        (the HTTP layer passes the body size), so a call's expected cost is known
+        from the last one like it (see ``worker.Workers.run``).
+        """
+        op = OPERATORS[ALIASES.get(operator, operator)]
+        entry = self.registry.get(function)
+        ready_prep = self.handles.get(prep) if prep is not None else None
+        found = lookup(
+            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature
+        )
+        key = (entry.name, op.name, hint, prep)
+        if found.prep is not None and self.workers.batching:
+            ready = found.prep
+
+            def run_group(items: Sequence[tuple]) -> list:
+                with float64_scope():
+                    results = self.batcher.run_group(ready, op.name, items)
+                    return [r if isinstance(r, BaseException) else results_of(op, r) for r in results]
+
+            def holds(device: Any) -> bool:
+                return ready.holds(op.name, device)
+
+            return await self.workers.run_grouped(
+                (ready, op.name), found.inputs, run_group, key, holds
+            )
+        limit = self.settings.max_result_elements
+
+        def compute() -> dict:
+            ready = found.prep or found.prepare(self.cache, limit)  # first call: compile
+            return results_of(op, ready.run(op.name, *found.inputs))
+
+        return await self.workers.run(compute, key)
+
+    async def prepare(
+        self,
+        operator: str,
+        function: str,
+        backend: Backend | str | dict,
+        x: Any,
+        tangents: Sequence | None = None,
+        contexts: Sequence = (),
+    ) -> dict[str, Any]:
+        """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
+        "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``."""
+        op = OPERATORS[ALIASES.get(operator, operator)]
+        entry = self.registry.get(function)
+        limit = self.settings.max_result_elements
+
+        def compile_it() -> Prep:
+            return prepare(op.name, entry.fn, backend, x, tangents, contexts, None, limit)
+
+        prep = await self.workers.run(compile_it)
+        return {
+            "prep": self.handles.add(prep),
+            "operator": op.name,
+            "function": entry.name,
+            "backend": prep.backend.to_json(),
+            "resolved": prep.resolved.to_json(),
+        }
+
+    # --- functions ----------------------------------------------------------------------
+    async def register(self, body: dict) -> tuple[dict[str, Any], bool]:
+        """Register a function from a ``POST /functions`` body: ``(description, created)``."""
+
+        def register_it() -> tuple[Any, bool]:
+            with float64_scope():
+                return self.registry.register_body(body)
+
+        entry, created = await run_in_threadpool(register_it)
+        return entry.describe(), created
+
+    async def delete(self, name: str) -> str:
+        """Remove a registered (not server-side) function; returns its name."""
+        entry = await run_in_threadpool(self.registry.delete, name)
+        return entry.name
+
+    def function(self, name: Any, field: str = "name") -> dict[str, Any]:
+        """One function's kind, signature and description."""
+        return self.registry.get(name, field).describe()
+
+    def functions(self) -> list[dict[str, Any]]:
+        """Every registered function, by name."""
+        return [entry.describe() for entry in self.registry.list()]
+
+    # --- the service itself -----------------------------------------------------------
+    def backends(self) -> list[dict[str, Any]]:
+        """Every backend type, its parameters and the operators it serves."""
+        return backend_table()
+
+    def ready(self) -> dict[str, Any]:
+        """What this server runs on, and how busy it is."""
+        return {
+            "status": "ready",
+            "platform": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "export_platforms": [export_platform(jax.default_backend())],
+            "jax_version": jax.__version__,
+            "functions": len(self.registry),
+            "queued": self.workers.pending,
+        }
+
+    def close(self) -> None:
+        self.workers.close()
+        self.store.close()
+
+
+def _host(tree: Any) -> Any:
+    """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches.
+
+    Called inside the device job, so the job ends when the results are ready and the
+    encoder never waits on the device.
+    """
+    if isinstance(tree, tuple):
+        return tuple(_host(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _host(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def results_of(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
+    """``{result name: numpy value}`` from ``Prep.run``'s outputs (``op.results`` order)."""
+    return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}
+
+
+def _operator_method(op: OperatorSpec) -> Callable:
+    async def method(
+        self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
+        prep: str | None = None,
+    ) -> Any:
+        tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
+        out = await self.call(op.name, function, backend, x, tangents, contexts, prep)
+        values = tuple(out[name] for name in op.results)
+        return values[0] if len(values) == 1 else values
+
+    takes = ", tangents" if op.takes_tangents else ""
+    method.__name__ = method.__qualname__ = op.name
+    method.__doc__ = (
+        f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None)``: "
+        f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
+    )
+    return method
+
+
+for _name in (*OPERATORS, *ALIASES):
+    setattr(Service, _name, _operator_method(OPERATORS[ALIASES.get(_name, _name)]))

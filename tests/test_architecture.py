@@ -1,0 +1,176 @@
+"""The shape of the code: what importing does, the service core without HTTP, no cycles."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dxserve.service import Service
+from dxserve.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "service" / "dxserve"
+
+_CONFIG_PROBE = """
+import json, sys
+import jax
+def snapshot():
+    return {name: repr(getattr(jax.config, name, None)) for name in sorted(jax.config.values)}
+before, interval = snapshot(), sys.getswitchinterval()
+import numpy as np
+import dxserve
+after_import = snapshot()
+g64 = dxserve.gradient(lambda x: (x ** 3).sum(), "jax-reverse", np.array([1.0, 2.0, 1e-9]))
+g32 = dxserve.gradient(lambda x: (x ** 3).sum(), "jax-reverse", np.array([1.0, 2.0], np.float32))
+h = dxserve.hvp(lambda x: (x ** 3).sum(), "auto", np.array([1.0, 2.0]), (np.ones(2),))
+print(json.dumps({
+    "import_changed": [k for k in before if before[k] != after_import[k]],
+    "call_changed": [k for k in before if before[k] != snapshot()[k]],
+    "interval_same": sys.getswitchinterval() == interval,
+    "x64": bool(jax.config.jax_enable_x64),
+    "g64": [str(np.asarray(g64).dtype), float(np.asarray(g64)[2])],
+    "g32": str(np.asarray(g32).dtype),
+    "h": [str(np.asarray(h[0]).dtype), np.asarray(h[0]).tolist()],
+}))
+"""
+
+
+def test_import_leaves_jax_configuration_untouched_and_float64_still_computes() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _CONFIG_PROBE], capture_output=True, text=True, timeout=120,
+        check=True,
+    )
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["import_changed"] == [] and found["call_changed"] == []
+    assert found["interval_same"] and found["x64"] is False
+    # d/dx x^3 = 3x^2: 3e-18 survives only in float64 (float32 would round x to 1e-9f)
+    assert found["g64"][0] == "float64"
+    assert found["g64"][1] == pytest.approx(3e-18, rel=1e-12)
+    assert found["g32"] == "float32"
+    assert found["h"] == ["float64", [6.0, 12.0]]  # H = diag(6x)
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (never run)."""
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        out.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every dxserve module ``module`` imports when it runs, at any depth of the file
+    (imports inside functions count too: a cycle broken by a late import is a cycle)."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("dxserve"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("dxserve"):
+                target = node.module
+            else:
+                continue
+            found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)
+    return found
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def test_no_import_cycles_inside_the_package() -> None:
+    modules = _modules()
+    graph = {
+        name: {m for m in _imports(path, name) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    # A package's __init__ re-exports its modules; an edge into a package means its
+    # __init__, and __init__ -> own submodule edges are how packages are built.
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):  # a package importing its own submodules
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert cycles == []
+
+
+def test_service_runs_without_http(tmp_path: Path) -> None:
+    settings = Settings(store=tmp_path / "store", compilation_cache="", warm_up=False)
+    x = np.array([1.0, 2.0, 3.0])
+
+    async def drive() -> None:
+        service = Service(settings)
+        try:
+            assert "rosenbrock" in {f["name"] for f in service.functions()}
+            g = await service.gradient("rosenbrock", "jax-reverse", x)
+            np.testing.assert_allclose(g, [-400.0, 1002.0, -200.0], rtol=1e-12)
+            v, g2 = await service.value_and_gradient("rosenbrock", "auto", x)
+            assert float(v) == pytest.approx(201.0, rel=1e-12)
+            np.testing.assert_array_equal(g, g2)
+            out = await service.call("hvp", "rosenbrock", "auto", x, (np.eye(3)[0],))
+            # Rosenbrock Hessian, first column at (1, 2, 3): 1200 x1^2 - 400 x2 + 2, -400 x1, 0
+            np.testing.assert_allclose(out["hvps"][0], [402.0, -400.0, 0.0], rtol=1e-12)
+            handle = await service.prepare("gradient", "rosenbrock", "jax-reverse", x)
+            np.testing.assert_array_equal(
+                await service.gradient("rosenbrock", "jax-reverse", x, prep=handle["prep"]), g
+            )
+            described, created = await service.register(
+                {"name": "sq", "expression": "jnp.sum(x ** 2)", "args": ["x"]}
+            )
+            assert created and described["kind"] == "expression"
+            np.testing.assert_allclose(await service.gradient("sq", "auto", x), 2 * x, rtol=1e-14)
+            assert await service.delete("sq") == "sq"
+            from dxclient.errors import UnauthorizedError, UnknownFunctionError
+
+            with pytest.raises(UnknownFunctionError):
+                await service.gradient("sq", "auto", x)
+            service.authorize(None, "write")  # no tokens configured: open
+            locked = Service.__new__(Service)
+            locked.settings = settings.model_copy(update={"require_token_for_compute": True})
+            locked._tokens = frozenset({"secret"})
+            with pytest.raises(UnauthorizedError):
+                locked.authorize("wrong", "compute")
+            locked.authorize("secret", "compute")
+            assert {b["type"] for b in service.backends()} >= {"jax-forward", "auto"}
+        finally:
+            service.close()
+
+    asyncio.run(drive())
