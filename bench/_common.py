@@ -135,12 +135,15 @@ def free_port() -> int:
 class Server:
     """A subprocess serving HTTP on 127.0.0.1:port; stopped by its own PID."""
 
-    def __init__(self, argv: list[str], port: int, ready_path: str, log: Path) -> None:
+    def __init__(
+        self, argv: list[str], port: int, ready_path: str, log: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "bench"), *filter(None, [env.get("PYTHONPATH")])]
         )

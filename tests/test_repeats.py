@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from dxclient import JaxForward, JaxReverse, SecondOrder, _models, codec
 from dxclient.encodings import binary
 from dxclient.errors import MalformedRequestError
+from dxclient.lru import LRU
 from dxclient.operators import OPERATORS
 from dxserve.http import wire
 from dxserve.http.metrics import _RequestCollector
@@ -25,15 +26,15 @@ from dxserve.preparation import Signature
 @pytest.fixture(autouse=True)
 def forget() -> None:
     """Every test starts with nothing remembered."""
-    binary._LAYOUTS = binary.Memo()
-    binary._HEADERS = binary.Memo()
+    binary._LAYOUTS = LRU(512)
+    binary._HEADERS = LRU(512)
     _models._REPEATS = _models._RepeatCalls()
 
 
 def _uncached_body(payload: dict) -> bytes:
-    binary._HEADERS = binary.Memo()
+    binary._HEADERS = LRU(512)
     body, _, _ = codec.encode_body(payload, "binary")
-    binary._HEADERS = binary.Memo()
+    binary._HEADERS = LRU(512)
     return body
 
 
@@ -112,10 +113,11 @@ def test_long_headers_are_not_remembered() -> None:
 
 
 def test_memo_stays_bounded() -> None:
-    memo = binary.Memo(max_entries=4)
+    assert binary._LAYOUTS.maxsize == binary._HEADERS.maxsize == 512
+    memo = LRU(4)
     for i in range(10):
         memo.put(i, i)
-    assert len(memo._items) <= 4 and memo.get(9) == 9
+    assert len(memo) == 4 and memo.get(9) == 9 and memo.get(0) is None
 
 
 # --- client ---------------------------------------------------------------
@@ -140,7 +142,7 @@ def test_repeated_client_call_is_byte_identical(operator, f, backend, x, prepare
 
     def full(value: np.ndarray) -> _models.Call:
         _models._REPEATS = _models._RepeatCalls()
-        binary._HEADERS = binary.Memo()
+        binary._HEADERS = LRU(512)
         return call(value)
 
     call(x)  # remembered

@@ -31,6 +31,8 @@ import numpy as np
 
 from dxclient.operators import OPERATORS
 
+from .precision import float64_scope
+
 #: Primitives that make a function ineligible (see the module docstring).
 UNBATCHABLE_PRIMITIVES = frozenset(
     {"cond", "while", "pure_callback", "io_callback", "callback", "dxserve_export_call"}
@@ -111,6 +113,10 @@ class Batcher:
     # --- running ------------------------------------------------------------
     def run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
         """One result (or the exception it raised) per request in ``group``."""
+        with float64_scope():  # batched executables trace and run as the prep's own do
+            return self._run_group(prep, operator, group)
+
+    def _run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
         if len(group) == 1:
             return [_alone(prep, operator, group[0])]
         plan = self.plan(prep, operator, group[0])

@@ -142,9 +142,8 @@ class Service:
             ready = found.prep
 
             def run_group(items: Sequence[tuple]) -> list:
-                with float64_scope():
-                    results = self.batcher.run_group(ready, op.name, items)
-                    return [r if isinstance(r, BaseException) else results_of(op, r) for r in results]
+                results = self.batcher.run_group(ready, op.name, items)
+                return [r if isinstance(r, BaseException) else results_of(op, r) for r in results]
 
             def holds(device: Any) -> bool:
                 return ready.holds(op.name, device)

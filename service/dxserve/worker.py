@@ -33,10 +33,12 @@ from typing import Any, TypeVar
 import jax
 
 from dxclient.errors import DeadlineExceededError, OverloadedError
+from dxclient.lru import LRU
 
 from . import threads
 
 T = TypeVar("T")
+_NEVER = float("inf")  # the cost of a job never run
 
 #: ``run_group(items) -> one result or exception per item``
 RunGroup = Callable[[Sequence[Any]], list[Any]]
@@ -210,7 +212,7 @@ class Workers:
         self.inline_below = inline_below
         self.batching = max_batch > 1
         self.pinned = pin
-        self._cost: dict[Hashable, float] = {}  # key -> seconds of its last run
+        self._cost: LRU[Hashable, float] = LRU(self.MAX_TRACKED)  # key -> seconds of its last run
 
     def pick(self, holds: Callable[[Any], bool] | None = None) -> DeviceWorker:
         """The least-loaded worker. With ``holds(device)`` (is the job's executable
@@ -229,7 +231,7 @@ class Workers:
         # With batching on, a busy worker is where a cheap job finds company; with several
         # devices, executables are bound to one, so the job must run on its device's thread.
         idle_enough = not self.batching or worker.pending == 0
-        return not self.pinned and idle_enough and self._cost.get(key, float("inf")) < self.inline_below
+        return not self.pinned and idle_enough and self._cost.peek(key, _NEVER) < self.inline_below
 
     async def run(self, job: Callable[[], T], key: Hashable | None = None) -> T:
         """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker."""
@@ -261,9 +263,7 @@ class Workers:
     def _timed(self, job: Callable[[], T], key: Hashable, count: int = 1) -> T:
         start = time.perf_counter()
         result = job()
-        if len(self._cost) >= self.MAX_TRACKED:
-            self._cost.clear()
-        self._cost[key] = (time.perf_counter() - start) / count
+        self._cost.put(key, (time.perf_counter() - start) / count)
         return result
 
     @property

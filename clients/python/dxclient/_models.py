@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 
 from . import codec
-from .backends import Backend, backend_from_json
+from .backends import Backend, backend_to_json
 from .errors import DxError
+from .lru import LRU
 from .operators import ALIASES, BATCH_RESULTS, OPERATORS, OperatorSpec
 
 
@@ -94,7 +95,7 @@ def operator_call(
     op = operator_spec(operator)
     payload: dict[str, Any] = {
         "function": function_name(f),
-        "backend": backend_from_json(backend).to_json(),
+        "backend": backend_to_json(backend),
         "x": to_wire_tree(x),
     }
     if op.takes_tangents:
@@ -130,7 +131,7 @@ class _RepeatCalls:
     MAX_ENTRIES = 256
 
     def __init__(self) -> None:
-        self._calls: dict[tuple, Call] = {}
+        self._calls: LRU[tuple, Call] = LRU(self.MAX_ENTRIES)
 
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
@@ -155,10 +156,8 @@ class _RepeatCalls:
 
     def remember(self, key: tuple, call: Call) -> None:
         """Keep ``call``'s header (``key`` from ``self.key``)."""
-        if len(self._calls) >= self.MAX_ENTRIES:
-            self._calls.clear()
         header = call.body[: int(call.headers[codec.HEADER_LENGTH])]
-        self._calls[key] = Call(call.method, call.path, header, call.headers)
+        self._calls.put(key, Call(call.method, call.path, header, call.headers))
 
 
 _REPEATS = _RepeatCalls()

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import MalformedRequestError
+from ..lru import LRU
 from .common import (
     LE,
     MARKER,
     MAX_DEPTH,
-    Memo,
     check_dtype,
     dumps,
     encode_tree,
@@ -194,9 +194,9 @@ class BinaryLayout:
 
 
 #: header bytes -> BinaryLayout, for decoding
-_LAYOUTS = Memo()
+_LAYOUTS: LRU[Any, Any] = LRU(512)
 #: ``_header_key`` -> padded header bytes, for encoding: the same call, the same header
-_HEADERS = Memo()
+_HEADERS: LRU[Any, Any] = LRU(512)
 
 
 def _resolve_refs(value: Any, field: str, body: Any, start: int, depth: int) -> Any:

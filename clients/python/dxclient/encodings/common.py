@@ -292,19 +292,3 @@ class JsonBody:
                 f"the body must be a JSON object, got {json_kind(obj)}", field="body"
             )
         return obj, None
-
-
-class Memo:
-    """A small bounded dict: cleared when full (a working set this large isn't repeating)."""
-
-    def __init__(self, max_entries: int = 512) -> None:
-        self.max_entries = max_entries
-        self._items: dict[Any, Any] = {}
-
-    def get(self, key: Any) -> Any:
-        return self._items.get(key)
-
-    def put(self, key: Any, value: Any) -> None:
-        if len(self._items) >= self.max_entries:
-            self._items.clear()
-        self._items[key] = value
