@@ -26,9 +26,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table, median, ms, ratio
+from _common import Tee, machine_line, markdown_table, median, ms, ratio
+from cold_start import CASES, _first_requests, _serve
 
-from dxclient import Client, JaxForward, JaxReverse, SecondOrder
+from dxclient import JaxForward, JaxReverse, SecondOrder
 from dxserve.preparation import PrepCache, call, prepare
 
 ROUNDS = 7
@@ -77,43 +78,23 @@ def in_process() -> list[list[object]]:
     return [row for n in (10, 1000) for row in (_prep_cache_row(n), _twin_row(n))]
 
 
-CASES = [("gradient", "jax-reverse", 1000), ("hvp", "auto", 1000),
-         ("jacobian", JaxForward(batch_size=16), 300)]
-
-
-def _first(url: str) -> list[float]:
-    out = []
-    with Client(url) as client:
-        for op, backend, n in CASES:
-            x = np.linspace(-1.0, 1.5, n)
-            args = (x, (np.ones(n),)) if op == "hvp" else (x,)
-            fn = "sin_cumsum" if op == "jacobian" else "rosenbrock"
-            out.append(_timed(lambda op=op, fn=fn, backend=backend, args=args: getattr(
-                client, op)(fn, backend, *args)))
-    return out
-
-
-def _serve(tmp: Path, cache: Path, name: str, env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    argv = [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--store", str(tmp / f"store-{name}"), "--compilation-cache", str(cache),
-            "--log-level", "warning"]
-    return Server(argv, port, "/health", tmp / f"{name}.log", env)
-
-
 def restarts() -> list[list[object]]:
+    """First requests: cold and restarted with JAX's cache alone (its own directory, the
+    executable cache off), then cold and restarted with both (the default)."""
+    off = {"DXSERVE_EXECUTABLE_CACHE_MB": "0"}
+    times = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        with _serve(tmp, tmp / "cache", "cold") as srv:
-            cold = _first(srv.url)
-        with _serve(tmp, tmp / "cache", "jax", {"DXSERVE_EXECUTABLE_CACHE_MB": "0"}) as srv:
-            jax_only = _first(srv.url)
-        with _serve(tmp, tmp / "cache", "both") as srv:
-            both = _first(srv.url)
+        for name, env in (("jax-cold", off), ("jax-restart", off), ("cold", None),
+                          ("restart", None)):
+            cache = tmp / ("jax-cache" if env else "cache")
+            with _serve(tmp / f"store-{name}", cache, tmp / f"{name}.log", env) as srv:
+                times.append([first for first, _ in _first_requests(srv.url, second=False)])
     rows = []
-    for (op, backend, n), c, j, b in zip(CASES, cold, jax_only, both, strict=True):
+    for (op, backend, n), jc, jr, c, r in zip(CASES, *times, strict=True):
         name = backend if isinstance(backend, str) else backend.type
-        rows.append([f"{op} {name} n={n}", ms(c), ms(j), ms(b), ratio(j, c), ratio(b, c)])
+        rows.append([f"{op} {name} n={n}", ms(jc), ms(jr), ratio(jr, jc), ms(c), ms(r),
+                     ratio(r, c)])
     return rows
 
 
@@ -128,11 +109,11 @@ def main() -> None:
     out()
     out(markdown_table(["layer", "call", "without ms", "with ms", "without/with"], in_process()))
     out()
-    out("Across a restart: the first request per signature, cold, then restarted on the same "
-        "cache directory with JAX's cache only and with both caches.")
+    out("Across a restart: the first request per signature, cold and after a restart on the "
+        "same cache directory; JAX's cache alone (executable cache off), then both (default).")
     out()
-    out(markdown_table(["first request", "cold ms", "JAX cache ms", "both ms", "JAX/cold",
-                        "both/cold"], restarts()))
+    out(markdown_table(["first request", "cold ms", "JAX cache ms", "JAX/cold", "cold ms",
+                        "both ms", "both/cold"], restarts()))
     if args.save:
         out.save(args.save)
 

@@ -48,11 +48,11 @@ def _first_requests(url: str, second: bool) -> list[tuple[float, float | None]]:
     return out
 
 
-def _serve(store: Path, cache: Path, log: Path) -> Server:
+def _serve(store: Path, cache: Path, log: Path, env: dict[str, str] | None = None) -> Server:
     port = free_port()
     argv = [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--store", str(store), "--compilation-cache", str(cache), "--log-level", "warning"]
-    return Server(argv, port, "/health", log)
+    return Server(argv, port, "/health", log, env)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""HVP cost relative to the gradient, per second-order mode (SPEC §7: within 3x).
+"""HVP cost relative to the gradient, per second-order mode (target: within 3x).
 
     .venv/bin/python bench/hvp.py            # n = 1e3, 1e5, 1e6
     .venv/bin/python bench/hvp.py --quick    # fewer rounds

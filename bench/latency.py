@@ -1,4 +1,4 @@
-"""Round-trip latency of POST /gradient against a bare FastAPI echo (SPEC §7).
+"""Round-trip latency of POST /gradient against a bare FastAPI echo.
 
     .venv/bin/python bench/latency.py           # n = 10, 1e3, 1e5, 1e6
     .venv/bin/python bench/latency.py --quick   # fewer rounds
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
               "dxserve/(in-process+echo)", "bytes (request)"]
     out(markdown_table(header, rows))
     out()
-    out(f"Targets (SPEC §7): small requests dxserve/echo <= {SMALL_TARGET}x; n = 10^6 "
+    out(f"Targets: small requests dxserve/echo <= {SMALL_TARGET}x; n = 10^6 "
         f"dxserve/(in-process+echo) <= {LARGE_TARGET}x. dxserve = the whole "
         "`dxclient.Client.gradient` call (client encode + HTTP + server + client decode); "
         "echo = the same httpx.Client posting the same request bytes to `POST /echo` (no "

@@ -69,6 +69,8 @@ import jax
 import numpy as np
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
+from .signature import persistent_spec
+
 log = logging.getLogger("dxserve.executable_cache")
 
 MAGIC = b"DXSERVE-EXECUTABLE\x00"
@@ -148,7 +150,7 @@ def key(
         function, x, contexts,
         results=list(results),
         backend=lambda: resolved.to_json(),
-        tangents=lambda: None if tangents is None else _spec(tangents),
+        tangents=lambda: None if tangents is None else persistent_spec(tangents),
     )
 
 
@@ -163,8 +165,8 @@ def _key(function: Callable, x: Any, contexts: Any, **more: Any) -> Key | None:
         parts = {
             "environment": _environment(),
             "function": identity,
-            "x": _spec(x),
-            "contexts": _spec(contexts),
+            "x": persistent_spec(x),
+            "contexts": persistent_spec(contexts),
             "device": [device.platform, device.id, device.device_kind],
             "x64": bool(jax.config.jax_enable_x64),
             "matmul_precision": str(jax.config.jax_default_matmul_precision),
@@ -175,17 +177,6 @@ def _key(function: Callable, x: Any, contexts: Any, **more: Any) -> Key | None:
         log.debug("no executable cache key: %s", exc)
         return None
     return Key(text, hashlib.sha256(text.encode()).hexdigest(), device)
-
-
-def _spec(tree: Any) -> list:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out: list = [str(treedef)]
-    for leaf in leaves:
-        item = [list(np.shape(leaf)), np.dtype(leaf.dtype).str, bool(getattr(leaf, "weak_type", False))]
-        if isinstance(leaf, jax.Array):
-            item.append(repr(leaf.sharding))
-        out.append(item)
-    return out
 
 
 def _device() -> Any:

@@ -30,10 +30,11 @@ from dxclient.platforms import export_platform
 
 from .backends import backend_table
 from .precision import float64_scope
-from .preparation import Prep, PrepCache, Signature, lookup, prepare
+from .preparation import Prep, PrepCache, lookup, prepare
 from .registry import Registry
 from .request_batching import Batcher
 from .settings import Settings
+from .signature import Signature
 from .store import DirectoryStore
 from .worker import Workers
 

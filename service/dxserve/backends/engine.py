@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import executable_cache
 from . import _tangents
 from ._tangents import Tree
 
@@ -158,8 +159,6 @@ class Engine:
         """
         if not (self.traced and self.traces):
             return fn
-        from .. import executable_cache  # the JAX compiler, with its persistent cache
-
         return executable_cache.compile_or_load(key, fn, *args)
 
     # --- fallback helpers ---------------------------------------------------------

@@ -88,6 +88,17 @@ async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorR
     return parsed, encoding, len(body)
 
 
+async def compute_request(
+    request: Request, op: OperatorSpec
+) -> tuple[Service, OperatorRequest, str, int]:
+    """The service and the decoded request of ``POST /{op}`` or ``/prepare/{op}``, once the
+    caller is authorized to compute (the token is only read when the server asks for one)."""
+    service = service_of(request)
+    if service.settings.require_token_for_compute:
+        authorize(request, "compute")
+    return (service, *await decode_operator(request, op))
+
+
 async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
     if result_nbytes(payload) > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
         parts, media, headers = await run_in_threadpool(codec.encode_body_parts, payload, encoding)
@@ -110,10 +121,7 @@ class OperatorEndpoint:
         )
 
     async def __call__(self, request: Request) -> Response:
-        service = service_of(request)
-        if service.settings.require_token_for_compute:
-            authorize(request, "compute")
-        req, encoding, size = await decode_operator(request, self.op)
+        service, req, encoding, size = await compute_request(request, self.op)
         results = await service.call(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
             req.prep, signature=req.signature, hint=size,
@@ -130,10 +138,7 @@ class PrepareEndpoint:
         self.__doc__ = f"Compile `{op.name}` once for this signature; returns a handle."
 
     async def __call__(self, request: Request) -> Response:
-        service = service_of(request)
-        if service.settings.require_token_for_compute:
-            authorize(request, "compute")
-        req, _, _ = await decode_operator(request, self.op)
+        service, req, _, _ = await compute_request(request, self.op)
         handle = await service.prepare(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts
         )

@@ -18,7 +18,7 @@ from dxclient.encodings.negotiation import response_encoding as response_encodin
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.operators import OperatorSpec
 
-from ..preparation import Signature
+from ..signature import Signature
 
 OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep")
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).

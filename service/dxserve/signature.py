@@ -1,0 +1,95 @@
+"""Signatures: what a compiled operator depends on in its inputs.
+
+A pytree's structure and each leaf's shape and dtype. ``Signature`` (hashable) keys
+the in-memory preps and says what differs when a call does not match its prep;
+``persistent_spec`` is the same walk as JSON, with what a persisted executable also
+depends on (weak types, shardings).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+Tree = Any
+Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape, dtype), ...))
+
+_LEAF = jax.tree_util.tree_structure(0)
+
+
+def spec_of(tree: Tree) -> Spec:
+    if type(tree) is np.ndarray:  # the common case, without flattening
+        return _LEAF, ((tree.shape, tree.dtype.str),)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(v)), np.dtype(v.dtype).str) for v in leaves)
+
+
+@dataclass(frozen=True)
+class Signature:
+    x: Spec
+    tangents: tuple[Spec, ...] | None
+    contexts: tuple[Spec, ...]
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.x, self.tangents, self.contexts))
+
+    def __hash__(self) -> int:  # every prep-cache lookup hashes one; its fields never change
+        return self._hash
+
+    @staticmethod
+    def of(x: Tree, tangents: tuple | None, contexts: tuple) -> Signature:
+        return Signature(
+            spec_of(x),
+            None if tangents is None else tuple(spec_of(t) for t in tangents),
+            tuple(spec_of(c) for c in contexts),
+        )
+
+    def difference(self, prepared: Signature) -> tuple[str, str] | None:
+        """``(field, what differs)`` against the prepared signature, or None."""
+        if self.x != prepared.x:
+            return "x", _describe(self.x, prepared.x)
+        if (self.tangents is None) != (prepared.tangents is None) or (
+            self.tangents is not None and len(self.tangents) != len(prepared.tangents)
+        ):
+            got = 0 if self.tangents is None else len(self.tangents)
+            want = 0 if prepared.tangents is None else len(prepared.tangents)
+            return "tangents", f"{got} tangents given, prepared for {want}"
+        for i, (a, b) in enumerate(zip(self.tangents or (), prepared.tangents or (), strict=True)):
+            if a != b:
+                return f"tangents[{i}]", _describe(a, b)
+        if len(self.contexts) != len(prepared.contexts):
+            return "contexts", (
+                f"{len(self.contexts)} contexts given, prepared for {len(prepared.contexts)}"
+            )
+        for i, (a, b) in enumerate(zip(self.contexts, prepared.contexts, strict=True)):
+            if a != b:
+                return f"contexts[{i}]", _describe(a, b)
+        return None
+
+
+def _describe(got: Spec, want: Spec) -> str:
+    if got[0] != want[0]:
+        return f"structure {got[0]} differs from prepared {want[0]}"
+    for (gs, gd), (ws, wd) in zip(got[1], want[1], strict=True):
+        if gs != ws:
+            return f"shape {gs} differs from prepared {ws}"
+        if gd != wd:
+            return f"dtype {np.dtype(gd).name} differs from prepared {np.dtype(wd).name}"
+    return "signature differs from prepared"
+
+
+def persistent_spec(tree: Tree) -> list:
+    """``spec_of`` as JSON: ``[treedef, [shape, dtype, weak_type(, sharding)], ...]``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out: list = [str(treedef)]
+    for leaf in leaves:
+        item = [list(np.shape(leaf)), np.dtype(leaf.dtype).str, bool(getattr(leaf, "weak_type", False))]
+        if isinstance(leaf, jax.Array):
+            item.append(repr(leaf.sharding))
+        out.append(item)
+    return out
