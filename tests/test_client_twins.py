@@ -52,11 +52,13 @@ SCRIPT: list[tuple[str, tuple, dict]] = [
     ("delete", ("cube",), {}),  # gone
     ("functions", (), {}),
     ("ready", (), {}),
+    ("register_kind", ("quad", {"expression": "jnp.sum(x ** 4)", "args": ["x"]}), {}),
+    ("gradient", ("quad", "jax-reverse", X), {}),
 ]
 
 NON_OPERATOR_METHODS = {
     "health", "ready", "backends", "functions", "function", "register",
-    "register_expression", "delete",
+    "register_expression", "register_kind", "delete",
 }  # fmt: skip
 
 
@@ -150,6 +152,8 @@ def test_outcomes_are_the_servers_answers(outcomes: dict[str, list[Any]]) -> Non
     names = {f.name for f in got[18]}
     assert "squares" in names and not names & {"cube", "squares_too"}
     assert got[19]["functions"] == got[1]["functions"] + 1
+    assert got[20] == RemoteFunction("quad", "expression", "")
+    assert got[21] == ("array", "<f8", [4.0, 32.0, 108.0])  # 4 x^3
 
 
 @pytest.mark.parametrize("cls, http_cls", [(Client, httpx.Client), (AsyncClient, httpx.AsyncClient)])

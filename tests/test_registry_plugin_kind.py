@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from pydantic import Field
@@ -169,12 +170,9 @@ def test_add_kind_refuses_clashes(polynomial_kind: PolynomialKind) -> None:
 
 
 def test_over_http(polynomial_kind: PolynomialKind, tmp_path: Path) -> None:
-    service = Path(__file__).resolve().parents[1] / "service/dxserve"
-    sources = [*service.glob("http/*.py"), service / "service.py"]
-    if not any(p.exists() and "register_body" in p.read_text() for p in sources):
-        pytest.skip("POST /functions does not call Registry.register_body yet")
     from fastapi.testclient import TestClient
 
+    from dxclient import Client
     from dxserve.http import create_app
     from dxserve.settings import Settings
 
@@ -193,6 +191,11 @@ def test_over_http(polynomial_kind: PolynomialKind, tmp_path: Path) -> None:
         kinds_listed = http.get("/openapi.json").json()["components"]["schemas"][
             "FunctionInfoModel"]["properties"]["kind"]["enum"]
         assert "polynomial" in kinds_listed
+        # the Python client registers any kind by its body fields
+        client = Client(http=httpx.Client(transport=http._transport, base_url="http://testserver"))
+        made = client.register_kind("quadratic", {"coefficients": [0.0, 0.0, 1.0]})
+        assert made.kind == "polynomial"
+        np.testing.assert_allclose(client.gradient("quadratic", "jax-reverse", X), 2 * X, rtol=1e-14)
 
 
 class _MemoryStore:

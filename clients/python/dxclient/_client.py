@@ -20,8 +20,9 @@ The transport is swappable, so tests can mount the ASGI app in process
 
 from __future__ import annotations
 
+import base64
 import functools
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -190,7 +191,8 @@ class _ClientBase(OperatorMethods):
         if not platforms:
             platforms = (yield _get("/ready")).json()["export_platforms"]
         bundle = _export(fn, example_args, platforms, **export_options)
-        call = _models.register_call(name or fn.__name__, description, replace, export=bundle)
+        fields = {"export": base64.b64encode(bundle).decode("ascii")}
+        call = _models.register_call(name or fn.__name__, description, replace, fields)
         return _models.function_result((yield call).content)
 
     @_plan
@@ -204,9 +206,18 @@ class _ClientBase(OperatorMethods):
         replace: bool = False,
     ) -> Plan[RemoteFunction]:
         """Register a whitelisted ``jnp`` expression; the first arg is the active input."""
-        call = _models.register_call(
-            name, description, replace, expression=expression, args=tuple(args)
-        )
+        fields = {"expression": expression, "args": list(args)}
+        call = _models.register_call(name, description, replace, fields)
+        return _models.function_result((yield call).content)
+
+    @_plan
+    def register_kind(
+        self, name: str, fields: Mapping[str, Any], *, description: str = "",
+        replace: bool = False,
+    ) -> Plan[RemoteFunction]:
+        """Register a function of any kind the server knows, from that kind's body fields
+        (``GET /openapi.json`` lists them under ``RegisterFunction``)."""
+        call = _models.register_call(name, description, replace, fields)
         return _models.function_result((yield call).content)
 
     @_plan

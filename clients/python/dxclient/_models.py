@@ -7,6 +7,7 @@ functions; they differ only in how bytes travel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,20 +226,12 @@ def function_result(content: bytes) -> RemoteFunction:
 
 
 def register_call(
-    name: str,
-    description: str,
-    replace: bool,
-    *,
-    expression: str | None = None,
-    args: tuple[str, ...] = ("x",),
-    export: bytes | None = None,
+    name: str, description: str, replace: bool, fields: Mapping[str, Any]
 ) -> Call:
-    import base64
-
-    payload: dict[str, Any] = {"name": name, "description": description, "replace": replace}
-    if expression is not None:
-        payload["expression"] = expression
-        payload["args"] = list(args)
-    else:
-        payload["export"] = base64.b64encode(export or b"").decode("ascii")
+    """``POST /functions`` for a function of any kind: ``fields`` are the kind's own body
+    fields (``{"expression": ..., "args": [...]}``, ``{"export": <base64>}``, or those of
+    a kind the server added)."""
+    payload: dict[str, Any] = {
+        "name": name, "description": description, "replace": replace, **fields,
+    }
     return Call("POST", "/functions", codec.dumps(payload), {"content-type": codec.JSON_TYPE})
