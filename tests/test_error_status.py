@@ -37,6 +37,7 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.InternalError: 500,
     E.OverloadedError: 503,
     E.DeadlineExceededError: 504,
+    E.StorageFullError: 507,
 }
 
 

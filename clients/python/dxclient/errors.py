@@ -152,6 +152,10 @@ class OverloadedError(DxError):
     slug, title = "overloaded", "Server overloaded, retry later"
 
 
+class StorageFullError(DxError):
+    slug, title = "insufficient-storage", "Insufficient storage"
+
+
 class DeadlineExceededError(DxError):
     slug, title = "deadline-exceeded", "Computation timed out"
 
@@ -186,4 +190,5 @@ _CLIENT_FALLBACK_BY_STATUS: dict[int, type[DxError]] = {
     500: InternalError,
     503: OverloadedError,
     504: DeadlineExceededError,
+    507: StorageFullError,
 }

@@ -21,6 +21,7 @@ from dxclient.errors import (
     OverloadedError,
     PayloadTooLargeError,
     PreparationMismatchError,
+    StorageFullError,
     TooManyFunctionsError,
     UnauthorizedError,
     UnknownFunctionError,
@@ -50,6 +51,7 @@ STATUS: dict[type[DxError], int] = {
     InternalError: 500,
     OverloadedError: 503,
     DeadlineExceededError: 504,
+    StorageFullError: 507,
 }
 
 
