@@ -80,6 +80,8 @@ _FAMILY_CASES = {
     "pushforward": ("value_and_pushforward", _vector, np.linspace(0.1, 0.9, 3), 2),
     "pullback": ("value_and_pullback", _vector, np.linspace(0.1, 0.9, 3), 2),
     "hvp": ("gradient_and_hvp", _scalar, np.linspace(0.1, 0.9, 3), 1),
+    # the pattern: the table bounds it by m * n (the dense shape; a BCOO's size)
+    "sparsity": ("sparsity", _vector, np.linspace(0.1, 0.9, 3), 2),
 }
 
 

@@ -16,6 +16,8 @@ from dxclient.backends import (
     JaxForward,
     JaxReverse,
     SecondOrder,
+    Sparse,
+    SparsePattern,
     backend_from_json,
 )
 from dxclient.errors import (
@@ -37,7 +39,7 @@ from .preparation import CACHE, Prep, resolve
 __all__ = [
     "Auto", "Backend", "CACHE", "DxError", "Engine", "FiniteDifferences", "JaxForward",
     "JaxReverse", "NotScalarInputError", "NotScalarOutputError", "Prep",
-    "PreparationMismatchError", "SecondOrder", "ShapeMismatchError",
+    "PreparationMismatchError", "SecondOrder", "ShapeMismatchError", "Sparse", "SparsePattern",
     "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",
     "register_backend", "resolve", *_operator_names,
 ]

@@ -125,6 +125,12 @@ class Prep:
     executables: dict[tuple, Callable] = field(default_factory=dict, repr=False)  # (op, device)
     batch_plans: dict[str, Any] = field(default_factory=dict, repr=False)  # see request_batching
 
+    @property
+    def report(self) -> dict[str, Any]:
+        """What preparation found beyond the backend: for a sparse backend
+        ``{"sparsity": {"shape", "nnz", "colors", "coloring", "mode", ...}}``, else ``{}``."""
+        return self.compiler.report()
+
     def holds(self, operator: str, device: Any) -> bool:
         """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
         return (operator, device) in self.executables
@@ -233,10 +239,15 @@ def _size(tree: Tree) -> int:
 MAX_RESULT_ELEMENTS = 2**27
 
 
-def _check_result_size(family: str, inputs: Inputs, limit: int) -> None:
+def _check_result_size(
+    family: str, inputs: Inputs, limit: int, engine: Engine | None = None
+) -> None:
+    """``ResultTooLargeError`` if ``family``'s results here exceed ``limit`` numbers;
+    ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n)."""
     n, m = _size(inputs.x), _size(inputs.y)
     k = len(inputs.tangents or ())
-    elements = OPERATORS[family].result_elements(n, m, k)
+    counted = engine.result_elements(family, n, m, k) if engine is not None else None
+    elements = OPERATORS[family].result_elements(n, m, k) if counted is None else counted
     if elements > limit:
         raise ResultTooLargeError(
             f"{family} here would return {elements:,} numbers, over the limit of "
@@ -282,7 +293,8 @@ def _prepare(
     spec = FAMILIES[family]
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
-    _check_result_size(family, inputs, max_result_elements)
+    engine.prepare(family, f, inputs)  # e.g. sparsity detection and colouring, once
+    _check_result_size(family, inputs, max_result_elements, engine)
     signature = Signature.of(x, tangents, contexts)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None

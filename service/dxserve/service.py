@@ -29,6 +29,7 @@ from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
 
 from .backends import backend_table
+from .backends.sparse import BCOO, configure_detection, sparse_wire
 from .precision import float64_scope
 from .preparation import Prep, PrepCache, lookup, prepare
 from .registry import Registry
@@ -90,6 +91,7 @@ class Service:
             settings.max_batch, settings.batch_wait, settings.compute_nice,
         )
         self._tokens = settings.tokens()
+        configure_detection(settings.sparse_detection_seconds)
 
     # --- authorization ------------------------------------------------------------
     def authorize(self, token: str | None, action: Action) -> None:
@@ -185,6 +187,7 @@ class Service:
             "function": entry.name,
             "backend": prep.backend.to_json(),
             "resolved": prep.resolved.to_json(),
+            **prep.report,  # e.g. "sparsity": the pattern's shape, nnz, colours, mode
         }
 
     # --- functions ----------------------------------------------------------------------
@@ -243,6 +246,8 @@ def _host(tree: Any) -> Any:
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
+    if isinstance(tree, BCOO):  # a sparse result: its wire object (dxclient.sparse)
+        return sparse_wire(tree)
     return np.asarray(tree)
 
 

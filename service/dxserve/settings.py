@@ -37,8 +37,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = 256 * 1024 * 1024
     max_upload_bytes: int = 32 * 1024 * 1024
     max_functions: int = 1000
-    #: Most numbers one operator call may return (Jacobians and Hessians grow as n²).
+    #: Most numbers one operator call may return (Jacobians and Hessians grow as n²;
+    #: a sparse backend's count its nonzeros).
     max_result_elements: int = 2**27
+    #: Seconds sparsity detection and colouring (``Sparse`` backends, at preparation) may
+    #: take before the request is refused with 422 ``sparsity-detection``.
+    sparse_detection_seconds: float = Field(default=60.0, gt=0)
     max_prepared: int = 1024
     cache_size: int = 512
     #: Requests waiting per device worker before 503 + Retry-After.

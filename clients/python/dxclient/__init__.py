@@ -9,6 +9,8 @@ from .backends import (
     JaxForward,
     JaxReverse,
     SecondOrder,
+    Sparse,
+    SparsePattern,
     backend_from_json,
 )
 from .errors import DxError, PreparationMismatchError
@@ -28,5 +30,7 @@ __all__ = [
     "OPERATORS",
     "PreparationMismatchError",
     "SecondOrder",
+    "Sparse",
+    "SparsePattern",
     "backend_from_json",
 ]

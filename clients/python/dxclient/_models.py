@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from . import codec
+from . import codec, sparse
 from .backends import Backend, backend_to_json
 from .errors import DxError
 from .lru import LRU
@@ -40,6 +40,9 @@ class RemotePrep:
     function: str
     backend: dict
     resolved: dict
+    #: for a sparse backend: the pattern's ``shape``, ``nnz``, ``colors``, ``coloring``
+    #: and ``mode`` the server found at preparation (None otherwise)
+    sparsity: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -182,9 +185,17 @@ def operator_result(operator: str, headers: Any, content: bytes) -> Any:
     op = operator_spec(operator)
     arrays, batches = _result_kinds(op)
     content_type, header_length = _wire_headers(headers)
-    obj = codec.decode_response(
-        content, content_type, header_length, arrays=arrays, batches=batches
-    )
+    obj = codec.decode_body(content, content_type, header_length)
+    for key in arrays:
+        if key in obj:
+            value = obj[key]
+            obj[key] = (
+                sparse.from_wire(value, key) if sparse.is_sparse(value)
+                else codec.decode_result(value, key, False)
+            )
+    for key in batches:
+        if key in obj:
+            obj[key] = codec.decode_result(obj[key], key, True)
     values = tuple(tuple(obj[r]) if r in BATCH_RESULTS else obj[r] for r in op.results)
     return values[0] if len(values) == 1 else values
 
@@ -214,7 +225,10 @@ def _wire_headers(headers: Any) -> tuple[str | None, str | None]:
 
 def prep_result(content: bytes) -> RemotePrep:
     obj = codec.loads(content)
-    return RemotePrep(obj["prep"], obj["operator"], obj["function"], obj["backend"], obj["resolved"])
+    return RemotePrep(
+        obj["prep"], obj["operator"], obj["function"], obj["backend"], obj["resolved"],
+        obj.get("sparsity"),
+    )
 
 
 def function_from(obj: dict) -> RemoteFunction:

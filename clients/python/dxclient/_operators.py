@@ -228,6 +228,19 @@ class OperatorMethods:
         """Compile ``value_and_pullback`` on the server for this signature; returns a RemotePrep."""
         return self._prepare("value_and_pullback", f, backend, x, tangents, contexts)
 
+    def sparsity(
+        self, f: F, backend: B, x: Any, *contexts: Any,
+        prep: RemotePrep | None = None,
+    ) -> Any:
+        """The pattern of ∂f/∂x, or of ∇²f for scalar f (sparse, no values)."""
+        return self._operator("sparsity", f, backend, x, None, contexts, prep)
+
+    def prepare_sparsity(
+        self, f: F, backend: B, x: Any, *contexts: Any
+    ) -> Any:
+        """Compile ``sparsity`` on the server for this signature; returns a RemotePrep."""
+        return self._prepare("sparsity", f, backend, x, None, contexts)
+
     def hvp(
         self, f: F, backend: B, x: Any, tangents: tuple, *contexts: Any,
         prep: RemotePrep | None = None,

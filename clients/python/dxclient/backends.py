@@ -9,8 +9,11 @@ engines own the mechanics. Each has an exact JSON form::
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
+
+import numpy as np
 
 from .errors import InvalidBackendError
 
@@ -107,7 +110,7 @@ class SecondOrder:
     def __post_init__(self) -> None:
         for part in ("outer", "inner"):
             value = getattr(self, part)
-            if type(value) not in _CLASSES or isinstance(value, SecondOrder | Auto):
+            if type(value) not in _CLASSES or isinstance(value, SecondOrder | Auto | Sparse):
                 raise InvalidBackendError(
                     f"{part} must be a first-order backend "
                     "(jax-forward, jax-reverse, finite-differences or a registered one)",
@@ -128,11 +131,163 @@ class Auto:
         return {"type": self.type}
 
 
-Backend = JaxForward | JaxReverse | FiniteDifferences | SecondOrder | Auto
+class SparsePattern:
+    """A sparsity pattern given by the user: an ``(m, n)`` boolean structure, no values.
+
+    Built from ``(rows, cols, shape)``, a dense array (its nonzeros), a
+    ``scipy.sparse`` array, a ``jax.experimental.sparse.BCOO`` or the JSON object
+    ``{"format": "coo", "shape": [m, n], "indices": [[i, j], ...]}`` /
+    ``{"format": "csr", "shape", "indptr", "indices"}`` (a ``"data"`` member is ignored).
+    Entries are kept sorted row-major and unique (``rows``, ``cols``: int64, (nnz,)).
+    Equal patterns compare and hash equal by content (a digest computed once).
+    """
+
+    __slots__ = ("rows", "cols", "shape", "_digest")
+
+    def __init__(self, rows: Any, cols: Any, shape: tuple[int, int]) -> None:
+        m, n = (int(d) for d in shape)
+        r = np.asarray(rows, dtype=np.int64).reshape(-1)
+        c = np.asarray(cols, dtype=np.int64).reshape(-1)
+        if r.shape != c.shape or (r.size and (r.min() < 0 or c.min() < 0 or r.max() >= m or c.max() >= n)):
+            raise InvalidBackendError(
+                f"sparsity: rows and cols must be equally long and inside the shape {[m, n]}",
+                field="backend.sparsity",
+            )
+        keys = np.unique(r * max(n, 1) + c)  # sorted row-major, duplicates dropped
+        self.rows, self.cols = keys // max(n, 1), keys % max(n, 1)
+        self.rows.flags.writeable = self.cols.flags.writeable = False
+        self.shape = (m, n)
+        h = hashlib.sha256(repr(self.shape).encode())
+        h.update(keys.astype("<i8").tobytes())
+        self._digest = h.hexdigest()
+
+    @property
+    def nnz(self) -> int:
+        return int(self.rows.size)
+
+    @classmethod
+    def of(cls, value: Any, field: str = "backend.sparsity") -> SparsePattern:
+        """Any of the accepted forms (see the class docstring) -> a ``SparsePattern``."""
+        if isinstance(value, SparsePattern):
+            return value
+        if isinstance(value, dict):
+            return cls._from_json(value, field)
+        if hasattr(value, "tocoo") and hasattr(value, "shape"):  # scipy.sparse
+            coo = value.tocoo()
+            return cls(coo.row, coo.col, coo.shape)
+        if hasattr(value, "indices") and hasattr(value, "nse"):  # BCOO
+            idx = np.asarray(value.indices)
+            return cls(idx[:, 0], idx[:, 1], value.shape)
+        a = np.asarray(value)
+        if a.ndim != 2:
+            raise InvalidBackendError(
+                f"sparsity must be a 2-D pattern (m, n), got {a.ndim} dimensions", field=field
+            )
+        r, c = np.nonzero(a)
+        return cls(r, c, a.shape)
+
+    @classmethod
+    def _from_json(cls, obj: dict, field: str) -> SparsePattern:
+        try:
+            fmt, shape = obj["format"], obj["shape"]
+            if fmt == "coo":
+                idx = np.asarray(obj["indices"], dtype=np.int64).reshape(-1, 2)
+                return cls(idx[:, 0], idx[:, 1], tuple(shape))
+            if fmt == "csr":
+                indptr = np.asarray(obj["indptr"], dtype=np.int64)
+                cols = np.asarray(obj["indices"], dtype=np.int64)
+                if indptr.size != int(shape[0]) + 1 or indptr[-1] != cols.size:
+                    raise ValueError("indptr must have m + 1 entries ending at nnz")
+                return cls(np.repeat(np.arange(int(shape[0])), np.diff(indptr)), cols, tuple(shape))
+        except InvalidBackendError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidBackendError(f"sparsity: {exc}", field=field) from None
+        raise InvalidBackendError(
+            f"sparsity format must be 'coo' or 'csr', got {fmt!r}", field=f"{field}.format"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"format": "csr", "shape": [m, n], "indptr": [...], "indices": [...]}``."""
+        indptr = np.zeros(self.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.rows, minlength=self.shape[0]), out=indptr[1:])
+        return {
+            "format": "csr", "shape": list(self.shape), "indptr": indptr.tolist(),
+            "indices": self.cols.tolist(),
+        }
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SparsePattern) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __repr__(self) -> str:
+        return f"SparsePattern(shape={self.shape}, nnz={self.nnz})"
+
+
+_COLORINGS = (None, "column", "row", "star")
+_FORMATS = ("csr", "coo")
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Sparse Jacobians and Hessians (DI's ``AutoSparse``): ``dense`` computes one
+    pushforward, pullback or HVP per colour of the pattern instead of one per column.
+
+    * ``dense``: the backend doing the passes (a descriptor, shorthand or JSON).
+    * ``sparsity``: None (detected from the function at preparation) or a pattern
+      (anything ``SparsePattern.of`` takes).
+    * ``coloring``: None (column for forward, row for reverse, the fewer colours for
+      ``auto``; star for Hessians), ``"column"`` (JVPs/HVPs), ``"row"`` (VJPs) or
+      ``"star"`` (symmetric: Hessians, square symmetric Jacobians).
+    * ``format``: how results travel over HTTP, ``"csr"`` or ``"coo"``.
+
+    It serves ``jacobian``, ``hessian``, their ``value_and_`` variants and
+    ``sparsity``; every other operator runs on ``dense``. JSON:
+    ``{"type": "sparse", "dense": "jax-forward", "sparsity": null, "coloring": null}``.
+    """
+
+    dense: Any = Auto()
+    sparsity: SparsePattern | None = None
+    coloring: Literal["column", "row", "star"] | None = None
+    format: Literal["csr", "coo"] = "csr"
+    type: ClassVar[str] = "sparse"
+
+    def __post_init__(self) -> None:
+        dense = backend_from_json(self.dense, "backend.dense")
+        if isinstance(dense, Sparse):
+            raise InvalidBackendError("sparse cannot wrap another sparse backend", field="backend.dense")
+        object.__setattr__(self, "dense", dense)
+        if self.sparsity is not None:
+            object.__setattr__(self, "sparsity", SparsePattern.of(self.sparsity))
+        if self.coloring not in _COLORINGS:
+            raise InvalidBackendError(
+                f"coloring must be null, 'column', 'row' or 'star', got {self.coloring!r}",
+                field="backend.coloring",
+            )
+        if self.format not in _FORMATS:
+            raise InvalidBackendError(
+                f"format must be 'csr' or 'coo', got {self.format!r}", field="backend.format"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return _compact(
+            {
+                "type": self.type,
+                "dense": self.dense.to_json(),
+                "sparsity": None if self.sparsity is None else self.sparsity.to_json(),
+                "coloring": self.coloring,
+                "format": None if self.format == "csr" else self.format,
+            }
+        )
+
+
+Backend = JaxForward | JaxReverse | FiniteDifferences | SecondOrder | Auto | Sparse
 
 #: type -> descriptor class; ``register_backend_type`` adds plug-in backends.
 BACKEND_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto)
+    cls.type: cls for cls in (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto, Sparse)
 }
 
 _PARAMS: dict[str, tuple[str, ...]] = {
@@ -141,6 +296,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "finite-differences": ("method", "step", "batch_size"),
     "second-order": ("outer", "inner"),
     "auto": (),
+    "sparse": ("dense", "sparsity", "coloring", "format"),
 }
 
 
@@ -238,3 +394,4 @@ _SHORTHANDS: dict[str, Backend] = {
     "finite-differences": FiniteDifferences(),
     "auto": Auto(),
 }
+_SHORTHANDS["sparse"] = Sparse()

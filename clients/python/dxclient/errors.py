@@ -143,6 +143,13 @@ class ResultTooLargeError(InvalidArgumentError):
     slug, title = "result-too-large", "Result would exceed the size limit"
 
 
+class SparsityDetectionError(InvalidArgumentError):
+    """A ``Sparse`` backend could not find the pattern: detection took longer than the
+    server allows (``DXSERVE_SPARSE_DETECTION_SECONDS``) or asdex cannot analyse it."""
+
+    slug, title = "sparsity-detection", "Sparsity detection failed"
+
+
 # --- limits and failures on the serving side ------------------------------
 class TooManyFunctionsError(DxError):
     slug, title = "too-many-functions", "Function limit reached"

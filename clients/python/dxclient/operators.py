@@ -46,6 +46,8 @@ _FAMILIES: dict[str, _Family] = {
     "pullback": _Family(
         "y", "pullbacks", lambda n, m, k: k * n + m, {**_ROSENBROCK, "tangents": [1.0]}
     ),
+    # the pattern alone; m * n bounds it, a sparse engine counts the nonzeros instead
+    "sparsity": _Family(None, None, lambda n, m, k: m * n, _ROSENBROCK),
     "hvp": _Family(
         "x", "hvps", lambda n, m, k: (k + 1) * n, {**_ROSENBROCK, "tangents": [[1.0, 0.0, 0.0]]}
     ),
@@ -118,6 +120,8 @@ OPERATORS: dict[str, OperatorSpec] = {
         _spec("pullback", "pullback", ("pullbacks",), "(Jᵀ c for c in tangents)."),
         _spec("value_and_pullback", "pullback", ("value", "pullbacks"),
               "(f(x), (Jᵀ c for c in tangents))."),
+        _spec("sparsity", "sparsity", ("sparsity",),
+              "The pattern of ∂f/∂x, or of ∇²f for scalar f (sparse, no values)."),
         _spec("hvp", "hvp", ("hvps",), "(∇²f(x) t for t in tangents).", order=2),
         _spec("gradient_and_hvp", "hvp", ("gradient", "hvps"),
               "(∇f(x), (∇²f(x) t for t in tangents)).", order=2),

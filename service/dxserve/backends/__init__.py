@@ -11,6 +11,7 @@ from dxclient.backends import (
     JaxForward,
     JaxReverse,
     SecondOrder,
+    Sparse,
     backend_from_json,
 )
 
@@ -19,6 +20,7 @@ from .finite_differences import FiniteDifferencesEngine
 from .jax_modes import ForwardEngine, ReverseEngine
 from .plugins import PLUGINS, SECOND_ORDER, backend_table, register_backend
 from .selection import engine_for, engines_for, resolve_backend
+from .sparse import register as _register_sparse
 
 register_backend(
     JaxForward,
@@ -58,6 +60,8 @@ register_backend(
     "Jacobians by size, forward-over-reverse for second order",
 )
 
+_register_sparse()
+
 __all__ = [
     "PLUGINS",
     "Auto",
@@ -67,6 +71,7 @@ __all__ = [
     "JaxForward",
     "JaxReverse",
     "SecondOrder",
+    "Sparse",
     "backend_from_json",
     "backend_table",
     "engine_for",

@@ -151,6 +151,22 @@ class Engine:
         y, out = primitive(g, x, _tangents.stack_tuple(tangents, self.xp))
         return y, _tangents.unstack_tuple(out, len(tangents))
 
+    # --- preparation hooks ----------------------------------------------------------
+    def prepare(self, family: str, f: Callable, inputs: Any) -> None:
+        """Look at the function once, at preparation, before the operator is built
+        (``inputs``: ``preparation.Inputs``). Plain engines need nothing; the sparse
+        engine detects and colours the pattern here."""
+
+    def result_elements(self, family: str, n: int, m: int, k: int) -> int | None:
+        """Numbers ``family``'s results hold here, when this engine knows better than
+        the operator table (a sparse Jacobian holds nnz, not m * n); None: the table's."""
+        return None
+
+    def report(self) -> dict[str, Any]:
+        """What preparation found, for the prep and ``POST /prepare``'s answer
+        (the sparse engine: ``{"sparsity": {...}}``); nothing for plain engines."""
+        return {}
+
     # --- compilation --------------------------------------------------------------
     def compile(self, fn: Callable, args: tuple, key: Any = None) -> Callable:
         """``fn`` compiled for ``args`` (or ``fn`` itself where it cannot be traced).

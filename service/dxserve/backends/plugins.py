@@ -20,6 +20,11 @@ from .engine import Engine
 #: ``factory(descriptor, *, traced, nested) -> Engine``: ``traced`` is False for a
 #: function JAX cannot trace, ``nested`` True inside another finite difference.
 EngineFactory = Callable[..., Engine]
+#: ``resolve(descriptor, family, *, traced, n, m) -> descriptor``: the concrete backend
+#: a wrapping backend uses for ``family`` (see ``selection.resolve_backend``).
+Resolver = Callable[..., Any]
+#: ``engines(descriptor, *, traced) -> (engine, inner engine or None)``.
+EnginesFactory = Callable[..., tuple[Engine, "Engine | None"]]
 
 FIRST_ORDER = tuple(n for n, op in OPERATORS.items() if op.order <= 1)
 SECOND_ORDER = tuple(n for n, op in OPERATORS.items() if op.order == 2)
@@ -32,6 +37,10 @@ class BackendPlugin:
     parameters: dict[str, str] = field(default_factory=dict)
     operators: tuple[str, ...] = FIRST_ORDER + SECOND_ORDER
     notes: str = ""
+    #: for a backend that wraps others (``Sparse``): how it resolves per operator family
+    #: and builds its engines; None for plain backends
+    resolve: Resolver | None = None
+    engines: EnginesFactory | None = None
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -54,18 +63,23 @@ def register_backend(
     parameters: dict[str, str] | None = None,
     operators: tuple[str, ...] = FIRST_ORDER + SECOND_ORDER,
     notes: str = "",
+    resolve: Resolver | None = None,
+    engines: EnginesFactory | None = None,
 ) -> BackendPlugin:
     """Add a backend type: ``descriptor`` (a frozen dataclass with a class attribute
     ``type`` and ``to_json()``) and ``engine(descriptor, *, traced, nested)``.
 
     ``parameters`` documents the descriptor's JSON parameters (name -> meaning); by
     default they are its dataclass fields. A first-order backend asked for a second
-    order operator is used as ``SecondOrder(b, b)``.
+    order operator is used as ``SecondOrder(b, b)``. A backend that wraps others gives
+    ``resolve`` (its concrete form per operator family) and ``engines`` (its engines).
     """
     if parameters is None:
         parameters = {f.name: f.name for f in fields(descriptor)} if is_dataclass(descriptor) else {}
     register_backend_type(descriptor, tuple(parameters))
-    plugin = BackendPlugin(descriptor, engine, dict(parameters), tuple(operators), notes)
+    plugin = BackendPlugin(
+        descriptor, engine, dict(parameters), tuple(operators), notes, resolve, engines
+    )
     PLUGINS[descriptor.type] = plugin
     return plugin
 

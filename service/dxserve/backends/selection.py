@@ -34,6 +34,11 @@ def resolve_backend(
 ) -> Backend:
     """The concrete descriptor used for ``family`` (never ``Auto``)."""
     backend = backend_from_json(backend)
+    if family == "sparsity" and backend.type != "sparse":  # the pattern: any backend's
+        backend = backend_from_json({"type": "sparse", "dense": backend.to_json()})
+    plugin = PLUGINS.get(backend.type)
+    if plugin is not None and plugin.resolve is not None:
+        return plugin.resolve(backend, family, traced=traced, n=n, m=m)
     second = family in SECOND_ORDER_FAMILIES
     if isinstance(backend, Auto):
         if not traced:
@@ -80,6 +85,9 @@ def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engin
 
 def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
     """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``."""
+    plugin = PLUGINS.get(backend.type)
+    if plugin is not None and plugin.engines is not None:
+        return plugin.engines(backend, traced=traced)
     if isinstance(backend, SecondOrder):
         both_fd = isinstance(backend.outer, FiniteDifferences) and isinstance(
             backend.inner, FiniteDifferences

@@ -38,7 +38,7 @@ ARRAY_DOC = (
 
 class BackendObject(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra={"example": {"type": "jax-forward", "batch_size": 16}})
-    type: Literal["jax-forward", "jax-reverse", "finite-differences", "second-order", "auto"]
+    type: Literal["jax-forward", "jax-reverse", "finite-differences", "second-order", "auto", "sparse"]
 
 
 _SHAPED_LIKE = {"x": "x", "y": "f(x)"}
@@ -132,3 +132,9 @@ class PrepareResponse(BaseModel):
     function: str
     backend: dict[str, Any] = Field(description="The backend as requested")
     resolved: dict[str, Any] = Field(description="The concrete backend it runs with")
+    sparsity: dict[str, Any] | None = Field(
+        None,
+        description="Sparse backends only: what preparation found (`of`: jacobian or "
+        "hessian, `shape`, `nnz`, `colors`, `coloring`: column/row/star, `mode`, `source`: "
+        "detected/given, `seconds`)",
+    )

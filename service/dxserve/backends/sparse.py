@@ -1,0 +1,452 @@
+"""Sparse Jacobians and Hessians (``Sparse``, DI's ``AutoSparse``) with asdex.
+
+At preparation, ``SparseEngine.prepare`` finds the pattern once (asdex's jaxpr-based
+``jacobian_sparsity`` / ``hessian_sparsity``, or the pattern the descriptor carries)
+and colours it (asdex's greedy column/row colouring, star colouring for symmetric
+Hessians). The compiled operator then does one pass of the dense engine per colour
+(pushforwards for column colourings, pullbacks for row colourings, HVPs for Hessians)
+on the 0/1 seed matrix, and asdex's ``decompress_data`` gathers the nonzeros from the
+compressed products. Results are ``jax.experimental.sparse.BCOO`` matrices of the
+flattened map, ``(y.size, x.size)`` (``(x.size, x.size)`` for Hessians), entries sorted
+row-major; the compiled executable returns only their ``data`` and the constant
+indices are attached afterwards, so nothing but nnz values leaves the device.
+
+Detection is bounded in time (``configure_detection``, ``DXSERVE_SPARSE_DETECTION_SECONDS``):
+it runs in the preparing thread and a timer raises an exception in that thread when
+the bound passes (``_bounded``), answered as 422 ``sparsity-detection``.
+
+asdex is imported on first use: it pulls in numba, which a server that never sees a
+sparse backend need not load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.sparse import BCOO
+
+from dxclient import sparse as wire
+from dxclient.backends import (
+    Auto,
+    Backend,
+    JaxForward,
+    JaxReverse,
+    SecondOrder,
+    Sparse,
+)
+from dxclient.errors import (
+    InvalidBackendError,
+    ShapeMismatchError,
+    SparsityDetectionError,
+    UnsupportedOperatorError,
+)
+from dxclient.lru import LRU
+
+from .engine import Engine, Fn
+from .plugins import PLUGINS
+
+__all__ = [
+    "BCOO", "SparseEngine", "configure_detection", "register", "sparse_wire",
+]
+
+#: families the sparse engine computes; every other one runs on the dense backend
+SPARSE_FAMILIES = frozenset({"jacobian", "hessian", "sparsity"})
+
+_DETECTION_SECONDS = [60.0]
+
+
+def configure_detection(seconds: float) -> None:
+    """Bound sparsity detection and colouring to ``seconds`` per preparation (process-wide;
+    the server sets it from ``Settings.sparse_detection_seconds``)."""
+    _DETECTION_SECONDS[0] = float(seconds)
+
+
+_ASDEX: list[Any] = []
+
+
+def _asdex() -> Any:
+    """asdex, imported once (numba comes with it)."""
+    if not _ASDEX:
+        import asdex
+
+        _ASDEX.append(asdex)
+    return _ASDEX[0]
+
+
+# --- a time bound on detection ---------------------------------------------------
+class _DetectionTimeout(BaseException):
+    """Raised inside the detecting thread by the timer (a BaseException so no
+    ``except Exception`` in between swallows it)."""
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
+    """``fn()``, or ``SparsityDetectionError`` once it has run ``seconds``.
+
+    A Python thread cannot be killed, so the timer asks the interpreter to raise
+    ``_DetectionTimeout`` in this thread at its next bytecode: detection is Python
+    (asdex walks the jaxpr with index sets) and stops within milliseconds; a long
+    call into native code (numba's colouring) finishes first and is then refused.
+    """
+    target = threading.get_ident()
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _set_async_exc(target, _DetectionTimeout)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    result: Any = None
+    try:
+        try:
+            result = fn()
+        finally:
+            with lock:
+                state["done"] = True
+                if state["fired"]:
+                    _set_async_exc(target, None)  # clear it if it is still pending
+            timer.cancel()
+    except _DetectionTimeout:
+        state["fired"] = True
+    if state["fired"]:
+        raise SparsityDetectionError(
+            f"{what} took longer than {seconds:g} s; pass the pattern "
+            "(Sparse(dense, sparsity=...)), or raise DXSERVE_SPARSE_DETECTION_SECONDS",
+            field="backend",
+        )
+    return result
+
+
+# --- resolution and engines ----------------------------------------------------
+def _mode_of(dense: Backend) -> str:
+    """The direction a first-order ``dense`` engine computes natively."""
+    plugin = PLUGINS[dense.type]
+    assert plugin.engine is not None
+    return plugin.engine(dense, traced=True, nested=False).mode
+
+
+def resolve_sparse(backend: Sparse, family: str, *, traced: bool, n: int = 0, m: int = 0) -> Backend:
+    """``Sparse`` for ``family``: the dense backend's resolution for families it does not
+    serve; for Jacobians and Hessians its dense part resolved and its colouring named."""
+    from .selection import resolve_backend
+
+    if family not in SPARSE_FAMILIES:
+        return resolve_backend(backend.dense, family, traced=traced, n=n, m=m)
+    dense, coloring = backend.dense, backend.coloring
+    if family == "jacobian":
+        if isinstance(dense, SecondOrder):
+            raise UnsupportedOperatorError(
+                "a sparse Jacobian needs a first-order dense backend, not second-order",
+                field="backend.dense",
+            )
+        if isinstance(dense, Auto):
+            if coloring == "row":
+                dense = JaxReverse()
+            elif coloring in ("column", "star"):
+                dense = JaxForward()
+            # None: stays auto, and preparation takes the colouring with fewer colours
+        elif coloring is None and traced:
+            coloring = "row" if _mode_of(dense) == "reverse" else "column"
+    elif family == "hessian":
+        if coloring == "row":
+            raise InvalidBackendError(
+                "a Hessian is coloured by columns ('column') or symmetrically ('star')",
+                field="backend.coloring",
+            )
+        dense = resolve_backend(dense, "hessian", traced=traced, n=n, m=m)
+        coloring = coloring or "star"
+    return replace(backend, dense=dense, coloring=coloring)
+
+
+def sparse_engines(backend: Sparse, *, traced: bool) -> tuple[Engine, Engine | None]:
+    """``(SparseEngine, inner)``: for a Hessian the sparse engine drives the outer mode
+    and ``inner`` is the gradient's engine, as for ``SecondOrder``."""
+    from .selection import engine_for, engines_for
+
+    if not traced:
+        raise UnsupportedOperatorError(
+            "sparse needs a function JAX can trace (the pattern is read from its jaxpr); "
+            "use a dense backend for black-box functions",
+            field="backend",
+        )
+    dense = backend.dense
+    if isinstance(dense, SecondOrder):
+        outer, inner = engines_for(dense, traced=traced)
+        return SparseEngine(backend, outer), inner
+    if isinstance(dense, Auto):
+        return SparseEngine(backend, None), None  # the engine follows the colouring
+    return SparseEngine(backend, engine_for(dense, traced=traced)), None
+
+
+# --- the engine ---------------------------------------------------------------------
+class SparseEngine(Engine):
+    """One dense pass per colour, then decompression into a BCOO; see the module doc.
+
+    ``prepare`` must run first (preparation calls it): it sets ``coloring`` (asdex's
+    ``ColoredPattern``), ``indices`` ((nnz, 2) int32 on the device) and the report.
+    """
+
+    def __init__(self, backend: Sparse, dense: Engine | None) -> None:
+        self.backend = backend
+        self.dense = dense
+        self.kind = "jacobian"  # or "hessian": what the pattern is of
+        self.coloring: Any = None
+        self.pattern: Any = None  # asdex SparsityPattern
+        self.shape: tuple[int, int] = (0, 0)
+        self.indices: Any = None
+        self.y_shape: tuple[int, ...] = ()
+        self._report: dict[str, Any] = {}
+
+    # the primitives: the dense engine's (other operators never reach this engine)
+    def pushforward(self, g: Fn, x: Any, tx: Any) -> tuple[Any, Any]:
+        return self._dense().pushforward(g, x, tx)
+
+    def pullback(self, g: Fn, x: Any, ty: Any) -> tuple[Any, Any]:
+        return self._dense().pullback(g, x, ty)
+
+    def _dense(self) -> Engine:
+        if self.dense is None:
+            raise RuntimeError("SparseEngine.prepare has not run")
+        return self.dense
+
+    # --- preparation: the pattern and its colouring, once ----------------------
+    def prepare(self, family: str, f: Callable, inputs: Any) -> None:
+        asdex = _asdex()
+        x, contexts, y = inputs.x, inputs.contexts, inputs.y
+        n, m = int(np.size(x)), int(np.prod(np.shape(y), dtype=np.int64))
+        self.y_shape = tuple(np.shape(y))
+        if family == "sparsity":
+            self.kind = "hessian" if np.shape(y) == () else "jacobian"
+        else:
+            self.kind = family
+        shape = (n, n) if self.kind == "hessian" else (m, n)
+        started = time.perf_counter()
+        given = self.backend.sparsity
+        if given is not None:
+            if tuple(given.shape) != shape:
+                raise ShapeMismatchError(
+                    f"the given sparsity pattern is {list(given.shape)}, but this "
+                    f"{self.kind} is {list(shape)} (flattened: y.size by x.size)",
+                    field="backend.sparsity",
+                )
+            rows, cols = given.rows, given.cols
+            if self.kind == "hessian":  # a Hessian is symmetric: so is its pattern
+                keys = np.unique(np.concatenate([rows * n + cols, cols * n + rows]))
+                rows, cols = keys // max(n, 1), keys % max(n, 1)
+            pattern = asdex.SparsityPattern.from_coo(rows, cols, shape)
+        else:
+            detect = asdex.hessian_sparsity if self.kind == "hessian" else asdex.jacobian_sparsity
+            pattern = _bounded(
+                lambda: _detect(detect, f, x, contexts), _DETECTION_SECONDS[0],
+                "sparsity detection",
+            )
+        detected = time.perf_counter()
+        self.pattern, self.shape = pattern, shape
+        report: dict[str, Any] = {
+            "of": self.kind, "shape": list(shape), "nnz": int(pattern.nnz),
+            "source": "given" if given is not None else "detected",
+        }
+        if family != "sparsity":
+            remaining = max(_DETECTION_SECONDS[0] - (detected - started), 0.001)
+            with warnings.catch_warnings():  # asdex warns when colours == columns: reported
+                warnings.simplefilter("ignore", asdex.DenseColoringWarning)
+                self.coloring = _bounded(lambda: self._color(pattern), remaining, "colouring")
+            self._choose_dense()
+            report.update(
+                colors=int(self.coloring.num_colors), coloring=self._coloring_name(),
+                mode=self._mode_name(),
+            )
+        report["seconds"] = round(time.perf_counter() - started, 6)
+        self._report = {"sparsity": report}
+        with jax.ensure_compile_time_eval():
+            rows = np.asarray(pattern.rows, dtype=np.int32)
+            cols = np.asarray(pattern.cols, dtype=np.int32)
+            self.indices = jnp.asarray(np.stack([rows, cols], axis=1).reshape(-1, 2))
+        _remember_wire(
+            self.indices, self.backend.format, shape, rows, cols, values=family != "sparsity"
+        )
+
+    def _color(self, pattern: Any) -> Any:
+        asdex = _asdex()
+        coloring = self.backend.coloring
+        if self.kind == "hessian":
+            return asdex.hessian_coloring_from_sparsity(pattern, symmetric=coloring != "column")
+        if coloring == "star":
+            if pattern.m != pattern.n:
+                raise InvalidBackendError(
+                    f"star colouring needs a square Jacobian, this one is {list(pattern.shape)}",
+                    field="backend.coloring",
+                )
+            return asdex.jacobian_coloring_from_sparsity(pattern, symmetric=True, mode="fwd")
+        mode = {"column": "fwd", "row": "rev", None: None}[coloring]
+        return asdex.jacobian_coloring_from_sparsity(pattern, mode=mode)
+
+    def _choose_dense(self) -> None:
+        """With ``dense="auto"``, the engine follows the colouring asdex picked."""
+        if self.dense is None:
+            from .selection import engine_for
+
+            chosen = JaxReverse() if self.coloring.mode == "rev" else JaxForward()
+            self.dense = engine_for(chosen, traced=True)
+
+    def _coloring_name(self) -> str:
+        if self.coloring.symmetric:
+            return "star"
+        return "row" if self.coloring.mode == "rev" else "column"
+
+    def _mode_name(self) -> str:
+        if self.kind == "hessian":
+            dense = self.backend.dense
+            if isinstance(dense, SecondOrder):
+                return f"{_direction(dense.outer)}-over-{_direction(dense.inner)}"
+            return "hvp"
+        return "reverse" if self.coloring.mode == "rev" else "forward"
+
+    def result_elements(self, family: str, n: int, m: int, k: int) -> int | None:
+        nnz = int(self.pattern.nnz) if self.pattern is not None else None
+        if nnz is None:
+            return None
+        return {"jacobian": nnz + m, "hessian": nnz + n + 1}.get(family, nnz)
+
+    def report(self) -> dict[str, Any]:
+        return self._report
+
+    # --- the compiled maths ----------------------------------------------------------
+    def jacobian(self, g: Fn, x: Any) -> tuple[Any, Any]:
+        """``(g(x), J)``: ``J`` a BCOO of shape (y.size, x.size) with the pattern's entries
+        (for the Hessian family ``g`` is the gradient and ``J`` the Hessian)."""
+        c = self.coloring
+        dense = self._dense()
+        k = int(c.num_colors)
+        if k == 0:
+            y = g(x)
+            data = jnp.zeros((0,), dtype=x.dtype)
+            return y, self._bcoo(data)
+        seeds = jnp.asarray(c.colors == np.arange(k)[:, None], dtype=x.dtype)  # (k, dim)
+        if c.mode == "rev":  # one pullback per colour of rows
+            y_shape = tuple(jax.eval_shape(g, x).shape)
+            y, out = dense.pullback(g, x, jnp.reshape(seeds, (k, *y_shape)))
+        elif self.kind == "hessian":  # one HVP per colour (H symmetric: either direction)
+            y, out = dense.symmetric_products(g, x, jnp.reshape(seeds, (k, *np.shape(x))))
+        else:  # one pushforward per colour of columns
+            y, out = dense.pushforward(g, x, jnp.reshape(seeds, (k, *np.shape(x))))
+        compressed = jnp.reshape(out, (k, -1))
+        data = _asdex().decompress_data(compressed, c)
+        return y, self._bcoo(data)
+
+    def _bcoo(self, data: Any) -> BCOO:
+        return BCOO(
+            (data, self.indices), shape=self.shape, indices_sorted=True, unique_indices=True
+        )
+
+    def pattern_bcoo(self) -> BCOO:
+        """The pattern alone: a BCOO of int8 ones (int8, not bool, so ``todense`` works)."""
+        return self._bcoo(jnp.ones((int(self.pattern.nnz),), dtype=jnp.int8))
+
+    def compile(self, fn: Callable, args: tuple, key: Any = None) -> Callable:
+        """Compile ``fn`` so the executable returns the BCOO results' data only (the
+        indices are constants, attached again here without a device copy)."""
+        is_sparse = lambda v: isinstance(v, BCOO)  # noqa: E731
+        spec = jax.eval_shape(fn, *args)
+        leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_sparse)
+        sparse_at = tuple(i for i, leaf in enumerate(leaves) if is_sparse(leaf))
+
+        def data_only(*a: Any) -> list:
+            out = jax.tree_util.tree_flatten(fn(*a), is_leaf=is_sparse)[0]
+            return [leaf.data if is_sparse(leaf) else leaf for leaf in out]
+
+        exe = self._dense().compile(data_only, args, key) if self.dense else jax.jit(data_only)
+
+        def run(*a: Any) -> Any:
+            out = list(exe(*a))
+            for i in sparse_at:
+                out[i] = self._bcoo(out[i])
+            return jax.tree_util.tree_unflatten(treedef, out)
+
+        return run
+
+
+def _direction(b: Backend) -> str:
+    return {"jax-forward": "forward", "jax-reverse": "reverse"}.get(b.type, b.type)
+
+
+def _detect(detect: Callable, f: Callable, x: Any, contexts: tuple) -> Any:
+    """asdex's detection with contexts as (undifferentiated) arguments: the pattern then
+    holds for every value of them, as a prep (made per shapes, not values) needs."""
+    try:
+        return detect(f, x, *contexts, argnums=0)
+    except NotImplementedError as exc:  # a primitive asdex has no rule for
+        raise SparsityDetectionError(
+            f"asdex cannot detect this pattern ({str(exc).splitlines()[0][:200]}); "
+            "pass it as Sparse(dense, sparsity=...)",
+            field="backend",
+        ) from exc
+
+
+# --- results on the wire ---------------------------------------------------------------
+#: indices array id -> (the array, wire form without data, values?): what each prep's
+#: results carry (a pattern's wire form has no data)
+_WIRE: LRU[int, tuple[Any, dict[str, Any], bool]] = LRU(256)
+
+
+def _remember_wire(
+    indices: Any, fmt: str, shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
+    *, values: bool = True,
+) -> None:
+    _WIRE.put(id(indices), (indices, wire.wire_object(fmt, shape, rows, cols), values))
+
+
+def sparse_wire(matrix: BCOO) -> dict[str, Any]:
+    """A BCOO result -> its wire object (``dxclient.sparse``) with numpy arrays; the index
+    arrays made at preparation are reused, only ``data`` is new."""
+    known = _WIRE.get(id(matrix.indices))
+    if known is not None and known[0] is matrix.indices:
+        return {**known[1], "data": np.asarray(matrix.data)} if known[2] else known[1]
+    data = np.asarray(matrix.data)
+    # another BCOO (a batched call's row): sort its entries row-major
+    idx = np.asarray(matrix.indices).reshape(-1, 2).astype(np.int64)
+    order = np.lexsort((idx[:, 1], idx[:, 0]))
+    shape = (int(matrix.shape[0]), int(matrix.shape[1]))
+    return wire.wire_object("csr", shape, idx[order, 0], idx[order, 1], data[order])
+
+
+def register() -> None:
+    """Register ``Sparse`` with ``register_backend`` (called by ``dxserve.backends``)."""
+    from .plugins import register_backend
+
+    register_backend(
+        Sparse,
+        None,
+        parameters={
+            "dense": "the backend doing the passes (default auto)",
+            "sparsity": "null (detected at preparation) or a pattern {format: coo|csr, shape, "
+            "indices | indptr + indices}",
+            "coloring": "null, 'column', 'row' or 'star' (symmetric)",
+            "format": "results on the wire: 'csr' (default) or 'coo'",
+        },
+        operators=("jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian",
+                   "sparsity"),
+        notes="one pass per colour of the detected pattern (asdex); other operators run "
+        "on the dense backend",
+        resolve=resolve_sparse,
+        engines=sparse_engines,
+    )
