@@ -317,6 +317,16 @@ class _Loaded:
         self._fresh = None
         return out
 
+    # XLA's analyses of the loaded executable (budget.estimate reads them at preparation).
+    def memory_analysis(self) -> Any:
+        return self._executable.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        return self._executable.cost_analysis()
+
+    def as_text(self) -> Any:
+        return self._executable.as_text()
+
 
 def _path(key: Key, suffix: str = SUFFIX) -> Path:
     assert _state.directory is not None

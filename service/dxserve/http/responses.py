@@ -16,13 +16,16 @@ The parts are bytes-like objects rather than the ``bytes`` the ASGI spec names; 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from starlette.responses import Response
 
 
 class PartsResponse(Response):
+    #: called once the body has been sent (or sending failed): releases what it held
+    on_sent: Callable[[], None] | None = None
+
     def __init__(
         self,
         parts: Iterable[Any],
@@ -38,6 +41,17 @@ class PartsResponse(Response):
         )
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self._send(scope, send)
+        finally:
+            self.parts = []
+            if self.on_sent is not None:
+                self.on_sent()
+                self.on_sent = None
+        if self.background is not None:
+            await self.background()
+
+    async def _send(self, scope: Any, send: Any) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
@@ -47,8 +61,6 @@ class PartsResponse(Response):
             last = len(self.parts) - 1
             for i, part in enumerate(self.parts):
                 await send({"type": "http.response.body", "body": part, "more_body": i < last})
-        if self.background is not None:
-            await self.background()
 
 
 def _byte_view(part: Any) -> memoryview:

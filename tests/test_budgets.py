@@ -1,0 +1,238 @@
+"""Budgets: per-request bounds known at preparation, and memory bounded in total.
+
+* An expression whose intermediates grow as n⁴ is refused (422 ``budget-exceeded``,
+  naming the limit) when it is compiled, before it runs, while a small gradient on the
+  same server keeps answering in well under a second.
+* XLA's estimate is read from fresh and from persisted executables, and loops count
+  their trip count.
+* A server with a small in-flight budget, driven by concurrent large JSON bodies and
+  dense Hessians, answers the excess 503 + Retry-After, and its peak RSS stays within
+  a bound (``MEMORY_SLACK`` over its baseline plus the budget), returning near its
+  baseline afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dxclient.errors import BudgetExceededError, OverloadedError
+from dxserve import executable_cache, preparation
+from dxserve.budget import ComputeLimits, InFlight, Ticket, estimate
+
+#: n⁴ intermediates that XLA cannot simplify away (a plain sum of the outer products
+#: fuses into one loop with no intermediate, so it is cheap and allowed).
+#: The operators each n⁴ at n = 160 or 200 is refused for (the value of ``quartic_sq``
+#: fuses into one loop too, so it is cheap and allowed).
+QUARTICS = {
+    "quartic_sin": (
+        "jnp.sum(jnp.sin(jnp.outer(jnp.outer(x, x), jnp.outer(x, x))))",
+        ("value", "gradient", "hessian"),
+    ),
+    "quartic_sq": (
+        "jnp.sum(jnp.outer(jnp.outer(x, x), jnp.outer(x, x)) ** 2)", ("gradient", "hessian")
+    ),
+}
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of a process, in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+# --- per request: refused at preparation -----------------------------------------
+def test_quartic_refused_before_running_while_small_gradient_answers(make_server) -> None:
+    srv = make_server()  # the defaults
+    for name, (expression, _) in QUARTICS.items():
+        r = httpx.post(
+            srv.url + "/functions",
+            json={"name": name, "expression": expression, "args": ["x"]}, timeout=30,
+        )
+        assert r.status_code in (200, 201), r.text
+    small = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/gradient", json=small).json() == {"gradient": [-400.0, 1002.0, -200.0]}
+    before = _rss(srv.proc.pid)
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = c.post("/gradient", json=small)
+                latencies.append(time.perf_counter() - t)
+                assert r.status_code == 200
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for name, (_, ops) in QUARTICS.items():
+                for op in ops:
+                    for n in (160, 200):
+                        t = time.perf_counter()
+                        r = c.post(f"/{op}", json={"function": name, "x": [0.5] * n})
+                        took = time.perf_counter() - t
+                        assert r.status_code == 422, (name, op, n, r.text)
+                        problem = r.json()
+                        assert problem["type"].endswith(":budget-exceeded")
+                        assert problem["limit"] in (
+                            "max_request_memory_bytes", "max_request_flops", "request_timeout"
+                        )
+                        assert "DXSERVE_" in problem["detail"] and problem["estimate"] > 0
+                        assert took < 10, (name, op, n, took)  # compiled, never run (~25 s+)
+    finally:
+        stop.set()
+        poller.join()
+    assert len(latencies) >= 10
+    assert max(latencies) < 1.0, max(latencies)
+    # never ran: no multi-gigabyte intermediate was ever allocated
+    assert _rss(srv.proc.pid)["VmHWM"] - before["VmHWM"] < 512 * 2**20
+
+
+def test_limits_apply_only_when_given() -> None:
+    def f(x):
+        return jnp.sum(jnp.sin(jnp.outer(jnp.outer(x, x), jnp.outer(x, x))))
+
+    x = np.full(16, 0.5)
+    prep = preparation.prepare("gradient", f, "jax-reverse", x, None, ())  # library: unbounded
+    assert prep.limits is None
+    with pytest.raises(BudgetExceededError) as caught:
+        preparation.prepare(
+            "gradient", f, "jax-reverse", x, None, (), limits=ComputeLimits(max_memory_bytes=10_000)
+        )
+    assert caught.value.extra["limit"] == "max_request_memory_bytes"
+    with pytest.raises(BudgetExceededError) as caught:
+        preparation.prepare(
+            "gradient", f, "jax-reverse", x, None, (), limits=ComputeLimits(max_flops=1000)
+        )
+    assert caught.value.extra["limit"] == "max_request_flops"
+    with pytest.raises(BudgetExceededError) as caught:  # cannot finish within the timeout
+        preparation.prepare(
+            "gradient", f, "jax-reverse", x, None, (),
+            limits=ComputeLimits(max_seconds=1.0, flops_per_second=1e3, bytes_per_second=1e3),
+        )
+    assert caught.value.extra["limit"] == "request_timeout"
+    within = ComputeLimits(max_memory_bytes=1 << 30, max_flops=1e9, max_seconds=10)
+    prep = preparation.prepare("gradient", f, "jax-reverse", x, None, (), limits=within)
+    assert np.isfinite(prep.run("gradient", x, None, ())[0]).all()
+
+
+def test_estimate_counts_loops_and_reads_persisted_executables(tmp_path: Path) -> None:
+    a = np.ones((64, 64))
+    once = estimate(jax.jit(lambda a: a @ a).lower(a).compile())
+    looped = estimate(
+        jax.jit(lambda a: jax.lax.fori_loop(0, 50, lambda i, b: b @ a / 64, a)).lower(a).compile()
+    )
+    assert once is not None and looped is not None
+    assert looped.loop_trips == 50 and looped.flops >= 50 * once.flops
+    # an executable loaded from the persistent executable cache has the same analysis
+    executable_cache.configure(tmp_path / "executables")
+    try:
+        key = executable_cache.Key("test-budget", "0" * 64, jax.devices()[0])
+
+        def twice(a):
+            return a @ a
+
+        compiled = executable_cache.compile_or_load(key, twice, a)
+        loaded = executable_cache.compile_or_load(key, twice, a)
+        assert isinstance(loaded, executable_cache._Loaded)
+        assert estimate(loaded) == estimate(compiled)
+    finally:
+        executable_cache.configure(None)
+
+
+def test_in_flight_budget_admits_within_limit_and_one_oversized() -> None:
+    budget = InFlight(limit=100, large_result_bytes=10, max_large_results=1)
+    a, b = Ticket(budget), Ticket(budget)
+    a.hold(80)
+    with pytest.raises(OverloadedError) as caught:
+        b.hold(30)
+    assert caught.value.extra["retry_after"] >= 1
+    a.hold(10)  # shrinks
+    b.hold(30)
+    a.release()
+    b.release()
+    assert budget.used == 0
+    a.hold(500)  # alone, an oversized request still runs
+    a.release()
+    budget.take_large(20)
+    with pytest.raises(OverloadedError):
+        budget.take_large(20)
+    budget.give_large()
+    budget.take_large(20)
+    budget.give_large()
+
+
+# --- in total: bytes in flight and large results ---------------------------------
+#: What the server may hold over its baseline beyond the configured in-flight budget:
+#: one large result being computed (a dense Hessian here: ~18 MB) and its JSON text,
+#: the allocator's slack, and XLA's buffers for the running job.
+MEMORY_SLACK = 384 * 2**20
+BUDGET = 256 * 2**20
+
+
+def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) -> None:
+    srv = make_server(env={
+        "DXSERVE_MAX_INFLIGHT_BYTES": str(BUDGET),
+        "DXSERVE_MAX_JSON_BODY_BYTES": str(16 * 2**20),
+        "DXSERVE_LARGE_RESULT_BYTES": str(8 * 2**20),
+        "DXSERVE_MAX_LARGE_RESULTS": "1",
+    })
+    n_body = 600_000  # ~11 MB of JSON, ~180 MB to decode at 16x: one at a time fits
+    x = np.linspace(0.1, 1.1, n_body)
+    big_json = httpx.Request(
+        "POST", "/", json={"function": "rosenbrock", "backend": "jax-reverse", "x": x.tolist()}
+    ).read()
+    assert 8 * 2**20 < len(big_json) < 16 * 2**20
+    hess = {"function": "rosenbrock", "x": np.linspace(0.1, 1.1, 1500).tolist()}  # 18 MB result
+
+    def gradient(c: httpx.Client) -> httpx.Response:
+        return c.post("/gradient", content=big_json, headers={"content-type": "application/json"})
+
+    def hessian(c: httpx.Client) -> httpx.Response:
+        return c.post("/hessian", json=hess)
+
+    with httpx.Client(base_url=srv.url, timeout=120) as c:  # compile both first
+        assert gradient(c).status_code == 200
+        assert hessian(c).status_code == 200
+    time.sleep(0.5)
+    baseline = _rss(srv.proc.pid)["VmRSS"]
+    statuses: list[tuple[str, int, str | None]] = []
+
+    def one(kind: str) -> None:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = (gradient if kind == "gradient" else hessian)(c)
+            statuses.append((kind, r.status_code, r.headers.get("retry-after")))
+
+    for _ in range(2):
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(one, ["gradient"] * 8 + ["hessian"] * 4))
+    peak = _rss(srv.proc.pid)["VmHWM"]
+    print(f"peak {(peak - baseline) / 2**20:.0f} MiB over baseline {baseline / 2**20:.0f} MiB; "
+          f"{len(refused := [s for s in statuses if s[1] == 503])} of {len(statuses)} refused")
+    assert {s for _, s, _ in statuses} <= {200, 503}, statuses
+    assert refused and all(r[2] is not None for r in refused), statuses
+    for kind in ("gradient", "hessian"):
+        assert any(k == kind and s == 200 for k, s, _ in statuses), statuses
+    assert peak - baseline < BUDGET + MEMORY_SLACK, (peak - baseline) / 2**20
+    with httpx.Client(base_url=srv.url, timeout=30) as c:  # and it still answers
+        assert c.get("/health").status_code == 200
+    time.sleep(1.0)
+    after = _rss(srv.proc.pid)["VmRSS"]
+    assert after - baseline < 256 * 2**20, (after - baseline) / 2**20
