@@ -38,6 +38,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .encodings.common import loads_checked
 from .platforms import export_platform
 
 MAGIC = b"DXEXPORT"
@@ -93,9 +94,9 @@ def split_bundle(bundle: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
     start = len(MAGIC) + 4
     if n > MAX_MANIFEST_BYTES or start + n > len(bundle):
         raise ValueError(f"manifest length {n} is out of range")
-    try:
-        manifest = json.loads(bundle[start : start + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    try:  # finite numbers only, bounded nesting: the manifest is walked recursively
+        manifest = loads_checked(bundle[start : start + n])
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError(f"manifest is not JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise ValueError(f"manifest does not name the format {FORMAT_NAME!r}")

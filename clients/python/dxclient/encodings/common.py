@@ -27,6 +27,13 @@ MARKER = "__ndarray__"
 MAX_DEPTH = 32
 #: most array elements one ``orjson`` call writes in ``dumps_parts`` (~1 ms of work)
 JSON_CHUNK = 1 << 14
+#: largest dimension, and largest product of the nonzero dimensions, of one decoded array.
+#: A zero-size array holds no data whatever its other dimensions, so its shape is bounded
+#: here, before numpy (whose sizes are int64) or XLA ever sees it.
+MAX_ELEMENTS = 1 << 31
+#: deepest nesting, and largest number, accepted in JSON that is not array data
+#: (``loads_checked``: export manifests)
+MAX_MANIFEST_DEPTH = 64
 
 ALLOWED_DTYPES = (
     "float16", "float32", "float64",
@@ -131,6 +138,51 @@ def loads(data: bytes | bytearray | memoryview | str, field: str | None = None) 
         raise MalformedRequestError(f"invalid JSON: {exc}", field=field) from None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def loads_checked(data: bytes | str, max_depth: int = MAX_MANIFEST_DEPTH) -> Any:
+    """Parse JSON that holds no array data (an export manifest): only finite numbers,
+    objects and arrays nested at most ``max_depth`` deep. Raises ``ValueError``.
+
+    Checked before anything walks the result recursively: ``NaN``, ``Infinity`` and
+    overflowing literals (``1e999``) would become floats that ``int()`` cannot take,
+    and deep nesting would exhaust the Python stack.
+    """
+    try:
+        if orjson is not None:  # refuses NaN, Infinity and 1e999; its own depth limit
+            value = orjson.loads(data)
+        else:
+            text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+            value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except (TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    # breadth-first, no recursion: the depth of the deepest object or array
+    level, frontier = 0, [value]
+    while frontier:
+        frontier = [
+            v
+            for item in frontier
+            if isinstance(item, dict | list)
+            for v in (item.values() if isinstance(item, dict) else item)
+            if isinstance(v, dict | list)
+        ]
+        level += 1
+        if frontier and level >= max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    return value
+
+
 def json_kind(value: Any) -> str:
     """How an error message names a JSON value's type ("an array", "null", ...)."""
     if value is None:
@@ -175,12 +227,27 @@ def shape_of(shape: Any, field: str, max_depth: int) -> tuple[int, ...]:
         raise MalformedRequestError(
             f"typed array: shape has {len(shape)} dims, more than {max_depth}", field=field
         )
+    nonzero = 1
     for d in shape:
         if type(d) is not int or d < 0:
             raise MalformedRequestError(
                 f"typed array: shape entries must be non-negative ints, got {d!r}", field=field
             )
+        if d:
+            nonzero *= d
+            if nonzero > MAX_ELEMENTS:  # checked per step: products of huge dims stay small
+                raise MalformedRequestError(
+                    f"typed array: shape {_short_shape(shape)} has dimensions whose product "
+                    f"exceeds {MAX_ELEMENTS} elements (zero-size arrays included)",
+                    field=field,
+                )
     return tuple(shape)
+
+
+def _short_shape(shape: list) -> str:
+    """A shape for an error message, at most ~200 characters."""
+    text = str(shape)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def typed_header(obj: dict, field: str, max_depth: int) -> tuple[np.dtype, tuple[int, ...]]:
