@@ -37,6 +37,7 @@ import ast
 import keyword
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -776,6 +777,14 @@ def _syntax_error(source: str, exc: SyntaxError) -> InvalidExpressionError:
     )
 
 
+#: CPython 3.11's ``ast.parse`` is not thread-safe: the C-to-Python AST conversion keeps
+#: its recursion depth in interpreter-wide state, so two threads parsing at once can fail
+#: with ``SystemError: AST constructor recursion depth mismatch``. Registrations run on a
+#: thread pool, so every parse here takes this lock (a parse of the longest allowed
+#: expression takes well under a millisecond).
+_PARSE_LOCK = threading.Lock()
+
+
 def _compile(source: Any, args: tuple[str, ...]) -> _Closure:
     if not isinstance(source, str):
         raise InvalidExpressionError("expression must be a string", field="expression")
@@ -787,7 +796,8 @@ def _compile(source: Any, args: tuple[str, ...]) -> _Closure:
             limit=MAX_EXPRESSION_CHARS,
         )
     try:
-        tree = ast.parse(source, mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(source, mode="eval")
     except SyntaxError as exc:
         raise _syntax_error(source, exc) from None
     except (ValueError, RecursionError, MemoryError) as exc:
