@@ -59,6 +59,8 @@ __all__ = [
     "ALLOWED_CUSTOM_CALL_TARGETS",
     "DEFAULT_MAX_BUNDLE_BYTES",
     "LoadedExport",
+    "example_args",
+    "exercise",
     "load_exported",
     "server_platform",
 ]
@@ -485,6 +487,8 @@ class LoadedExport:
     platforms: tuple[str, ...]
     custom_call_targets: frozenset[str] = frozenset()
     nbytes: int = 0
+    artifacts: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The deserialized exports (``_Artifacts``): their avals give example shapes."""
 
 
 def _bad(detail: str) -> InvalidExportError:
@@ -675,4 +679,82 @@ def load_exported(
         platforms=platforms,
         custom_call_targets=frozenset(targets),
         nbytes=len(bundle),
+        artifacts=h,
     )
+
+
+# ----------------------------------------------------------------------------
+# exercising a loaded export (the export gate runs this in a child process)
+# ----------------------------------------------------------------------------
+_EXAMPLE_SIZES = (3, 2, 4, 8, 16, 1)
+
+
+def example_args(loaded: LoadedExport) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(x, contexts)`` of the export's declared shapes, filled with 0.5 (or 0 for integers).
+
+    A symbolic dimension takes the first size in ``_EXAMPLE_SIZES`` (every symbol alike)
+    that satisfies the export's constraints; None when none does.
+    """
+    h = loaded.artifacts
+    avals = h.primal.in_avals
+    for n in _EXAMPLE_SIZES:
+        env = {
+            str(v): n
+            for a in avals
+            for d in a.shape
+            if jex.is_symbolic_dim(d)
+            for v in d._get_vars()
+        }
+        shapes = [tuple(_eval_dim(d, env) for d in a.shape) for a in avals]
+        if any(s is None or s < 0 for shape in shapes for s in shape):
+            continue
+        leaves = [
+            np.full(s, 0.5 if np.issubdtype(a.dtype, np.inexact) else 0, dtype=a.dtype)
+            for s, a in zip(shapes, avals, strict=True)
+        ]
+        (x, *contexts), _ = jax.tree_util.tree_unflatten(h.primal.in_tree, leaves)
+        try:
+            jax.eval_shape(loaded.fn, x, *contexts)
+        except ShapeMismatchError:
+            continue
+        return x, tuple(contexts)
+    return None
+
+
+def exercise(loaded: LoadedExport) -> list[str]:
+    """Compile and run, once, what the server will: value, JVP, VJP, both second-order maps.
+
+    Uses ``example_args``; returns the names of the maps run (empty when no example
+    shape satisfies the constraints). Raises whatever compiling or running raises.
+    """
+    found = example_args(loaded)
+    if found is None:
+        return []
+    x, contexts = found
+    fn = loaded.fn
+
+    def f(z, *c):
+        return fn(z, *c)
+
+    y = jax.eval_shape(f, x, *contexts)
+    w = jax.tree_util.tree_map(lambda s: np.ones(s.shape, s.dtype), y)
+
+    def jvp(z, t, *c):
+        return jax.jvp(lambda u: f(u, *c), (z,), (t,))[1]
+
+    def vjp(z, ct, *c):
+        return jax.vjp(lambda u: f(u, *c), z)[1](ct)[0]
+
+    maps = {
+        "primal": (f, (x, *contexts)),
+        "jvp": (jvp, (x, x, *contexts)),
+        "vjp": (vjp, (x, w, *contexts)),
+        # forward over forward reaches jvp_jvp; forward over reverse, jvp_vjp
+        "jvp_jvp": (lambda z, t, *c: jax.jvp(lambda u: jvp(u, t, *c), (z,), (t,))[1],
+                    (x, x, *contexts)),
+        "jvp_vjp": (lambda z, t, ct, *c: jax.jvp(lambda u: vjp(u, ct, *c), (z,), (t,))[1],
+                    (x, x, w, *contexts)),
+    }  # fmt: skip
+    for run, args in maps.values():
+        jax.block_until_ready(jax.jit(run)(*args))
+    return list(maps)

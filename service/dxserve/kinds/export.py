@@ -1,7 +1,9 @@
 """The ``export`` kind: an uploaded JAX export bundle (``dxserve.exported``).
 
 Body field: ``export``, the base64 of a ``dxclient.export.export_function`` bundle.
-Content: the bundle bytes.
+Content: the bundle bytes. Nothing is deserialized in the server process before
+the bundle passed the export gate (``dxserve.export_gate``): ``admit`` and
+``stamp`` bind the gate's pass to the content's sha256 in the store's metadata.
 """
 
 from __future__ import annotations
@@ -33,12 +35,28 @@ class ExportKind(BaseKind):
         except (binascii.Error, ValueError):
             raise MalformedRequestError("export must be base64", field="export") from None
 
+    def admit(self, content: bytes, metadata: Mapping[str, Any] | None) -> None:
+        """Before ``build``: trust a stored record's gate stamp, or gate the content now."""
+        from .. import export_gate
+
+        export_gate.admit(content, metadata)
+
+    def stamp(self, content: bytes) -> dict[str, Any]:
+        """Metadata to store with content that passed the gate (its sha256 and versions)."""
+        from .. import export_gate
+
+        return export_gate.stamp(content)
+
     def build(self, content: bytes) -> Built:
         # The bundle itself is checked here (InvalidExportError, field "export"):
-        # loading it is the check, and validate would only do it twice.
+        # loading it is the check, and validate would only do it twice. The native
+        # reader runs in process only on content that passed the gate.
         import jax
 
+        from .. import export_gate
         from ..exported import load_exported
+
+        export_gate.require(content)
 
         # dxserve computes float64 in 64-bit mode, which need not be on globally: a
         # float64 export is checked and loaded in that mode, as it will run.
