@@ -403,3 +403,23 @@ def test_concurrent_puts(store: DirectoryStore) -> None:
         for j in range(10):
             assert store.get(f"t{t}_f{j}").content == f"c-{t % 4}-{j}".encode()
     store.close()
+
+
+# --- lazy content ---------------------------------------------------------------
+def test_open_reads_no_content_and_get_checks_the_hash(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with DirectoryStore(root) as s:
+        s.put("f", "export", b"payload", {"description": "d", "signature": {"x": 1}})
+        s.put("g", "export", b"other payload", {})
+    with DirectoryStore(root) as s:
+        (rec,) = [r for r in s.records() if r.name == "f"]
+        assert not hasattr(rec, "content") and rec.size == len(b"payload")
+        assert rec.metadata == {"description": "d", "signature": {"x": 1}}
+        assert s.used_bytes == len(b"payload") + len(b"other payload")
+        # corrupted after open: found when read, dropped from the index, healed by a put
+        (root / "objects" / hexof(b"other payload")).write_bytes(b"rot")
+        assert s.get("g") is None
+        assert s.record("g") is None and len(s) == 1
+        assert s.used_bytes == len(b"payload")
+        _, new = s.put("g", "export", b"other payload", {})
+        assert new and s.get("g").content == b"other payload"

@@ -27,16 +27,29 @@ process (or another open store in this process) holds it.  The lock is
 released by :meth:`DirectoryStore.close` or when the process dies.  Within the
 process every method is guarded by a lock and may be called from any thread.
 
-Everything is loaded into memory when the store is opened (each object's hash
-is verified then); ``get``/``list`` are served from memory.  Unreadable name
-records and records whose object is missing or corrupt are skipped with a
-logged warning, never an exception.
+Only the name records are read when the store is opened (and each object's
+size taken with ``stat``), so opening costs memory in proportion to the number
+of names, never to the stored bytes: ``records``/``record`` are served from
+memory, while ``get`` reads an object from disk and checks its hash then.
+Unreadable name records and records whose object is missing are skipped at
+open, and a record whose object fails its hash check when read is dropped from
+the index, each with a logged warning, never an exception.
+
+Quota: with ``quota_bytes`` set, the distinct objects the names refer to (an
+object shared by several names counts once) never total more than it.  A put
+that would pass it raises ``StorageFullError`` (HTTP 507), or
+``PayloadTooLargeError`` (413) when its content alone is larger than the quota;
+the check and the write happen under the store's lock, so concurrent puts
+cannot overshoot together.  Replacing a function frees its old object's bytes
+unless another name still refers to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -49,7 +62,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from dxclient.errors import FunctionConflictError, InvalidArgumentError
+from dxclient.errors import (
+    FunctionConflictError,
+    InvalidArgumentError,
+    PayloadTooLargeError,
+    StorageFullError,
+)
 
 from .kinds import stored_names
 
@@ -66,6 +84,7 @@ __all__ = [
     "FunctionStore",
     "StoreLockedError",
     "StoredFunction",
+    "StoredRecord",
     "content_digest",
     "validate_name",
 ]
@@ -97,6 +116,21 @@ class StoredFunction:
     created: str
 
 
+@dataclass(frozen=True)
+class StoredRecord:
+    """A name record without its content: what the store keeps in memory.
+
+    ``size`` is the byte length of the content (of its object on disk).
+    """
+
+    name: str
+    kind: str
+    digest: str
+    size: int
+    metadata: dict[str, Any]
+    created: str
+
+
 @runtime_checkable
 class FunctionStore(Protocol):
     """What the server needs from a registry backend."""
@@ -112,6 +146,10 @@ class FunctionStore(Protocol):
     ) -> tuple[StoredFunction, bool]: ...
 
     def get(self, name: str) -> StoredFunction | None: ...
+
+    def record(self, name: str) -> StoredRecord | None: ...
+
+    def records(self) -> list[StoredRecord]: ...
 
     def delete(self, name: str) -> bool: ...
 
@@ -161,18 +199,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _disk_full(exc: OSError) -> StorageFullError | None:
+    """A full disk or quota (``ENOSPC``, ``EDQUOT``) as a 507; None for other errors."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return StorageFullError(
+        f"the server's disk has no space left for the function store ({exc.strerror}); "
+        "nothing was stored: retry once the operator has freed space"
+    )
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
+    except OSError as exc:
+        raise _disk_full(exc) or exc from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        full = _disk_full(exc) if isinstance(exc, OSError) else None
+        if full is not None:
+            raise full from exc
         raise
     _fsync_dir(path.parent)
 
@@ -202,8 +256,16 @@ class DirectoryStore:
     did not point at before.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, lock: bool = True) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        lock: bool = True,
+        quota_bytes: int | None = None,
+    ) -> None:
         self.root = Path(root)
+        #: Most bytes of distinct objects the names may refer to (None or <= 0: no limit).
+        self.quota_bytes = quota_bytes if quota_bytes and quota_bytes > 0 else None
         self.objects_dir = self.root / "objects"
         self.names_dir = self.root / "names"
         self.objects_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +282,10 @@ class DirectoryStore:
                     f"function store {self.root} is in use by another process"
                 ) from e
             self._lock_file = f
-        self._index: dict[str, StoredFunction] = {}
+        self._index: dict[str, StoredRecord] = {}
+        self._refs: dict[str, int] = {}  # digest -> how many names refer to it
+        self._sizes: dict[str, int] = {}  # digest -> object bytes (for referenced digests)
+        self._used = 0  # bytes of the distinct referenced objects
         self._load()
 
     # -- lifecycle ---------------------------------------------------------
@@ -262,31 +327,78 @@ class DirectoryStore:
         content = bytes(content)
         metadata = self._clean_metadata(metadata)
         digest = content_digest(content)
+        size = len(content)
+        if self.quota_bytes is not None and size > self.quota_bytes:
+            raise PayloadTooLargeError(
+                f"{kind} of {size} bytes is larger than the store's whole quota of "
+                f"{self.quota_bytes} bytes",
+                field="body",
+            )
 
         with self._mutex:
             old = self._index.get(name)
             same = old is not None and old.digest == digest and old.kind == kind
             if same and not replace:
-                return old, False
+                self._write_object(digest, content)  # heals a corrupt object, else a no-op
+                return self._with_content(old, content), False
             if old is not None and not same and not replace:
                 raise FunctionConflictError(
                     f"function {name!r} is already registered with different content "
                     f"({old.kind}, {old.digest}); pass replace=true to overwrite",
                     field="name",
                 )
+            self._check_quota(digest, size, old)
             created = old.created if same else _now()
-            record = StoredFunction(name, kind, digest, content, metadata, created)
+            record = StoredRecord(name, kind, digest, size, metadata, created)
             self._write_object(digest, content)
             self._write_record(record)
             self._index[name] = record
-            if old is not None and old.digest != digest:
-                self._maybe_remove_object(old.digest)
-            return self._copy(record), not same
+            self._ref(digest, size)
+            if old is not None:
+                self._unref(old.digest)
+            return self._with_content(record, content), not same
 
     def get(self, name: str) -> StoredFunction | None:
+        """The record with its content, read from disk and hash-checked (None: absent).
+
+        A record whose object is missing or fails its hash check is dropped from
+        the index (its files stay on disk) and None returned.
+        """
+        for _ in range(3):  # a concurrent replace may unlink the object just read
+            with self._mutex:
+                rec = self._index.get(name)
+            if rec is None:
+                return None
+            path = self._object_path(rec.digest)
+            try:
+                content = path.read_bytes()  # outside the lock: objects are never rewritten
+            except OSError as e:
+                with self._mutex:
+                    if self._index.get(name) is not rec:
+                        continue
+                    log.warning("store: dropping %r: object %s unreadable: %s", name, path.name, e)
+                    self._drop(rec)
+                return None
+            if content_digest(content) == rec.digest:
+                return self._with_content(rec, content)
+            with self._mutex:
+                if self._index.get(name) is not rec:
+                    continue
+                log.warning("store: dropping %r: object %s fails its hash check", name, path.name)
+                self._drop(rec)
+            return None
+        return None
+
+    def record(self, name: str) -> StoredRecord | None:
+        """The name record alone (no content, no disk access)."""
         with self._mutex:
             rec = self._index.get(name)
             return None if rec is None else self._copy(rec)
+
+    def records(self) -> list[StoredRecord]:
+        """Every name record, by name, without content (no disk access)."""
+        with self._mutex:
+            return [self._copy(self._index[n]) for n in sorted(self._index)]
 
     def delete(self, name: str) -> bool:
         with self._mutex:
@@ -298,12 +410,23 @@ class DirectoryStore:
                 os.unlink(path)  # unlink is atomic
             _fsync_dir(self.names_dir)
             del self._index[name]
-            self._maybe_remove_object(rec.digest)
+            self._unref(rec.digest)
             return True
 
     def list(self) -> list[StoredFunction]:
+        """Every function with its content (reads every object: prefer ``records``)."""
+        out = []
+        for rec in self.records():
+            full = self.get(rec.name)
+            if full is not None:
+                out.append(full)
+        return out
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the distinct objects the names refer to (what the quota bounds)."""
         with self._mutex:
-            return [self._copy(self._index[n]) for n in sorted(self._index)]
+            return self._used
 
     def __len__(self) -> int:
         with self._mutex:
@@ -329,11 +452,58 @@ class DirectoryStore:
             ) from e
 
     @staticmethod
-    def _copy(rec: StoredFunction) -> StoredFunction:
+    def _copy(rec: StoredRecord) -> StoredRecord:
         # Records are frozen but metadata is a dict: hand out private copies.
+        return dataclasses.replace(rec, metadata=copy.deepcopy(rec.metadata))
+
+    @staticmethod
+    def _with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
         return StoredFunction(
-            rec.name, rec.kind, rec.digest, rec.content, copy.deepcopy(rec.metadata), rec.created
+            rec.name, rec.kind, rec.digest, content, copy.deepcopy(rec.metadata), rec.created
         )
+
+    def _check_quota(self, digest: str, size: int, old: StoredRecord | None) -> None:
+        """Raise StorageFullError if binding a name to ``digest`` would pass the quota."""
+        if self.quota_bytes is None:
+            return
+        added = 0 if self._refs.get(digest) else size
+        freed = 0
+        if old is not None and old.digest != digest and self._refs.get(old.digest) == 1:
+            freed = self._sizes.get(old.digest, 0)
+        after = self._used + added - freed
+        if after > self.quota_bytes:
+            raise StorageFullError(
+                f"the function store is full: {self._used} of {self.quota_bytes} bytes used, "
+                f"and this needs {added - freed} more; delete or replace functions "
+                "(DXSERVE_STORE_QUOTA_BYTES sets the quota)",
+                field="body",
+            )
+
+    def _ref(self, digest: str, size: int) -> None:
+        count = self._refs.get(digest, 0)
+        if count == 0:
+            self._sizes[digest] = size
+            self._used += size
+        self._refs[digest] = count + 1
+
+    def _unref(self, digest: str, *, remove: bool = True) -> None:
+        """One name fewer refers to ``digest``; the last one gone removes the object."""
+        count = self._refs.get(digest, 0) - 1
+        if count > 0:
+            self._refs[digest] = count
+            return
+        self._refs.pop(digest, None)
+        self._used -= self._sizes.pop(digest, 0)
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._object_path(digest))
+            _fsync_dir(self.objects_dir)
+
+    def _drop(self, rec: StoredRecord) -> None:
+        # A record whose object is gone or corrupt: forgotten in memory, kept on disk
+        # (it may be recoverable), so its name can be registered again.
+        del self._index[rec.name]
+        self._unref(rec.digest, remove=False)
 
     def _record_path(self, name: str) -> Path:
         return self.names_dir / f"{name}.json"
@@ -354,7 +524,7 @@ class DirectoryStore:
             pass
         _atomic_write(path, content)
 
-    def _write_record(self, rec: StoredFunction) -> None:
+    def _write_record(self, rec: StoredRecord) -> None:
         doc = {
             "format": _RECORD_FORMAT,
             "name": rec.name,
@@ -365,13 +535,6 @@ class DirectoryStore:
         }
         data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
         _atomic_write(self._record_path(rec.name), data)
-
-    def _maybe_remove_object(self, digest: str) -> None:
-        if any(r.digest == digest for r in self._index.values()):
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._object_path(digest))
-        _fsync_dir(self.objects_dir)
 
     def _load(self) -> None:
         referenced: set[str] = set()  # digests named by any parseable record
@@ -390,6 +553,7 @@ class DirectoryStore:
                 referenced.add(digest)
             if rec is not None:
                 self._index[rec.name] = rec
+                self._ref(rec.digest, rec.size)
         for path in self.objects_dir.iterdir():
             if _is_tmp(path):
                 self._remove_stray(path)
@@ -405,7 +569,9 @@ class DirectoryStore:
                 log.info("store: removing unreferenced object %s", path)
                 with contextlib.suppress(OSError):
                     path.unlink()
-        log.info("store: loaded %d function(s) from %s", len(self._index), self.root)
+        log.info(
+            "store: %d function(s), %d bytes, in %s", len(self._index), self._used, self.root
+        )
 
     def _remove_stray(self, path: Path) -> None:
         # Only the owner may delete temp files: another process might be writing one.
@@ -414,7 +580,7 @@ class DirectoryStore:
             with contextlib.suppress(OSError):
                 path.unlink()
 
-    def _load_record(self, path: Path) -> tuple[StoredFunction | None, str | None]:
+    def _load_record(self, path: Path) -> tuple[StoredRecord | None, str | None]:
         """(record or None if it must be skipped, its digest or None if unparseable)."""
         digest = None
         try:
@@ -435,11 +601,9 @@ class DirectoryStore:
             log.warning("store: skipping unreadable name record %s: %s", path, e)
             return None, digest
         try:
-            content = obj.read_bytes()
+            # Only the size now: the hash is checked whenever the content is read (get).
+            size = obj.stat().st_size
         except OSError as e:
             log.warning("store: skipping %r: object %s unreadable: %s", name, obj.name, e)
             return None, digest
-        if content_digest(content) != digest:
-            log.warning("store: skipping %r: object %s fails its hash check", name, obj.name)
-            return None, digest
-        return StoredFunction(name, kind, digest, content, metadata, created), digest
+        return StoredRecord(name, kind, digest, size, metadata, created), digest
