@@ -70,6 +70,13 @@ class UnauthorizedError(DxError):
     slug, title = "unauthorized", "Missing or invalid bearer token"
 
 
+class ForbiddenError(DxError):
+    """The server refuses this request whatever the token, as configured (registry
+    writes on a server reachable from other hosts with no token set)."""
+
+    slug, title = "forbidden", "Forbidden by the server's configuration"
+
+
 class UnknownFunctionError(DxError):
     slug, title = "unknown-function", "Unknown function"
 
@@ -143,6 +150,13 @@ class ResultTooLargeError(InvalidArgumentError):
     slug, title = "result-too-large", "Result would exceed the size limit"
 
 
+class BudgetExceededError(InvalidArgumentError):
+    """XLA's estimate of the compiled operator (device memory, work, run time) is over a
+    per-request limit; ``limit`` names the setting and ``estimate`` gives the estimate."""
+
+    slug, title = "budget-exceeded", "Estimated cost exceeds a per-request limit"
+
+
 class SparsityDetectionError(InvalidArgumentError):
     """A ``Sparse`` backend could not find the pattern: detection took longer than the
     server allows (``DXSERVE_SPARSE_DETECTION_SECONDS``) or asdex cannot analyse it."""
@@ -161,6 +175,12 @@ class OverloadedError(DxError):
 
 class StorageFullError(DxError):
     slug, title = "insufficient-storage", "Insufficient storage"
+
+
+class RequestTimeoutError(DxError):
+    """The request's headers or body did not arrive in time; the connection is closed."""
+
+    slug, title = "request-timeout", "Request not received in time"
 
 
 class DeadlineExceededError(DxError):
@@ -188,7 +208,9 @@ _BY_SLUG: dict[str, type[DxError]] = {c.slug: c for c in [DxError, *_subclasses(
 _CLIENT_FALLBACK_BY_STATUS: dict[int, type[DxError]] = {
     400: DxError,
     401: UnauthorizedError,
+    403: ForbiddenError,
     404: UnknownFunctionError,
+    408: RequestTimeoutError,
     409: PreparationMismatchError,
     413: PayloadTooLargeError,
     415: UnsupportedMediaTypeError,

@@ -1,0 +1,200 @@
+"""Bounded connections: read timeouts for headers and bodies, and caps on connections
+and header bytes, in the HTTP protocol itself.
+
+uvicorn closes idle keep-alive connections (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency`` once a request's headers have arrived; it does not bound how long
+a client may take to send a request's headers or body, so a connection that trickles a
+byte every few seconds (or sends nothing at all) holds a file descriptor for ever, and
+with httptools nothing bounds the size of the headers either. ``bounded_protocol`` is
+uvicorn's httptools protocol with those bounds:
+
+* a request's headers must be complete within ``header_timeout`` seconds of the
+  connection opening (first request) or of the request's first byte (later ones), and
+  hold at most ``max_header_bytes`` (431 past it);
+* once the headers are in, the whole body must arrive within ``body_timeout`` seconds;
+* past ``max_connections`` open connections, a new one is answered 503 and closed at once.
+
+A request that runs out of time is answered 408 (problem+json) if no response has
+started, and its connection is closed. No read timer runs while the application works
+on a complete request (``request_timeout`` bounds computations), and between requests
+uvicorn's keep-alive timeout applies. The timers cost one ``call_at`` and one
+``cancel`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dxclient.codec import dumps
+from dxclient.errors import (
+    DxError,
+    MalformedRequestError,
+    OverloadedError,
+    RequestTimeoutError,
+)
+
+from .problems import PROBLEM_TYPE, problem_document
+
+log = logging.getLogger("dxserve.http")
+
+# what the parser of one connection is doing
+_HEAD, _BODY, _APP, _IDLE = "head", "body", "app", "idle"
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds ``bounded_protocol`` enforces (seconds, bytes, connections)."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 120.0
+    max_header_bytes: int = 64 * 1024
+    max_connections: int = 4096
+
+
+def raw_problem(status: int, reason: str, error: DxError, *headers: str) -> bytes:
+    """A complete ``Connection: close`` HTTP/1.1 response carrying ``error``'s problem
+    document, for answers written by the protocol itself (no application involved)."""
+    body = dumps(problem_document(error, status))
+    lines = [
+        f"HTTP/1.1 {status} {reason}",
+        f"content-type: {PROBLEM_TYPE}",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *headers,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with ``limits``; None without httptools (then only
+    uvicorn's own options apply: see ``cli``)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+        return None
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """``HttpToolsProtocol`` whose requests must arrive in time (see the module)."""
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._timer: asyncio.TimerHandle | None = None
+            self._phase = _HEAD
+            self._header_bytes = 0
+            self._deadline = self.loop.time() + limits.header_timeout
+            if len(self.connections) > limits.max_connections:
+                self._refuse(
+                    503, "Service Unavailable",
+                    OverloadedError(
+                        f"the server holds its limit of {limits.max_connections} open "
+                        "connections; retry shortly",
+                        retry_after=1,
+                    ),
+                    "retry-after: 1",
+                )
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self._phase == _IDLE:  # bytes that began no request yet (e.g. a lone CRLF)
+                self._begin()
+            if self._phase == _HEAD:  # the whole chunk after the request began is header
+                self._header_bytes += len(data)
+                if self._header_bytes > limits.max_header_bytes:
+                    self._refuse(
+                        431, "Request Header Fields Too Large",
+                        MalformedRequestError(
+                            f"request headers exceed {limits.max_header_bytes} bytes",
+                            field="headers",
+                        ),
+                    )
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._phase != _HEAD:  # a later request: its own header deadline
+                self._begin()
+
+        def on_headers_complete(self) -> None:
+            self._phase = _BODY  # the armed timer moves on to this deadline when it fires
+            self._deadline = self.loop.time() + limits.body_timeout
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._phase = _APP
+            self._disarm()
+
+        def on_response_complete(self) -> None:
+            # the last request read is answered (none pipelined behind it): idle, and
+            # uvicorn's keep-alive timer runs until the next request begins
+            idle = self._phase == _APP and not self.pipeline
+            super().on_response_complete()
+            if idle:
+                self._phase = _IDLE
+
+        # --- timers ---------------------------------------------------------------------
+        def _begin(self) -> None:
+            self._phase = _HEAD
+            self._header_bytes = 0
+            self._deadline = self.loop.time() + limits.header_timeout
+            self._disarm()
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._deadline, self._expired)
+
+        def _disarm(self) -> None:
+            timer = getattr(self, "_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._timer = None
+
+        def _expired(self) -> None:
+            self._timer = None
+            if self._phase not in (_HEAD, _BODY) or self.transport.is_closing():
+                return
+            if self.loop.time() < self._deadline:  # the deadline moved on (headers done)
+                self._arm()
+                return
+            if self.pipeline:  # a pipelined request waits unread behind one still running:
+                self._deadline = self.loop.time() + limits.body_timeout  # not its sender's
+                self._arm()  # fault; the one before it is bounded by request_timeout
+                return
+            if self._phase == _HEAD:
+                what, limit = "headers", limits.header_timeout
+            else:
+                what, limit = "body", limits.body_timeout
+            cycle = self.cycle if self._phase == _BODY else None
+            log.info("closing %s: request %s not received within %g s", self.client, what, limit)
+            error = RequestTimeoutError(
+                f"the request {what} did not arrive within {limit:g} s", field=what
+            )
+            if cycle is None or not cycle.response_started:
+                self.transport.write(raw_problem(408, "Request Timeout", error))
+            if cycle is not None and not cycle.response_complete:
+                # the application sees a disconnect and may send nothing more
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self.transport.close()
+
+        def _refuse(self, status: int, reason: str, error: DxError, *headers: str) -> None:
+            self._disarm()
+            self._phase = _APP
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.write(raw_problem(status, reason, error, *headers))
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
