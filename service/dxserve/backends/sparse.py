@@ -104,17 +104,23 @@ def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     """
     target = threading.get_ident()
     lock = threading.Lock()
-    state = {"done": False, "fired": False}
+    state: dict[str, Any] = {"done": False, "fired": False, "timer": None}
 
     def fire() -> None:
         with lock:
-            if not state["done"]:
-                state["fired"] = True
-                _set_async_exc(target, _DetectionTimeout)
+            if state["done"]:
+                return
+            state["fired"] = True
+            _set_async_exc(target, _DetectionTimeout)
+            # Raised inside a callback that swallows exceptions (JAX's gc callback, a
+            # __del__), it is lost: ask again until the thread has stopped.
+            state["timer"] = threading.Timer(0.05, fire)
+            state["timer"].daemon = True
+            state["timer"].start()
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    state["timer"] = threading.Timer(seconds, fire)
+    state["timer"].daemon = True
+    state["timer"].start()
     result: Any = None
     try:
         try:
@@ -124,7 +130,7 @@ def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
                 state["done"] = True
                 if state["fired"]:
                     _set_async_exc(target, None)  # clear it if it is still pending
-            timer.cancel()
+                state["timer"].cancel()
     except _DetectionTimeout:
         state["fired"] = True
     if state["fired"]:
