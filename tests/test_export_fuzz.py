@@ -167,6 +167,7 @@ def test_mutated_bundles_never_crash_the_server(fuzz_server):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
 def test_many_mutated_bundles_never_crash_the_server(fuzz_server):
     counts = fuzz(fuzz_server, SLOW_COUNT, seed=1012)
     assert sum(v for k, v in counts.items() if k != "seconds") == SLOW_COUNT

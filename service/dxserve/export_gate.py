@@ -409,8 +409,12 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def _fork_server_main() -> None:
-    """Import JAX once, then fork one child per bundle read from stdin."""
-    _die_with_parent()
+    """Import JAX once, then fork one child per bundle read from stdin.
+
+    It exits at EOF on stdin, i.e. when the server exits. (No ``PR_SET_PDEATHSIG``
+    here: it fires when the *thread* that started this process exits, and the server
+    starts it from a pool thread that may retire while another thread uses it.)
+    """
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
     import jax  # noqa: F401  imported (not initialised) once, so children start fast
