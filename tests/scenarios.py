@@ -815,6 +815,11 @@ def hvp_ref(s: Scenario, t: Any) -> Any:
 # --- operators --------------------------------------------------------------------------
 
 
+#: The operators the conformance grids sweep: every derivative operator. ``sparsity``
+#: returns a pattern, not a derivative, and has its own suite (test_sparse.py).
+DERIVATIVE_OPERATORS = tuple(op for op, spec in OPERATORS.items() if spec.family != "sparsity")
+
+
 def applies(s: Scenario, operator: str) -> bool:
     """Does ``operator`` (a name in OPERATORS) apply to scenario ``s``."""
     return expected_error(s, operator) is None

@@ -97,8 +97,8 @@ def test_a_batch_that_changes_bits_is_refused_for_good(monkeypatch):
     batcher = Batcher()
     real = batcher._run_batched
 
-    def off_by_one_ulp(plan, size, rows):
-        out = real(plan, size, rows)
+    def off_by_one_ulp(plan, size, rows, *limits):
+        out = real(plan, size, rows, *limits)
         out[1] = (np.nextafter(out[1][0], np.inf),)
         return out
 

@@ -35,6 +35,8 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.InvalidExpressionError: 422,
     E.InvalidExportError: 422,
     E.ResultTooLargeError: 422,
+    E.BudgetExceededError: 422,
+    E.SparsityDetectionError: 422,
     E.TooManyFunctionsError: 429,
     E.InternalError: 500,
     E.OverloadedError: 503,

@@ -25,7 +25,7 @@ ENCODINGS = ("binary", "b64", "json")
 def _cases():
     cases = []
     for i, s in enumerate(sc.SCENARIOS):
-        for j, op in enumerate(OPERATORS):
+        for j, op in enumerate(sc.DERIVATIVE_OPERATORS):
             if not sc.applies(s, op):
                 continue
             backends = SECOND_ORDER if OPERATORS[op].order == 2 else FIRST_ORDER

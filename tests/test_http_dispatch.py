@@ -83,7 +83,7 @@ def test_unexpected_error_is_a_logged_500_problem(
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(app.state.service.registry, "get", boom)
+    monkeypatch.setattr(app.state.service.registry, "loaded", boom)
     before = http.get("/metrics").text
     r = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
     assert r.status_code == 500

@@ -154,7 +154,9 @@ def test_functions_list_and_get(server: Any) -> None:
 def test_backends(server: Any) -> None:
     backends = httpx.get(server.url + "/backends").json()["backends"]
     by_type = {b["type"]: b for b in backends}
-    assert set(by_type) == {"jax-forward", "jax-reverse", "finite-differences", "second-order", "auto"}
+    assert set(by_type) == {
+        "jax-forward", "jax-reverse", "finite-differences", "second-order", "auto", "sparse"
+    }
     assert set(by_type["jax-forward"]["parameters"]) == {"batch_size"}
     assert set(by_type["jax-reverse"]["parameters"]) == {"batch_size"}
     assert set(by_type["finite-differences"]["parameters"]) == {"method", "step", "batch_size"}

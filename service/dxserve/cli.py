@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from .settings import Settings
 
@@ -50,14 +51,68 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(f"dxserve: cannot import a --functions module: {exc}", file=sys.stderr)
         return 2
+    log = logging.getLogger("dxserve")
+    log.info("access: %s", app.state.service.access_mode())
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=10,
+        **connection_options(settings, log),
     )
     return 0
+
+
+def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any]:
+    """uvicorn's options that bound connections, from ``settings``: its own where it has
+    them, and the httptools protocol of ``http.connections`` for read timeouts, the
+    header size and a hard connection cap (which uvicorn lacks)."""
+    from .http.connections import ConnectionLimits, bounded_protocol
+
+    _raise_open_files(settings.max_connections + 256, log)
+    limits = ConnectionLimits(
+        settings.header_timeout, settings.body_timeout, settings.max_header_bytes,
+        settings.max_connections,
+    )
+    protocol = bounded_protocol(limits)
+    if protocol is None:  # pragma: no cover - uvicorn[standard] brings httptools
+        log.warning("httptools is missing: no header or body read timeouts (use a proxy)")
+    log.info(
+        "connections: headers within %g s, bodies within %g s, at most %d header bytes, "
+        "%d open, idle keep-alive %d s",
+        limits.header_timeout, limits.body_timeout, limits.max_header_bytes,
+        limits.max_connections, settings.keep_alive_timeout,
+    )
+    return {
+        "http": protocol or "auto",
+        "limit_concurrency": settings.max_connections,
+        "timeout_keep_alive": settings.keep_alive_timeout,
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "backlog": settings.backlog,
+    }
+
+
+def _raise_open_files(wanted: int, log: logging.Logger) -> None:
+    """Raise the soft limit on open files towards ``wanted`` (at most the hard limit),
+    so the connection cap, not the descriptor table, is what refuses connections."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target < wanted:
+        log.warning(
+            "only %d open files allowed: fewer connections than DXSERVE_MAX_CONNECTIONS fit",
+            target,
+        )
 
 
 if __name__ == "__main__":

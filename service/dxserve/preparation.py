@@ -10,6 +10,7 @@ preps in a bounded LRU keyed by (function, operator, backend, signature).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,6 +33,7 @@ from dxclient.operators import ALIASES, OPERATORS
 from . import executable_cache
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
+from .budget import ComputeLimits
 from .precision import float64_scope
 from .signature import Signature
 
@@ -124,6 +126,10 @@ class Prep:
     traced: bool = True
     executables: dict[tuple, Callable] = field(default_factory=dict, repr=False)  # (op, device)
     batch_plans: dict[str, Any] = field(default_factory=dict, repr=False)  # see request_batching
+    #: per-request bounds each executable is checked against when compiled (None: none)
+    limits: ComputeLimits | None = field(default=None, repr=False)
+    #: bytes the family's results take at most (what the server's large-result slots count)
+    result_bytes: int = 0
 
     @property
     def report(self) -> dict[str, Any]:
@@ -178,11 +184,16 @@ class Prep:
             return run
         key = executable_cache.key(self.function, self.resolved, results, x, tangents, contexts)
         try:
-            return self.compiler.compile(run, (x, tangents, contexts), key)
+            exe = self.compiler.compile(run, (x, tangents, contexts), key)
         except DxError:
             raise
         except Exception as exc:
-            raise FunctionEvaluationError(_short(exc), field="function") from exc
+            raise out_of_memory(exc) or FunctionEvaluationError(
+                _short(exc), field="function"
+            ) from exc
+        if self.limits is not None:  # once per executable, before it ever runs
+            self.limits.check(exe, operator)
+        return exe
 
     def run(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> tuple:
         """The results of ``operator``, in ``OPERATORS[operator].results`` order."""
@@ -192,13 +203,25 @@ class Prep:
         except DxError:
             raise
         except Exception as exc:
-            if "RESOURCE_EXHAUSTED" in str(exc):  # XLA's out-of-memory: the request may fit later
-                raise OverloadedError(
-                    f"the device ran out of memory ({_short(exc)}); retry later or send less",
-                    field="x", retry_after=5,
-                ) from exc
-            # a black-box function failing on these values
-            raise FunctionEvaluationError(_short(exc), field="function") from exc
+            # out of memory, or a black-box function failing on these values
+            raise out_of_memory(exc) or FunctionEvaluationError(
+                _short(exc), field="function"
+            ) from exc
+
+
+def out_of_memory(exc: BaseException) -> OverloadedError | None:
+    """``exc`` as a 503 if it says the device (XLA's ``RESOURCE_EXHAUSTED``) or the host
+    (``MemoryError``) ran out of memory, else None: the same request may fit later.
+
+    Wherever a device buffer is touched (running, compiling, copying a result to the
+    host, a batch), its out-of-memory error goes through here.
+    """
+    if not isinstance(exc, MemoryError) and "RESOURCE_EXHAUSTED" not in str(exc):
+        return None
+    return OverloadedError(
+        f"the device ran out of memory ({_short(exc)}); retry later or send less",
+        field="x", retry_after=5,
+    )
 
 
 def _short(exc: BaseException) -> str:
@@ -231,7 +254,14 @@ def probe(f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
 
 
 def _size(tree: Tree) -> int:
-    return sum(int(np.prod(np.shape(v))) for v in jax.tree_util.tree_leaves(tree))
+    # Python ints (math.prod), not numpy's int64: a shape's product cannot overflow
+    return sum(math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(tree))
+
+
+def _extent(tree: Tree) -> int:
+    """Elements ``tree`` would hold if its zero dimensions were ones: a zero-size array
+    with huge other dimensions holds nothing, but XLA still lays out its shape."""
+    return sum(math.prod(d or 1 for d in np.shape(v)) for v in jax.tree_util.tree_leaves(tree))
 
 
 #: Largest number of result elements one call may produce by default: a Jacobian or
@@ -241,13 +271,25 @@ MAX_RESULT_ELEMENTS = 2**27
 
 def _check_result_size(
     family: str, inputs: Inputs, limit: int, engine: Engine | None = None
-) -> None:
-    """``ResultTooLargeError`` if ``family``'s results here exceed ``limit`` numbers;
+) -> int:
+    """The number of results ``family`` returns here (``ResultTooLargeError`` past ``limit``).
+
     ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n)."""
     n, m = _size(inputs.x), _size(inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
     elements = OPERATORS[family].result_elements(n, m, k) if counted is None else counted
+    # The same rule over the nominal sizes (zero dimensions as ones), so zero-size
+    # inputs with huge dimensions are refused here, before XLA lays out their shapes.
+    extent = elements if counted is not None else OPERATORS[family].result_elements(
+        _extent(inputs.x), _extent(inputs.y), k
+    )
+    if elements <= limit < extent:
+        raise ResultTooLargeError(
+            f"{family} here would return zero-size arrays whose other dimensions span "
+            f"{extent:,} elements, over the limit of {limit:,}",
+            field="x",
+        )
     if elements > limit:
         raise ResultTooLargeError(
             f"{family} here would return {elements:,} numbers, over the limit of "
@@ -255,6 +297,7 @@ def _check_result_size(
             "or raise DXSERVE_MAX_RESULT_ELEMENTS",
             field="x",
         )
+    return elements
 
 
 def prepare(
@@ -266,23 +309,29 @@ def prepare(
     contexts: Sequence,
     cache: PrepCache | None = None,
     max_result_elements: int | None = None,
+    limits: ComputeLimits | None = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
     With a ``cache``, backends that resolve to the same concrete one (``"auto"``
     and ``SecondOrder(JaxForward(), JaxReverse())`` for an HVP, say) share one
     compiled executable. Float64 inputs trace and compile in float64.
-    ``max_result_elements`` defaults to ``MAX_RESULT_ELEMENTS``.
+    ``max_result_elements`` defaults to ``MAX_RESULT_ELEMENTS``. ``limits``: per-request
+    bounds on XLA's estimate of each compiled executable (None: unbounded, the library's
+    default; the server passes its settings).
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
     with float64_scope():
-        return _prepare(operator, f, backend, x, tangents, contexts, cache, max_result_elements)
+        return _prepare(
+            operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits
+        )
 
 
 def _prepare(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
+    limits: ComputeLimits | None = None,
 ) -> Prep:
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
@@ -294,7 +343,7 @@ def _prepare(
     inputs = Inputs(x, tangents, contexts, y)
     spec.check(inputs)
     engine.prepare(family, f, inputs)  # e.g. sparsity detection and colouring, once
-    _check_result_size(family, inputs, max_result_elements, engine)
+    elements = _check_result_size(family, inputs, max_result_elements, engine)
     signature = Signature.of(x, tangents, contexts)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
@@ -303,12 +352,18 @@ def _prepare(
     compiled = traced and engine.traces and (inner is None or inner.traces)
     prep = Prep(
         operator, f, backend, resolved, signature, y, spec.build(f, engine, inner, inputs),
-        engine, compiled,
+        engine, compiled, limits=limits, result_bytes=elements * _itemsize(x),
     )
     prep.executable(operator, x, tangents, contexts)
     if cache is not None:
         cache.put_resolved(twin_key, prep)
     return prep
+
+
+def _itemsize(tree: Tree) -> int:
+    """Bytes per result element: results take the input's dtype (8 if that is unknown)."""
+    sizes = [getattr(getattr(v, "dtype", None), "itemsize", 8) for v in jax.tree_util.tree_leaves(tree)]
+    return max(sizes, default=8)
 
 
 def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
@@ -391,7 +446,10 @@ class Lookup:
     def inputs(self) -> tuple:
         return self.x, self.tangents, self.contexts
 
-    def prepare(self, cache: PrepCache, max_result_elements: int | None = None) -> Prep:
+    def prepare(
+        self, cache: PrepCache, max_result_elements: int | None = None,
+        limits: ComputeLimits | None = None,
+    ) -> Prep:
         """Trace and compile for this call (the slow path) and keep the prep in ``cache``.
 
         Requests for a new signature that arrive together are all looked up before the
@@ -401,7 +459,7 @@ class Lookup:
         if prep is None:
             prep = prepare(
                 self.operator, self.function, self.backend, self.x, self.tangents,
-                self.contexts, cache, max_result_elements,
+                self.contexts, cache, max_result_elements, limits,
             )
             cache.put(self.key, prep)
         return prep

@@ -4,12 +4,20 @@ The kinds (``dxserve.kinds``) are ``module`` (the deployer's trusted Python,
 ``@dxserve.function``, never stored), ``expression`` (a whitelisted ``jnp``
 expression), ``export`` (a JAX export uploaded by a client) and any kind added
 with ``dxserve.kinds.add_kind``. Functions of persistent kinds are kept in a
-content-addressed ``FunctionStore`` and rebuilt at start, so they survive restarts.
+content-addressed ``FunctionStore``, so they survive restarts.
+
+Stored functions are built lazily: at start the registry reads only the store's
+name records (description and signature are kept in their metadata), and a
+function is built from its content on first use (``get``). At most
+``max_loaded`` built functions, holding at most ``max_loaded_bytes`` of content,
+stay in memory (least recently used evicted first; ``on_evict`` callbacks drop
+what was prepared for them), and an evicted one is built again when next used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -17,17 +25,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dxclient.errors import (
+    DxError,
     FunctionConflictError,
     InvalidArgumentError,
+    OverloadedError,
     TooManyFunctionsError,
     UnknownFunctionError,
 )
+from dxclient.lru import LRU
 
 from . import executable_cache, kinds
 from .functions import FunctionInfo, module_functions
 from .kinds.expression import expression_content
 from .kinds.module import MODULE
-from .store import FunctionStore, StoredFunction, validate_name
+from .store import FunctionStore, StoredFunction, StoredRecord, validate_name
 
 __all__ = ["Entry", "Registry", "expression_content"]
 
@@ -40,7 +51,8 @@ class Entry:
 
     name: str
     kind: str  # a kind's name: "module", "expression", "export", ...
-    fn: Callable = field(repr=False, compare=False)
+    #: The callable; None in the registry's index of a stored function not built yet.
+    fn: Callable | None = field(default=None, repr=False, compare=False)
     description: str = ""
     signature: dict[str, Any] = field(default_factory=dict)
     digest: str | None = None
@@ -59,6 +71,9 @@ def _build(record: StoredFunction) -> Entry:
             f"kind must be one of {sorted(kinds.stored_names())}, got {record.kind!r}",
             field="kind",
         )
+    admit = getattr(kind, "admit", None)  # a kind that checks content out of process first
+    if admit is not None:
+        admit(record.content, record.metadata)
     built = kind.build(record.content)
     # Persisted executables of stored functions are keyed by kind and content.
     executable_cache.identify(built.fn, kind.name, record.content)
@@ -73,15 +88,58 @@ def _build(record: StoredFunction) -> Entry:
     )
 
 
-class Registry:
-    """Thread-safe name -> ``Entry`` map backed by an optional persistent store."""
+def _index_entry(record: StoredRecord | StoredFunction) -> Entry:
+    """The unbuilt entry of a stored function, from its record's metadata alone."""
+    return Entry(
+        record.name,
+        record.kind,
+        None,
+        record.metadata.get("description", ""),
+        record.metadata.get("signature", {}),
+        record.digest,
+        record.created,
+    )
 
-    def __init__(self, store: FunctionStore, max_functions: int = 1000) -> None:
+
+def _json_able(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class Registry:
+    """Thread-safe name -> ``Entry`` map backed by an optional persistent store.
+
+    ``on_remove`` callbacks get a built entry when a function is deleted or
+    replaced, ``on_evict`` ones when a built stored function leaves memory (it stays
+    registered); both may drop what was prepared for ``entry.fn``.
+    """
+
+    def __init__(
+        self,
+        store: FunctionStore,
+        max_functions: int = 1000,
+        *,
+        max_loaded: int = 64,
+        max_loaded_bytes: int = 0,
+    ) -> None:
         self.store = store
         self.max_functions = max_functions
-        self._entries: dict[str, Entry] = {}
+        #: Most stored functions kept built in memory (at least 1).
+        self.max_loaded = max(1, max_loaded)
+        #: Most content bytes of built stored functions in memory (0: no byte bound).
+        self.max_loaded_bytes = max_loaded_bytes
+        self._entries: dict[str, Entry] = {}  # stored functions: unbuilt (fn None)
+        self._loaded: LRU[str, tuple[Entry, int]] = LRU(self.max_loaded)  # (built, size)
+        self._loaded_bytes = 0
         self._lock = threading.Lock()
+        #: new names being registered: each holds a slot under ``max_functions``
+        self._reserved: set[str] = set()
+        self._building: dict[str, threading.Lock] = {}  # one build per name at a time
         self.on_remove: list[Callable[[Entry], None]] = []
+        self.on_evict: list[Callable[[Entry], None]] = []
 
     # --- loading -----------------------------------------------------------
     def add_module(self, module: str) -> list[str]:
@@ -101,21 +159,57 @@ class Registry:
         return entry
 
     def load_store(self) -> int:
-        """Rebuild every stored function; a record that no longer loads is skipped."""
-        loaded = 0
-        for record in self.store.list():
-            try:
-                entry = _build(record)
-            except Exception as exc:  # keep serving the rest
-                log.warning("skipping stored function %s: %s", record.name, exc)
-                continue
+        """Index every stored function from its name record; returns how many.
+
+        Nothing is built or read from disk here (``get`` builds on first use), except
+        for records written before signatures were kept in the metadata: those are
+        built once and their record upgraded, and one that no longer loads is skipped.
+        """
+        indexed = 0
+        for record in self.store.records():
+            if "signature" in record.metadata:
+                entry = _index_entry(record)
+            else:
+                try:
+                    entry = self._upgrade(record.name)
+                except Exception as exc:  # keep serving the rest
+                    log.warning("skipping stored function %s: %s", record.name, exc)
+                    continue
             with self._lock:
                 self._entries[record.name] = entry
-            loaded += 1
-        return loaded
+            indexed += 1
+        return indexed
+
+    def _upgrade(self, name: str) -> Entry:
+        full = self.store.get(name)
+        if full is None:
+            raise LookupError("its object is missing or corrupt")
+        built = _build(full)
+        if not _json_able(built.signature):
+            return _index_entry(full)
+        metadata = {**full.metadata, "signature": built.signature}
+        stamp = getattr(kinds.get_kind(full.kind), "stamp", None)
+        if stamp is not None:  # the export gate's pass, so later starts need not gate it again
+            metadata.update(stamp(full.content))
+        record, _ = self.store.put(name, full.kind, full.content, metadata, replace=True)
+        return _index_entry(record)
 
     # --- reads -------------------------------------------------------------
     def get(self, name: Any, field_name: str = "function") -> Entry:
+        """The function called ``name``, built (a stored one is built on first use)."""
+        entry = self.lookup(name, field_name)
+        return entry if entry.fn is not None else self._load(entry, field_name)
+
+    def loaded(self, name: Any) -> Entry | None:
+        """``get`` without building: the built entry, or None if it needs a build."""
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is None or entry.fn is not None:
+            return entry
+        item = self._loaded.get(name)
+        return item[0] if item is not None and item[0].digest == entry.digest else None
+
+    def lookup(self, name: Any, field_name: str = "function") -> Entry:
+        """The function's entry without building it (``fn`` is None if not built)."""
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
             if not isinstance(name, str):
@@ -127,6 +221,91 @@ class Registry:
                 f"no function named {name!r}; GET /functions lists them", field=field_name
             )
         return entry
+
+    def _load(self, index: Entry, field_name: str) -> Entry:
+        """Build a stored function from its content and keep it in the loaded LRU."""
+        with self._lock:
+            building = self._building.setdefault(index.name, threading.Lock())
+        with building:
+            ready = self.loaded(index.name)
+            if ready is not None:
+                return ready  # built by the request this one waited for
+            record = self.store.get(index.name)
+            if record is None or record.digest != index.digest:
+                with self._lock:
+                    current = self._entries.get(index.name)
+                if current is not index:  # replaced or deleted meanwhile: ask again
+                    record = None
+                else:
+                    self._unindex(index)
+                    raise UnknownFunctionError(
+                        f"stored function {index.name!r} cannot be read (its object is "
+                        "missing or corrupt); register it again",
+                        field=field_name,
+                    )
+            if record is not None:
+                return self._build_and_admit(index, record, field_name)
+        return self.get(index.name, field_name)  # outside ``building``: it is not reentrant
+
+    def _build_and_admit(self, index: Entry, record: StoredFunction, field_name: str) -> Entry:
+        try:
+            built = _build(record)
+        except MemoryError:
+            raise OverloadedError(
+                f"not enough memory to load {index.name!r} now; retry later", field=field_name
+            ) from None
+        except Exception as exc:
+            log.warning("stored function %s no longer loads: %s", index.name, exc)
+            self._unindex(index)
+            detail = exc.detail if isinstance(exc, DxError) else str(exc)
+            raise UnknownFunctionError(
+                f"stored function {index.name!r} no longer loads here: {detail}",
+                field=field_name,
+            ) from None
+        entry = dataclasses.replace(index, fn=built.fn)
+        with self._lock:
+            if self._entries.get(index.name) is not index:
+                return entry  # replaced meanwhile: serve this call, keep nothing
+            evicted = self._admit(entry, len(record.content))
+        self._notify(self.on_evict, evicted)
+        return entry
+
+    def _admit(self, entry: Entry, size: int) -> list[Entry]:
+        """Keep a built entry, evicting least recently used ones; call under ``_lock``."""
+        evicted = []
+        old = self._loaded.pop(entry.name)
+        if old is not None:
+            self._loaded_bytes -= old[1]
+            evicted.append(old[0])
+        while self._loaded and (
+            len(self._loaded) >= self.max_loaded
+            or (self.max_loaded_bytes and self._loaded_bytes + size > self.max_loaded_bytes)
+        ):
+            oldest = self._loaded.keys()[0]
+            gone = self._loaded.pop(oldest)
+            if gone is not None:
+                self._loaded_bytes -= gone[1]
+                evicted.append(gone[0])
+        self._loaded.put(entry.name, (entry, size))
+        self._loaded_bytes += size
+        return evicted
+
+    def _unindex(self, index: Entry) -> None:
+        # A stored function that cannot be built any more is dropped, as it was
+        # skipped at start before functions were built lazily; its record stays.
+        with self._lock:
+            if self._entries.get(index.name) is index:
+                del self._entries[index.name]
+
+    @staticmethod
+    def _notify(callbacks: list[Callable[[Entry], None]], entries: list[Entry]) -> None:
+        for entry in entries:
+            for callback in callbacks:
+                callback(entry)
+
+    def loaded_count(self) -> int:
+        """How many stored functions are built in memory now."""
+        return len(self._loaded)
 
     def list(self) -> list[Entry]:
         with self._lock:
@@ -166,9 +345,35 @@ class Registry:
         """Build, persist and publish a function; ``(entry, created)``.
 
         The function is built before anything is written, so content that does
-        not compile is refused without touching the store.
+        not compile is refused without touching the store. A new name takes a slot
+        under ``max_functions`` first, checked and reserved under the lock, so
+        concurrent registrations never pass the cap while they build and write.
         """
         validate_name(name)
+        with self._lock:
+            reserved = name not in self._entries and name not in self._reserved
+            if reserved:
+                taken = sum(1 for e in self._entries.values() if e.kind != MODULE.name)
+                pending = len(self._reserved - self._entries.keys())  # not yet published
+                if taken + pending >= self.max_functions:
+                    raise TooManyFunctionsError(
+                        f"the server holds its limit of {self.max_functions} functions; "
+                        "delete some",
+                        field="name",
+                    )
+                self._reserved.add(name)
+        try:
+            return self._register(name, kind, content, description, replace=replace)
+        finally:
+            if reserved:
+                with self._lock:
+                    self._reserved.discard(name)
+
+    def _register(
+        self, name: str, kind: str, content: bytes, description: str = "", *,
+        replace: bool = False,
+    ) -> tuple[Entry, bool]:
+        """``register`` once a slot is reserved."""
         if kind not in kinds.stored_names():
             raise InvalidArgumentError(
                 f"kind must be one of {sorted(kinds.stored_names())}, got {kind!r}", field="kind"
@@ -179,32 +384,39 @@ class Registry:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function and cannot be replaced", field="name"
             )
-        if existing is None and self.registered() >= self.max_functions:
-            raise TooManyFunctionsError(
-                f"the server holds its limit of {self.max_functions} functions; delete some",
-                field="name",
-            )
         metadata = {"description": description}
         # Built before anything is written: content that does not load never reaches the store.
         built = _build(StoredFunction(name, kind, "", content, metadata, ""))
+        if _json_able(built.signature):  # so GET /functions never needs to build it
+            metadata["signature"] = built.signature
+        stamp = getattr(kinds.get_kind(kind), "stamp", None)
+        if stamp is not None:  # e.g. the export gate's pass, bound to the content's sha256
+            metadata.update(stamp(content))
         record, created = self.store.put(name, kind, content, metadata, replace=replace)
-        if existing is not None and existing.digest == record.digest and not replace:
-            entry = existing  # idempotent: keep the entry (and its compiled executables)
-        else:
+        idempotent = existing is not None and existing.digest == record.digest and not replace
+        with self._lock:
+            current = self._loaded.peek(name)
+            if idempotent and current is not None and current[0].digest == record.digest:
+                return current[0], created  # keep the entry (and its compiled executables)
             entry = dataclasses.replace(
-                built,
+                _index_entry(record) if "signature" in record.metadata else built,
+                fn=built.fn,
                 description=record.metadata.get("description", description),
                 digest=record.digest,
                 created=record.created,
             )
-        with self._lock:
-            self._entries[name] = entry
-        if existing is not None and existing is not entry:
-            self._removed(existing)
+            old = self._loaded.pop(name)  # the replaced function, if it was built
+            if old is not None:
+                self._loaded_bytes -= old[1]
+            self._entries[name] = dataclasses.replace(entry, fn=None)
+            evicted = self._admit(entry, len(content))
+        if old is not None:
+            self._notify(self.on_remove, [old[0]])
+        self._notify(self.on_evict, evicted)
         return entry, created
 
     def delete(self, name: str) -> Entry:
-        entry = self.get(name, "name")
+        entry = self.lookup(name, "name")  # no need to build what is being deleted
         if entry.kind == MODULE.name:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function; remove it from the server's modules",
@@ -217,5 +429,10 @@ class Registry:
         return entry
 
     def _removed(self, entry: Entry) -> None:
+        with self._lock:  # a stored function: what was built of it goes too
+            item = self._loaded.pop(entry.name) if entry.fn is None else None
+            if item is not None:
+                self._loaded_bytes -= item[1]
+            self._building.pop(entry.name, None)
         for callback in self.on_remove:
-            callback(entry)
+            callback(item[0] if item is not None else entry)

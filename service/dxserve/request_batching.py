@@ -125,7 +125,7 @@ class Batcher:
         if not plan.eligible or plan.executables.get(slot, True) is None:
             return [_alone(prep, operator, inputs) for inputs in group]
         try:
-            batched = self._run_batched(plan, slot, group)
+            batched = self._run_batched(plan, slot, group, prep.limits)
         except Exception:  # noqa: BLE001 - e.g. out of memory at B rows: each alone says why
             return [_alone(prep, operator, inputs) for inputs in group]
         if slot in plan.verified:
@@ -140,7 +140,9 @@ class Batcher:
             self.refused += 1
         return alone
 
-    def _run_batched(self, plan: _Plan, slot: tuple, group: Sequence[Inputs]) -> list[Any]:
+    def _run_batched(
+        self, plan: _Plan, slot: tuple, group: Sequence[Inputs], limits: Any = None
+    ) -> list[Any]:
         rows = [jax.tree_util.tree_leaves(inputs) for inputs in group]
         rows += [rows[-1]] * (slot[0] - len(rows))  # pad to the bucket
         stacked = [np.stack(column) for column in zip(*rows, strict=True)]
@@ -149,6 +151,12 @@ class Batcher:
             fn = jax.vmap(jex.jaxpr_as_fun(plan.jaxpr))
             exe = plan.executables[slot] = jax.jit(fn).lower(*stacked).compile()
             self.compiles += 1
+            if limits is not None:  # B rows cost B times one: over a bound, they run alone
+                try:
+                    limits.check(exe, f"a batch of {slot[0]}")
+                except Exception:
+                    plan.executables[slot] = None
+                    raise
         outputs = [np.asarray(out) for out in exe(*stacked)]
         return [
             jax.tree_util.tree_unflatten(plan.out_tree, [out[i] for out in outputs])

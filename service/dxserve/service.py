@@ -14,6 +14,7 @@ front door (a Ray Serve replica, a test) drives the same object.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import secrets
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
@@ -23,15 +24,17 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from dxclient.backends import Backend
-from dxclient.errors import UnauthorizedError, UnknownPreparationError
+from dxclient.errors import ForbiddenError, UnauthorizedError, UnknownPreparationError
 from dxclient.lru import LRU
 from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
 
+from . import export_gate
 from .backends import backend_table
 from .backends.sparse import BCOO, configure_detection, sparse_wire
+from .budget import ComputeLimits, InFlight
 from .precision import float64_scope
-from .preparation import Prep, PrepCache, lookup, prepare
+from .preparation import Lookup, Prep, PrepCache, lookup, out_of_memory, prepare
 from .registry import Registry
 from .request_batching import Batcher
 from .settings import Settings
@@ -75,8 +78,12 @@ class Service:
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings = settings or Settings()
-        self.store = DirectoryStore(settings.store)
-        self.registry = Registry(self.store, settings.max_functions)
+        export_gate.configure(settings)  # uploads are checked with this server's limits
+        self.store = DirectoryStore(settings.store, quota_bytes=settings.store_quota_bytes)
+        self.registry = Registry(
+            self.store, settings.max_functions, max_loaded=settings.max_loaded_functions,
+            max_loaded_bytes=settings.max_loaded_bytes,
+        )
         with float64_scope():  # stored exports may carry float64 signatures
             for module in settings.functions:
                 self.registry.add_module(module)
@@ -85,6 +92,15 @@ class Service:
         self.handles = PrepHandles(settings.max_prepared)
         self.registry.on_remove.append(lambda entry: self.cache.forget(entry.fn))
         self.registry.on_remove.append(lambda entry: self.handles.forget(entry.fn))
+        # An evicted stored function stays registered; its preps and handles go with it
+        # (a handle of it answers 404 and is made again), so its memory is freed.
+        self.registry.on_evict.append(lambda entry: self.cache.forget(entry.fn))
+        self.registry.on_evict.append(lambda entry: self.handles.forget(entry.fn))
+        # JAX's own trace and lowering caches hold a function's constants by strong
+        # reference, so only clearing them frees a dropped export's memory (about its
+        # size per rebuild otherwise). Preps hold compiled executables, unaffected.
+        self.registry.on_evict.append(lambda entry: jax.clear_caches())
+        self.registry.on_remove.append(lambda entry: jax.clear_caches())
         self.batcher = Batcher()
         self.workers = Workers(
             settings.queue_size, settings.request_timeout, settings.inline_below,
@@ -92,16 +108,38 @@ class Service:
         )
         self._tokens = settings.tokens()
         configure_detection(settings.sparse_detection_seconds)
+        #: per-request bounds on XLA's estimate of each compiled operator (see budget.py)
+        self.limits = ComputeLimits(
+            settings.max_request_memory_bytes or None, settings.max_request_flops or None,
+            settings.request_timeout, settings.assumed_flops_per_second,
+            settings.assumed_bytes_per_second,
+        )
+        #: bytes in flight and large results being computed, across all requests
+        self.budget = InFlight(
+            settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
+        )
 
     # --- authorization ------------------------------------------------------------
     def authorize(self, token: str | None, action: Action) -> None:
         """Raise ``UnauthorizedError`` unless ``token`` may do ``action``.
 
         Registry writes need a token whenever tokens are configured; computations
-        only when ``require_token_for_compute`` is set. ``token`` is the bearer token
-        the caller presented (None: none).
+        only when ``require_token_for_compute`` is set. With no token configured,
+        registry writes are refused (``ForbiddenError``) on a server that listens
+        beyond loopback, unless ``allow_anonymous_registration`` is set: secure by
+        default. ``token`` is the bearer token the caller presented (None: none).
         """
-        if not self._tokens or (action == "compute" and not self.settings.require_token_for_compute):
+        if not self._tokens:
+            if action == "write" and not self.anonymous_writes():
+                raise ForbiddenError(
+                    f"registration is closed: this server listens on {self.settings.host!r} "
+                    "(beyond loopback) with no token configured; set DXSERVE_TOKEN (or "
+                    "DXSERVE_TOKENS_FILE) and send 'Authorization: Bearer <token>', or set "
+                    "DXSERVE_ALLOW_ANONYMOUS_REGISTRATION=true to let anyone register",
+                    field="Authorization",
+                )
+            return
+        if action == "compute" and not self.settings.require_token_for_compute:
             return
         if token is not None and any(
             hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens
@@ -111,6 +149,31 @@ class Service:
             "send 'Authorization: Bearer <token>' with a valid token" if token is not None
             else "this server needs 'Authorization: Bearer <token>' for this request",
             field="Authorization",
+        )
+
+    def anonymous_writes(self) -> bool:
+        """May callers without a token register and delete functions? Only with no token
+        configured, on a loopback address or with ``allow_anonymous_registration``."""
+        if self._tokens:
+            return False
+        return self.settings.allow_anonymous_registration or is_loopback(self.settings.host)
+
+    def access_mode(self) -> str:
+        """One line saying who may write the registry (the server logs it at start)."""
+        host = self.settings.host
+        if self._tokens:
+            compute = " and computations" if self.settings.require_token_for_compute else ""
+            return f"registry writes{compute} need a bearer token ({len(self._tokens)} configured)"
+        if self.settings.allow_anonymous_registration:
+            return (
+                f"registry writes are open to anyone who can reach {host} "
+                "(DXSERVE_ALLOW_ANONYMOUS_REGISTRATION=true)"
+            )
+        if is_loopback(host):
+            return f"registry writes are open without a token (loopback only: {host})"
+        return (
+            f"registry writes are refused: {host} is not loopback and no token is set "
+            "(set DXSERVE_TOKEN, or DXSERVE_ALLOW_ANONYMOUS_REGISTRATION=true)"
         )
 
     # --- operators --------------------------------------------------------------------
@@ -135,12 +198,24 @@ class Service:
         from the last one like it (see ``worker.Workers.run``).
         """
         op = OPERATORS[ALIASES.get(operator, operator)]
-        entry = self.registry.get(function)
+        entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
             op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature
         )
         key = (entry.name, op.name, hint, prep)
+        budget = self.budget
+        if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
+            budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all are taken
+            try:
+                return await self._call(op, found, key, limit_large=False)
+            finally:
+                budget.give_large()
+        return await self._call(op, found, key, limit_large=True)
+
+    async def _call(self, op: OperatorSpec, found: Lookup, key: Hashable, limit_large: bool) -> dict:
+        """Run a looked-up call; ``limit_large``: take a large-result slot if the prep
+        made for it (on a first call) turns out to return a large result."""
         if found.prep is not None and self.workers.batching:
             ready = found.prep
 
@@ -154,11 +229,17 @@ class Service:
             return await self.workers.run_grouped(
                 (ready, op.name), found.inputs, run_group, key, holds
             )
-        limit = self.settings.max_result_elements
+        limit, limits, budget = self.settings.max_result_elements, self.limits, self.budget
 
         def compute() -> dict:
-            ready = found.prep or found.prepare(self.cache, limit)  # first call: compile
-            return results_of(op, ready.run(op.name, *found.inputs))
+            ready = found.prep or found.prepare(self.cache, limit, limits)  # first call: compile
+            if not (limit_large and budget.is_large(ready.result_bytes)):
+                return results_of(op, ready.run(op.name, *found.inputs))
+            budget.take_large(ready.result_bytes)
+            try:
+                return results_of(op, ready.run(op.name, *found.inputs))
+            finally:
+                budget.give_large()
 
         return await self.workers.run(compute, key)
 
@@ -174,11 +255,11 @@ class Service:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``."""
         op = OPERATORS[ALIASES.get(operator, operator)]
-        entry = self.registry.get(function)
-        limit = self.settings.max_result_elements
+        entry = self.registry.loaded(function) or await self._load(function)
+        limit, limits = self.settings.max_result_elements, self.limits
 
         def compile_it() -> Prep:
-            return prepare(op.name, entry.fn, backend, x, tangents, contexts, None, limit)
+            return prepare(op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits)
 
         prep = await self.workers.run(compile_it)
         return {
@@ -189,6 +270,16 @@ class Service:
             "resolved": prep.resolved.to_json(),
             **prep.report,  # e.g. "sparsity": the pattern's shape, nnz, colours, mode
         }
+
+    async def _load(self, function: Any) -> Any:
+        """The registry's entry for ``function``, built off the event loop if it must be
+        (a stored function's first use, or its first since it was evicted)."""
+
+        def load() -> Any:
+            with float64_scope():  # as at registration: exports may carry float64 signatures
+                return self.registry.get(function)
+
+        return await run_in_threadpool(load)
 
     # --- functions ----------------------------------------------------------------------
     async def register(self, body: dict) -> tuple[dict[str, Any], bool]:
@@ -208,7 +299,7 @@ class Service:
 
     def function(self, name: Any, field: str = "name") -> dict[str, Any]:
         """One function's kind, signature and description."""
-        return self.registry.get(name, field).describe()
+        return self.registry.lookup(name, field).describe()
 
     def functions(self) -> list[dict[str, Any]]:
         """Every registered function, by name."""
@@ -236,6 +327,18 @@ class Service:
         self.store.close()
 
 
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (a bind address) reachable from this machine only? ``localhost``,
+    127.0.0.0/8 and ::1; any other name or address (``0.0.0.0``, ``::``) is not."""
+    host = host.strip().strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _host(tree: Any) -> Any:
     """JAX results -> numpy (zero-copy on CPU); tuples stay tuples for batches.
 
@@ -253,7 +356,13 @@ def _host(tree: Any) -> Any:
 
 def results_of(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
     """``{result name: numpy value}`` from ``Prep.run``'s outputs (``op.results`` order)."""
-    return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}
+    try:
+        return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}
+    except Exception as exc:  # the copy to the host may be where the device runs out
+        oom = out_of_memory(exc)
+        if oom is None:
+            raise
+        raise oom from exc
 
 
 def _operator_method(op: OperatorSpec) -> Callable:

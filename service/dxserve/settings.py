@@ -23,18 +23,36 @@ class Settings(BaseSettings):
     functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
     #: Directory of the persistent function registry.
     store: Path = Path("dxserve-store")
+    #: Most bytes of stored content (exports and expressions; content shared by several
+    #: names counts once): 507 past it, 413 for one upload larger than all of it; 0: none.
+    store_quota_bytes: int = Field(default=1 << 30, ge=0)
+    #: Most stored functions kept built in memory (least recently used evicted; an
+    #: evicted one is built again from the store on its next use).
+    max_loaded_functions: int = Field(default=64, ge=1)
+    #: Most content bytes of stored functions kept built in memory (0: only the count).
+    max_loaded_bytes: int = Field(default=256 << 20, ge=0)
     #: JAX persistent compilation cache ("" disables it).
     compilation_cache: str = "dxserve-store/jax-cache"
     #: MiB of compiled operator executables kept in ``<compilation_cache>/executables``
     #: so a restart skips tracing and compiling (0 disables; see ``executable_cache``).
     executable_cache_mb: int = 1024
+    #: MiB of JAX's own compilation cache entries in ``compilation_cache`` (not counting
+    #: ``executables``): oldest pruned at start and every minute (0: no cap).
+    compilation_cache_mb: int = Field(default=1024, ge=0)
     #: Initialise JAX (backend, tracer, compiler) at start-up, not on the first request.
     warm_up: bool = True
     #: Bearer token required for registry writes (and compute, if below is set).
     token: str | None = None
     tokens_file: Path | None = None
     require_token_for_compute: bool = False
+    #: With no token configured, registry writes (POST/DELETE /functions) are accepted
+    #: only when the server listens on a loopback address; set this to accept them
+    #: from anyone on any address (e.g. behind a proxy that authenticates).
+    allow_anonymous_registration: bool = False
     max_body_bytes: int = 256 * 1024 * 1024
+    #: Largest operator body in JSON: decoding JSON numbers holds ~16x the body's size
+    #: (binary bodies decode without copying, so they get ``max_body_bytes``).
+    max_json_body_bytes: int = 32 * 1024 * 1024
     max_upload_bytes: int = 32 * 1024 * 1024
     max_functions: int = 1000
     #: Most numbers one operator call may return (Jacobians and Hessians grow as n²;
@@ -43,6 +61,23 @@ class Settings(BaseSettings):
     #: Seconds sparsity detection and colouring (``Sparse`` backends, at preparation) may
     #: take before the request is refused with 422 ``sparsity-detection``.
     sparse_detection_seconds: float = Field(default=60.0, gt=0)
+    #: Bytes of device memory one compiled operator may need by XLA's own estimate
+    #: (arguments, outputs, temporaries, code; 422 ``budget-exceeded`` above; 0: no limit).
+    max_request_memory_bytes: int = 4 * 1024**3
+    #: Floating-point operations (with transcendentals) one operator may take by XLA's
+    #: estimate (422 above; 0: no limit).
+    max_request_flops: float = 1e11
+    #: Conservative rates used to estimate run time at preparation: an operator estimated
+    #: to take longer than ``request_timeout`` is refused, since a started one cannot stop.
+    assumed_flops_per_second: float = Field(default=1e10, gt=0)
+    assumed_bytes_per_second: float = Field(default=1e10, gt=0)
+    #: Bytes held at once by large request bodies being decoded (times the encoding's
+    #: amplification) and by results until sent; 503 + Retry-After past it.
+    max_inflight_bytes: int = 2 * 1024**3
+    #: A result of at least this many bytes is "large": at most ``max_large_results`` of
+    #: them are computed at once (503 + Retry-After for more).
+    large_result_bytes: int = 64 * 1024**2
+    max_large_results: int = Field(default=2, ge=1)
     max_prepared: int = 1024
     cache_size: int = 512
     #: Requests waiting per device worker before 503 + Retry-After.
@@ -67,7 +102,26 @@ class Settings(BaseSettings):
     #: 0.005; 0.0002 keeps /health p99 near 3 ms even beside a pure-Python computation,
     #: but costs ~20% of peak throughput (32 concurrent small gradients).
     switch_interval: float = Field(default=0.001, gt=0, le=0.1)
+    #: Connections (see ``http/connections.py``): seconds a request's headers may take to
+    #: arrive (from the connection opening or the request's first byte), seconds its body
+    #: may take once the headers are in (408 and closed past either), most header bytes
+    #: (431), most open connections (503 and closed past it), seconds an idle keep-alive
+    #: connection stays open, and the listen backlog.
+    header_timeout: float = Field(default=10.0, gt=0)
+    body_timeout: float = Field(default=120.0, gt=0)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_connections: int = Field(default=4096, ge=1)
+    keep_alive_timeout: int = Field(default=5, ge=1)
+    backlog: int = Field(default=2048, ge=1)
     log_level: str = "info"
+    #: Check every uploaded export in a resource-limited child process (deserialize,
+    #: build its MLIR modules, compile and run its operators once) before the server
+    #: reads it in process; a crash there is a 422, not a dead server. Keep it on.
+    export_gate: bool = True
+    #: Address space (bytes) the export gate's child may add to its own (RLIMIT_AS).
+    export_gate_memory_bytes: int = Field(default=4 << 30, ge=64 << 20)
+    #: Wall-clock and CPU-time seconds one export check may take.
+    export_gate_timeout: float = Field(default=60.0, gt=0)
 
     @field_validator("functions", mode="before")
     @classmethod

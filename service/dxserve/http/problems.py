@@ -7,13 +7,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from jax.errors import JaxRuntimeError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from dxclient.codec import dumps
 from dxclient.errors import (
     DeadlineExceededError,
     DxError,
+    ForbiddenError,
     FunctionConflictError,
     InternalError,
     InvalidArgumentError,
@@ -21,6 +24,7 @@ from dxclient.errors import (
     OverloadedError,
     PayloadTooLargeError,
     PreparationMismatchError,
+    RequestTimeoutError,
     StorageFullError,
     TooManyFunctionsError,
     UnauthorizedError,
@@ -28,6 +32,8 @@ from dxclient.errors import (
     UnknownPreparationError,
     UnsupportedMediaTypeError,
 )
+
+from ..preparation import out_of_memory
 
 PROBLEM_TYPE = "application/problem+json"
 log = logging.getLogger("dxserve.http")
@@ -40,8 +46,10 @@ STATUS: dict[type[DxError], int] = {
     DxError: 400,
     MalformedRequestError: 400,
     UnauthorizedError: 401,
+    ForbiddenError: 403,
     UnknownFunctionError: 404,
     UnknownPreparationError: 404,
+    RequestTimeoutError: 408,
     PreparationMismatchError: 409,
     FunctionConflictError: 409,
     PayloadTooLargeError: 413,
@@ -117,6 +125,24 @@ def install(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         field = _field_of(tuple(first.get("loc", ())))
         return problem_response(InvalidArgumentError(f"{field}: {first.get('msg')}", field=field))
+
+    async def _runtime(request: Request, exc: Exception) -> Response:
+        # Out of memory wherever it surfaces (device or host) is a 503: the request may
+        # fit later. Handled here rather than as a bare 500, so the connection stays usable.
+        oom = out_of_memory(exc)
+        if oom is not None:
+            log.warning("out of memory on %s %s: %s", request.method, request.url.path, exc)
+            return problem_response(oom)
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return problem_response(InternalError(f"{type(exc).__name__}; the server logged it"))
+
+    app.add_exception_handler(MemoryError, _runtime)
+    app.add_exception_handler(JaxRuntimeError, _runtime)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client went away (or its connection timed out) mid-body: nobody reads this.
+        return problem_response(MalformedRequestError("the client disconnected", field="body"))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:

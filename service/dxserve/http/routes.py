@@ -12,9 +12,15 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from dxclient import codec
-from dxclient.errors import MalformedRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from dxclient.errors import (
+    MalformedRequestError,
+    OverloadedError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
 from dxclient.operators import OperatorSpec
 
+from ..budget import DECODE_FACTOR, ENCODE_FACTOR, InFlight, Ticket
 from ..service import Action, Service
 from .responses import BodyResponse, PartsResponse
 from .wire import (
@@ -46,9 +52,13 @@ def authorize(request: Request, action: Action) -> None:
     service_of(request).authorize(bearer_token(request), action)
 
 
-async def read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
+async def read_body(
+    request: Request, limit: int, declared: str | None = None,
+    ticket: Ticket | None = None, factor: int = 1,
+) -> bytes:
     """The whole body, refused (413) past ``limit`` bytes. ``declared``: the request's
-    Content-Length if the caller has read it already, else it is looked up here."""
+    Content-Length if the caller has read it already, else it is looked up here.
+    ``ticket``: holds ``factor`` times the bytes read in the in-flight budget (503 past it)."""
     if declared is None:
         declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -72,6 +82,12 @@ async def read_body(request: Request, limit: int, declared: str | None = None) -
             err = PayloadTooLargeError(f"body exceeds the limit of {limit} bytes", field="body")
             err.close = True  # type: ignore[attr-defined]
             raise err
+        if ticket is not None and size * factor > ticket.held:  # no Content-Length: count as read
+            try:
+                ticket.hold(size * factor, "body")
+            except OverloadedError as err:
+                err.close = True  # type: ignore[attr-defined]  # the rest of the body is unread
+                raise
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
@@ -79,12 +95,31 @@ async def read_body(request: Request, limit: int, declared: str | None = None) -
 async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorRequest, str, int]:
     """``(request, response encoding, body size)`` of ``POST /{op}``."""
     content_type, accept, length, declared = wire_headers(request.scope)
-    body = await read_body(request, service_of(request).settings.max_body_bytes, declared)
+    service = service_of(request)
+    settings = service.settings
+    if content_type is not None and codec.BINARY_TYPE in content_type.lower():
+        limit, factor = settings.max_body_bytes, DECODE_FACTOR["binary"]
+    else:  # JSON holds ~16x its size while decoding: a lower limit of its own
+        limit = min(settings.max_body_bytes, settings.max_json_body_bytes)
+        factor = DECODE_FACTOR["json"]
+    ticket = None
+    if declared is None or not declared.isdigit() or int(declared) > LARGE_BYTES:
+        # a large (or unsized) body: held in the in-flight budget until the call ends
+        ticket = request.scope["dxserve.ticket"] = Ticket(service.budget)
+        if declared is not None and declared.isdigit() and int(declared) <= limit:
+            try:
+                ticket.hold(int(declared) * factor, "body")
+            except OverloadedError as err:
+                err.close = True  # type: ignore[attr-defined]  # the body is left unread
+                raise
+    body = await read_body(request, limit, declared, ticket, factor)
     encoding = response_encoding(content_type, accept, body)
     if len(body) > LARGE_BYTES:
         parsed = await run_in_threadpool(decode_operator_request, body, content_type, length, op)
     else:
         parsed = decode_operator_request(body, content_type, length, op)
+    if ticket is not None:
+        ticket.hold(len(body))  # decoded: the inputs take about the body's size
     return parsed, encoding, len(body)
 
 
@@ -99,10 +134,36 @@ async def compute_request(
     return (service, *await decode_operator(request, op))
 
 
-async def encode(payload: dict, encoding: str, status: int = 200) -> Response:
-    if result_nbytes(payload) > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
-        parts, media, headers = await run_in_threadpool(codec.encode_body_parts, payload, encoding)
-        return PartsResponse(parts, status, headers, media_type=media)
+def release_ticket(request: Request) -> None:
+    """Give back what ``decode_operator`` held for a large body (once the call is over)."""
+    ticket = request.scope.get("dxserve.ticket")
+    if ticket is not None:
+        ticket.release()
+
+
+async def encode(
+    payload: dict, encoding: str, status: int = 200, budget: InFlight | None = None
+) -> Response:
+    """The response; a large result is held in ``budget`` (with what encoding it
+    takes) until it has been sent."""
+    nbytes = result_nbytes(payload)
+    if nbytes > LARGE_BYTES:  # sent as parts: see responses.PartsResponse
+        held = 0
+        if budget is not None:  # the result exists already: counted, never refused
+            held = nbytes * (1 + ENCODE_FACTOR.get(encoding, 3))
+            budget.force(held)
+        try:
+            parts, media, headers = await run_in_threadpool(
+                codec.encode_body_parts, payload, encoding
+            )
+        except BaseException:
+            if budget is not None:
+                budget.give(held)
+            raise
+        response = PartsResponse(parts, status, headers, media_type=media)
+        if budget is not None:
+            response.on_sent = lambda: budget.give(held)
+        return response
     body, media, headers = codec.encode_body(payload, encoding)
     return BodyResponse(body, status, media, headers)
 
@@ -121,12 +182,15 @@ class OperatorEndpoint:
         )
 
     async def __call__(self, request: Request) -> Response:
-        service, req, encoding, size = await compute_request(request, self.op)
-        results = await service.call(
-            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
-            req.prep, signature=req.signature, hint=size,
-        )
-        return await encode(results, encoding)
+        try:
+            service, req, encoding, size = await compute_request(request, self.op)
+            results = await service.call(
+                self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+                req.prep, signature=req.signature, hint=size,
+            )
+        finally:
+            release_ticket(request)
+        return await encode(results, encoding, budget=service.budget)
 
 
 class PrepareEndpoint:
@@ -138,10 +202,13 @@ class PrepareEndpoint:
         self.__doc__ = f"Compile `{op.name}` once for this signature; returns a handle."
 
     async def __call__(self, request: Request) -> Response:
-        service, req, _, _ = await compute_request(request, self.op)
-        handle = await service.prepare(
-            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts
-        )
+        try:
+            service, req, _, _ = await compute_request(request, self.op)
+            handle = await service.prepare(
+                self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts
+            )
+        finally:
+            release_ticket(request)
         return JSONResponse(handle)
 
 
