@@ -143,14 +143,19 @@ def identify(fn: Callable, kind: str, content: bytes) -> None:
 # --- keys --------------------------------------------------------------------
 def key(
     function: Callable, resolved: Any, results: tuple[str, ...], x: Any, tangents: Any,
-    contexts: Any,
+    contexts: Any, batch_axis: int | None = None,
 ) -> Key | None:
-    """The key of this operator executable, or None when it is not to be persisted."""
+    """The key of this operator executable, or None when it is not to be persisted.
+
+    ``batch_axis``: set for an operator vmapped over points (keyed apart: the same
+    shapes unbatched are another program); unbatched keys are unchanged."""
+    more = {} if batch_axis is None else {"batch_axis": batch_axis}
     return _key(
         function, x, contexts,
         results=list(results),
         backend=lambda: resolved.to_json(),
         tangents=lambda: None if tangents is None else persistent_spec(tangents),
+        **more,
     )
 
 

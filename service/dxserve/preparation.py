@@ -6,6 +6,10 @@ function and compiles it. The returned ``Prep`` holds the executable; calls with
 a matching signature run it directly, calls with another signature raise
 ``PreparationMismatchError``. Without an explicit prep, ``call`` keeps compiled
 preps in a bounded LRU keyed by (function, operator, backend, signature).
+
+``batch_axis=0`` makes x (every leaf) and the tangents carry a leading axis of
+independent points, contexts shared: the family is checked and built for one point
+and the operator is ``jax.vmap``ped over the points inside the one compiled call.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dxclient.backends import Backend, backend_from_json
 from dxclient.errors import (
     DxError,
     FunctionEvaluationError,
+    InvalidArgumentError,
     OverloadedError,
     PreparationMismatchError,
     ResultTooLargeError,
@@ -182,7 +187,10 @@ class Prep:
 
         if not self.traced:
             return run
-        key = executable_cache.key(self.function, self.resolved, results, x, tangents, contexts)
+        key = executable_cache.key(
+            self.function, self.resolved, results, x, tangents, contexts,
+            self.signature.batch_axis,
+        )
         try:
             exe = self.compiler.compile(run, (x, tangents, contexts), key)
         except DxError:
@@ -270,11 +278,12 @@ MAX_RESULT_ELEMENTS = 2**27
 
 
 def _check_result_size(
-    family: str, inputs: Inputs, limit: int, engine: Engine | None = None
+    family: str, inputs: Inputs, limit: int, engine: Engine | None = None, points: int = 1
 ) -> int:
     """The number of results ``family`` returns here (``ResultTooLargeError`` past ``limit``).
 
-    ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n)."""
+    ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n).
+    ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole)."""
     n, m = _size(inputs.x), _size(inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
@@ -284,6 +293,15 @@ def _check_result_size(
     extent = elements if counted is not None else OPERATORS[family].result_elements(
         _extent(inputs.x), _extent(inputs.y), k
     )
+    elements, extent = elements * points, extent * points
+    if points > 1 and elements > limit:
+        raise ResultTooLargeError(
+            f"{family} of a batch of {points:,} points (batch_axis=0) would return "
+            f"{elements:,} numbers ({elements // points:,} per point), over the limit of "
+            f"{limit:,}; send at most {max(1, limit // max(1, elements // points)):,} points "
+            "per request, or raise DXSERVE_MAX_RESULT_ELEMENTS",
+            field="x",
+        )
     if elements <= limit < extent:
         raise ResultTooLargeError(
             f"{family} here would return zero-size arrays whose other dimensions span "
@@ -310,6 +328,7 @@ def prepare(
     cache: PrepCache | None = None,
     max_result_elements: int | None = None,
     limits: ComputeLimits | None = None,
+    batch_axis: int | None = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -318,46 +337,143 @@ def prepare(
     compiled executable. Float64 inputs trace and compile in float64.
     ``max_result_elements`` defaults to ``MAX_RESULT_ELEMENTS``. ``limits``: per-request
     bounds on XLA's estimate of each compiled executable (None: unbounded, the library's
-    default; the server passes its settings).
+    default; the server passes its settings). ``batch_axis=0``: x's leaves and the
+    tangents' lead with an axis of B points, results come back stacked as (B, ...).
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
     with float64_scope():
         return _prepare(
-            operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits
+            operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits,
+            batch_axis,
         )
 
 
 def _prepare(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
-    limits: ComputeLimits | None = None,
+    limits: ComputeLimits | None = None, batch_axis: int | None = None,
 ) -> Prep:
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
-    traced, y = probe(f, x, contexts)
-    resolved = resolve_backend(backend, family, traced=traced, n=_size(x), m=_size(y))
+    points, px, pt = 1, x, tangents  # one point's x and tangents: what is checked and built
+    if batch_axis is not None:
+        check_batch_axis(batch_axis)
+        points = batch_points(x, tangents)
+        px = _first_point(x)
+        pt = None if tangents is None else tuple(_first_point(t) for t in tangents)
+    traced, y = probe(f, px, contexts)
+    resolved = resolve_backend(backend, family, traced=traced, n=_size(px), m=_size(y))
+    if batch_axis is not None and (family == "sparsity" or resolved.type == "sparse"):
+        raise InvalidArgumentError(
+            f"batch_axis is not supported for sparse {family} (a sparse result per point); "
+            "send the points one by one or use a dense backend",
+            field="batch_axis",
+        )
     engine, inner = engines_for(resolved, traced=traced)
     spec = FAMILIES[family]
-    inputs = Inputs(x, tangents, contexts, y)
+    inputs = Inputs(px, pt, contexts, y)
     spec.check(inputs)
     engine.prepare(family, f, inputs)  # e.g. sparsity detection and colouring, once
-    elements = _check_result_size(family, inputs, max_result_elements, engine)
-    signature = Signature.of(x, tangents, contexts)
+    elements = _check_result_size(family, inputs, max_result_elements, engine, points)
+    signature = Signature.of(x, tangents, contexts, batch_axis)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
         return replace(twin, backend=backend)
     compiled = traced and engine.traces and (inner is None or inner.traces)
+    build = spec.build(f, engine, inner, inputs)
+    if batch_axis is not None:
+        build = over_points(build, tangents is not None, compiled)
+        y = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((points, *s.shape), s.dtype), y)
     prep = Prep(
-        operator, f, backend, resolved, signature, y, spec.build(f, engine, inner, inputs),
+        operator, f, backend, resolved, signature, y, build,
         engine, compiled, limits=limits, result_bytes=elements * _itemsize(x),
     )
     prep.executable(operator, x, tangents, contexts)
     if cache is not None:
         cache.put_resolved(twin_key, prep)
     return prep
+
+
+# --- many points in one call ------------------------------------------------
+def check_batch_axis(batch_axis: Any) -> None:
+    """Refuse a ``batch_axis`` other than None or 0 (``InvalidArgumentError`` naming it)."""
+    if batch_axis is None or (type(batch_axis) is int and batch_axis == 0):
+        return
+    raise InvalidArgumentError(
+        f"batch_axis must be 0 (x and the tangents lead with an axis of points) or null "
+        f"(one point), got {batch_axis!r}",
+        field="batch_axis",
+    )
+
+
+def batch_points(x: Tree, tangents: tuple | None) -> int:
+    """B, the leading dimension every leaf of x and of each tangent must share."""
+    points = None
+    for leaf in jax.tree_util.tree_leaves(x):
+        shape = np.shape(leaf)
+        if not shape:
+            raise ShapeMismatchError(
+                "batch_axis=0 needs every leaf of x to lead with an axis of points; "
+                "got a scalar",
+                field="x",
+            )
+        if points is None:
+            points = shape[0]
+        elif shape[0] != points:
+            raise ShapeMismatchError(
+                f"batch_axis=0: the leaves of x disagree on the number of points "
+                f"({points} and {shape[0]})",
+                field="x",
+            )
+    if points is None:
+        raise ShapeMismatchError("batch_axis=0 needs x to hold an array", field="x")
+    if points == 0:
+        raise ShapeMismatchError("batch_axis=0 with no points in x; send at least one", field="x")
+    for i, t in enumerate(tangents or ()):
+        for leaf in jax.tree_util.tree_leaves(t):
+            shape = np.shape(leaf)
+            if not shape or shape[0] != points:
+                got = f"{shape[0]} points" if shape else "no axis of points"
+                raise ShapeMismatchError(
+                    f"batch_axis=0: tangents[{i}] has {got} where x has {points}; with a "
+                    "batch every tangent leads with the same axis of points as x",
+                    field=f"tangents[{i}]",
+                )
+    return points
+
+
+def _first_point(tree: Tree) -> Tree:
+    """The first point of a batched pytree (a view for numpy leaves)."""
+    return jax.tree_util.tree_map(lambda v: v[0, ...], tree)
+
+
+def over_points(run: Callable, batched_tangents: bool, compiled: bool) -> Callable:
+    """``run(x, tangents, contexts) -> dict`` over a leading axis of points on x (and the
+    tangents), results stacked on that axis, contexts shared.
+
+    Compiled: one ``jax.vmap``, so the batch is one XLA program. Otherwise (a black-box
+    function or an engine that does not trace) a loop, point by point: vmap needs tracing.
+    """
+    if compiled:
+        return jax.vmap(run, in_axes=(0, 0 if batched_tangents else None, None))
+
+    def loop(x: Tree, tangents: tuple | None, contexts: tuple) -> dict:
+        count = np.shape(jax.tree_util.tree_leaves(x)[0])[0]
+        outs = [
+            run(
+                jax.tree_util.tree_map(lambda v, i=i: v[i, ...], x),
+                None if tangents is None
+                else jax.tree_util.tree_map(lambda v, i=i: v[i, ...], tangents),
+                contexts,
+            )
+            for i in range(count)
+        ]
+        return jax.tree_util.tree_map(lambda *vs: np.stack([np.asarray(v) for v in vs]), *outs)
+
+    return loop
 
 
 def _itemsize(tree: Tree) -> int:
@@ -441,6 +557,7 @@ class Lookup:
     contexts: tuple
     prep: Prep | None
     key: tuple
+    batch_axis: int | None = None
 
     @property
     def inputs(self) -> tuple:
@@ -459,7 +576,7 @@ class Lookup:
         if prep is None:
             prep = prepare(
                 self.operator, self.function, self.backend, self.x, self.tangents,
-                self.contexts, cache, max_result_elements, limits,
+                self.contexts, cache, max_result_elements, limits, self.batch_axis,
             )
             cache.put(self.key, prep)
         return prep
@@ -475,23 +592,27 @@ def lookup(
     prep: Prep | None = None,
     cache: PrepCache = CACHE,
     signature: Signature | None = None,
+    batch_axis: int | None = None,
 ) -> Lookup:
     """Normalize the inputs and find the prep that runs them: ``prep`` if given
     (checked against the call), else the cached one, else none yet.
 
     ``signature``: the inputs' signature if the caller already knows it (the server
-    does for a repeated request), saving its computation."""
+    does for a repeated request), saving its computation. ``batch_axis``: 0 for a
+    batch of points (checked here; the points themselves at preparation)."""
     op = OPERATORS[operator]
     backend = backend_from_json(backend)
     x, tangents, contexts = _normalize(x, tangents, contexts)
+    if batch_axis is not None:
+        check_batch_axis(batch_axis)
     if signature is None:
-        signature = Signature.of(x, tangents, contexts)
+        signature = Signature.of(x, tangents, contexts, batch_axis)
     key = (f, op.name, backend, signature)
     if prep is not None:
         prep.check(op.family, f, backend, signature)
     else:
         prep = cache.get(key)
-    return Lookup(op.name, f, backend, x, tangents, contexts, prep, key)
+    return Lookup(op.name, f, backend, x, tangents, contexts, prep, key, batch_axis)
 
 
 def call(
@@ -503,10 +624,15 @@ def call(
     contexts: Sequence,
     prep: Prep | None = None,
     cache: PrepCache = CACHE,
+    batch_axis: int | None = None,
 ) -> Any:
-    """Run ``operator``; return its result, or a tuple of results (DI's order)."""
+    """Run ``operator``; return its result, or a tuple of results (DI's order).
+
+    ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...)."""
     with float64_scope():
-        found = lookup(operator, f, backend, x, tangents, contexts, prep, cache)
+        found = lookup(
+            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis
+        )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
     return out[0] if len(out) == 1 else out

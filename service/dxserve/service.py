@@ -189,21 +189,26 @@ class Service:
         *,
         signature: Signature | None = None,
         hint: Hashable = None,
+        batch_axis: int | None = None,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
         ``prep`` is a handle from ``prepare``. ``signature``: the inputs' signature if
         the caller knows it already. ``hint``: anything that tells similar calls apart
         (the HTTP layer passes the body size), so a call's expected cost is known
-        from the last one like it (see ``worker.Workers.run``).
+        from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
+        the tangents hold B points, each result stacked (B, ...); one job, one call.
         """
         op = OPERATORS[ALIASES.get(operator, operator)]
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
-            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature
+            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
+            batch_axis,
         )
-        key = (entry.name, op.name, hint, prep)
+        # A batch is one job whose cost is its whole batch's: keyed apart from single
+        # points, so its expected cost never comes from (nor is taken for) theirs.
+        key = (entry.name, op.name, hint, prep, batch_axis)
         budget = self.budget
         if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
             budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all are taken
@@ -251,15 +256,21 @@ class Service:
         x: Any,
         tangents: Sequence | None = None,
         contexts: Sequence = (),
+        *,
+        batch_axis: int | None = None,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
-        "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``."""
+        "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
+        ``batch_axis=0`` prepares a batch of points (calls must send one as well)."""
         op = OPERATORS[ALIASES.get(operator, operator)]
         entry = self.registry.loaded(function) or await self._load(function)
         limit, limits = self.settings.max_result_elements, self.limits
 
         def compile_it() -> Prep:
-            return prepare(op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits)
+            return prepare(
+                op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
+                batch_axis,
+            )
 
         prep = await self.workers.run(compile_it)
         return {
@@ -368,17 +379,20 @@ def results_of(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
 def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
-        prep: str | None = None,
+        prep: str | None = None, batch_axis: int | None = None,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
-        out = await self.call(op.name, function, backend, x, tangents, contexts, prep)
+        out = await self.call(
+            op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis
+        )
         values = tuple(out[name] for name in op.results)
         return values[0] if len(values) == 1 else values
 
     takes = ", tangents" if op.takes_tangents else ""
     method.__name__ = method.__qualname__ = op.name
     method.__doc__ = (
-        f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None)``: "
+        f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None, "
+        "batch_axis=None)``: "
         f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
     )
     return method

@@ -1,6 +1,7 @@
 """Signatures: what a compiled operator depends on in its inputs.
 
-A pytree's structure and each leaf's shape and dtype. ``Signature`` (hashable) keys
+A pytree's structure and each leaf's shape and dtype, and whether x carries a batch
+of points (``batch_axis``). ``Signature`` (hashable) keys
 the in-memory preps and says what differs when a call does not match its prep;
 ``persistent_spec`` is the same walk as JSON, with what a persisted executable also
 depends on (weak types, shardings).
@@ -33,24 +34,33 @@ class Signature:
     x: Spec
     tangents: tuple[Spec, ...] | None
     contexts: tuple[Spec, ...]
+    #: 0 when x (and the tangents) carry a leading axis of independent points, else None
+    batch_axis: int | None = None
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash((self.x, self.tangents, self.contexts))
+        return hash((self.x, self.tangents, self.contexts, self.batch_axis))
 
     def __hash__(self) -> int:  # every prep-cache lookup hashes one; its fields never change
         return self._hash
 
     @staticmethod
-    def of(x: Tree, tangents: tuple | None, contexts: tuple) -> Signature:
+    def of(
+        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None = None
+    ) -> Signature:
         return Signature(
             spec_of(x),
             None if tangents is None else tuple(spec_of(t) for t in tangents),
             tuple(spec_of(c) for c in contexts),
+            batch_axis,
         )
 
     def difference(self, prepared: Signature) -> tuple[str, str] | None:
         """``(field, what differs)`` against the prepared signature, or None."""
+        if self.batch_axis != prepared.batch_axis:  # first: every shape differs then too
+            return "batch_axis", (
+                f"batch_axis={self.batch_axis} given, prepared with batch_axis={prepared.batch_axis}"
+            )
         if self.x != prepared.x:
             return "x", _describe(self.x, prepared.x)
         if (self.tangents is None) != (prepared.tangents is None) or (

@@ -143,18 +143,22 @@ class _ClientBase(OperatorMethods):
     # --- operators -------------------------------------------------------------
     def _operator(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
-        tangents: Any, contexts: tuple, prep: RemotePrep | None,
+        tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
     ) -> Any:
-        call = _models.operator_call(operator, f, backend, x, tangents, contexts, prep, self.encoding)
+        call = _models.operator_call(
+            operator, f, backend, x, tangents, contexts, prep, self.encoding,
+            batch_axis=batch_axis,
+        )
         url = self._urls.resolve(self.http, call.path)
         return self._run(call, url, _operator_answer, operator)
 
     def _prepare(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
-        tangents: Any, contexts: tuple,
+        tangents: Any, contexts: tuple, batch_axis: int | None = None,
     ) -> Any:
         call = _models.operator_call(
-            operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True
+            operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
+            batch_axis=batch_axis,
         )
         return self._run(call, self._urls.resolve(self.http, call.path), _prep_answer)
 

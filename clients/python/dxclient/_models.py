@@ -90,8 +90,13 @@ def operator_call(
     encoding: str,
     *,
     prepare: bool = False,
+    batch_axis: int | None = None,
 ) -> Call:
-    repeat = _REPEATS.key(operator, f, backend, x, tangents, contexts, prep, encoding, prepare)
+    """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
+    axis of points; sent as ``"batch_axis": 0``, left out when None)."""
+    repeat = _REPEATS.key(
+        operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis
+    )
     if repeat is not None:
         call = _REPEATS.call(repeat, x)
         if call is not None:
@@ -112,6 +117,8 @@ def operator_call(
         if prep.operator != op.name and OPERATORS[prep.operator].family != op.family:
             raise ValueError(f"prep was made for {prep.operator}, not {op.name}")
         payload["prep"] = prep.handle
+    if batch_axis is not None:
+        payload["batch_axis"] = batch_axis
     body, content_type, headers = codec.encode_body(payload, encoding)
     headers = {"content-type": content_type, **headers}
     if encoding == "binary":
@@ -139,16 +146,17 @@ class _RepeatCalls:
 
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
-        prep: RemotePrep | None, encoding: str, prepare: bool,
+        prep: RemotePrep | None, encoding: str, prepare: bool, batch_axis: int | None = None,
     ) -> tuple | None:
-        """The call's key if it is the repeating kind, else None."""
+        """The call's key if it is the repeating kind, else None (a batch of points is
+        keyed apart: its header says so, and x's shape alone cannot tell)."""
         if (
             encoding != "binary" or type(x) is not np.ndarray or tangents is not None
             or contexts or prep is not None or type(f) is not str
             or not isinstance(backend, str | Backend)
         ):
             return None
-        return operator, prepare, f, backend, x.dtype, x.shape
+        return operator, prepare, f, backend, x.dtype, x.shape, batch_axis
 
     def call(self, key: tuple, x: np.ndarray) -> Call | None:
         known = self._calls.get(key)

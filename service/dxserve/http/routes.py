@@ -186,7 +186,7 @@ class OperatorEndpoint:
             service, req, encoding, size = await compute_request(request, self.op)
             results = await service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
-                req.prep, signature=req.signature, hint=size,
+                req.prep, signature=req.signature, hint=size, batch_axis=req.batch_axis,
             )
         finally:
             release_ticket(request)
@@ -205,7 +205,8 @@ class PrepareEndpoint:
         try:
             service, req, _, _ = await compute_request(request, self.op)
             handle = await service.prepare(
-                self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts
+                self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+                batch_axis=req.batch_axis,
             )
         finally:
             release_ticket(request)

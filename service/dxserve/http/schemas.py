@@ -57,6 +57,16 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             Field(default_factory=list, description="Extra inputs, not differentiated"),
         ),
         "prep": (str | None, Field(None, description="Handle from POST /prepare/{operator}")),
+        "batch_axis": (
+            Literal[0] | None,
+            Field(
+                None,
+                description="0: x (every leaf) and each tangent lead with an axis of B "
+                "independent points, contexts shared; results come back stacked (B, ...), "
+                "computed in one vmapped call. null: one point",
+                examples=[0],
+            ),
+        ),
     }
     if op.tangents_like is not None:
         like = _SHAPED_LIKE[op.tangents_like]

@@ -20,7 +20,7 @@ from dxclient.operators import OperatorSpec
 
 from ..signature import Signature
 
-OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep")
+OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep", "batch_axis")
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
 
@@ -51,6 +51,8 @@ class OperatorRequest:
     prep: str | None
     #: the inputs' ``Signature`` when already known (a repeated binary header), else None
     signature: Signature | None = None
+    #: 0: x and the tangents lead with an axis of points; None: one point
+    batch_axis: int | None = None
 
 
 def decode_operator_request(
@@ -78,14 +80,15 @@ class _Repeat:
     def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
-        self.signature = Signature.of(req.x, req.tangents, req.contexts)
+        self.batch_axis = req.batch_axis
+        self.signature = Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
 
     def request(self, obj: dict) -> OperatorRequest:
         """The request for a body with this header (``obj``: its decoded JSON)."""
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
-            self.prep, self.signature,
+            self.prep, self.signature, self.batch_axis,
         )
 
 
@@ -165,7 +168,14 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
     prep = obj.get("prep")
     if prep is not None and not isinstance(prep, str):
         raise InvalidArgumentError("prep must be a handle string from POST /prepare", field="prep")
-    return OperatorRequest(function, backend, x, tangents, contexts, prep)
+    batch_axis = obj.get("batch_axis")
+    if batch_axis is not None and (type(batch_axis) is not int or batch_axis != 0):
+        raise InvalidArgumentError(
+            f"batch_axis must be 0 (x and the tangents lead with an axis of points) or "
+            f"null (one point), got {batch_axis!r}",
+            field="batch_axis",
+        )
+    return OperatorRequest(function, backend, x, tangents, contexts, prep, None, batch_axis)
 
 
 def result_nbytes(tree: Any) -> int:

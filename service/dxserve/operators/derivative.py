@@ -28,17 +28,24 @@ def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("derivative", _check, _build))
 
 
-def prepare_derivative(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("derivative", f, backend, x, None, contexts)
+def prepare_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
-def derivative(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
+) -> Any:
     """``df/dx`` at scalar ``x``: shape ``y.shape``."""
-    return call("derivative", f, backend, x, None, contexts, prep)
+    return call("derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
 
 
 def value_and_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, Any]:
     """``(f(x), df/dx)`` at scalar ``x``."""
-    return call("value_and_derivative", f, backend, x, None, contexts, prep)
+    return call("value_and_derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)

@@ -28,17 +28,24 @@ def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("gradient", _check, _build))
 
 
-def prepare_gradient(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("gradient", f, backend, x, None, contexts)
+def prepare_gradient(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("gradient", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
-def gradient(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def gradient(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
+) -> Any:
     """``∇f(x)``: x's structure, shapes and dtypes."""
-    return call("gradient", f, backend, x, None, contexts, prep)
+    return call("gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
 
 
 def value_and_gradient(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, Any]:
     """``(f(x), ∇f(x))``."""
-    return call("value_and_gradient", f, backend, x, None, contexts, prep)
+    return call("value_and_gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis)

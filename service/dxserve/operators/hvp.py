@@ -35,19 +35,24 @@ def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("hvp", _check, _build))
 
 
-def prepare_hvp(f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any) -> Prep:
-    return prepare("hvp", f, backend, x, tangents, contexts)
+def prepare_hvp(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
 def hvp(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple:
     """``(∇²f(x) @ t for t in tangents)``: each has x's structure."""
-    return call("hvp", f, backend, x, tangents, contexts, prep)
+    return call("hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
 
 def gradient_and_hvp(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, tuple]:
     """``(∇f(x), (∇²f(x) @ t for t in tangents))``."""
-    return call("gradient_and_hvp", f, backend, x, tangents, contexts, prep)
+    return call("gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)

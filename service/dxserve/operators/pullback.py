@@ -28,22 +28,27 @@ def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("pullback", _check, _build))
 
 
-def prepare_pullback(f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any) -> Prep:
-    return prepare("pullback", f, backend, x, tangents, contexts)
+def prepare_pullback(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
 def pullback(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple:
     """``(Jᵀ @ c for c in tangents)``: each has x's structure."""
-    return call("pullback", f, backend, x, tangents, contexts, prep)
+    return call("pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
 
 def value_and_pullback(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, tuple]:
     """``(f(x), (Jᵀ @ c for c in tangents))``."""
-    return call("value_and_pullback", f, backend, x, tangents, contexts, prep)
+    return call("value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
 
 vjp = pullback

@@ -29,23 +29,26 @@ register_family(Family("pushforward", _check, _build))
 
 
 def prepare_pushforward(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
 ) -> Prep:
-    return prepare("pushforward", f, backend, x, tangents, contexts)
+    return prepare("pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
 def pushforward(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple:
     """``(J @ t for t in tangents)``: a tuple as long as ``tangents``."""
-    return call("pushforward", f, backend, x, tangents, contexts, prep)
+    return call("pushforward", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
 
 def value_and_pushforward(
-    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, tuple]:
     """``(f(x), (J @ t for t in tangents))``."""
-    return call("value_and_pushforward", f, backend, x, tangents, contexts, prep)
+    return call("value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
 
 jvp = pushforward

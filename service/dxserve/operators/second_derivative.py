@@ -28,19 +28,24 @@ def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("second_derivative", _check, _build))
 
 
-def prepare_second_derivative(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("second_derivative", f, backend, x, None, contexts)
+def prepare_second_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("second_derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
 def second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> Any:
     """``d²f/dx²`` at scalar ``x``: shape ``y.shape``."""
-    return call("second_derivative", f, backend, x, None, contexts, prep)
+    return call("second_derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
 
 
 def value_derivative_and_second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), f'(x), f''(x))`` at scalar ``x``."""
-    return call("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep)
+    return call("value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)

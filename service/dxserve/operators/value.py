@@ -22,10 +22,16 @@ def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("value", _check, _build))
 
 
-def prepare_value(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("value", f, backend, x, None, contexts)
+def prepare_value(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("value", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
-def value(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def value(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
+) -> Any:
     """``f(x, *contexts)``: y with f's output structure, shape and dtype."""
-    return call("value", f, backend, x, None, contexts, prep)
+    return call("value", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
