@@ -279,3 +279,28 @@ def test_other_bad_batches(http: TestClient) -> None:
     with _client(http, "binary") as client, pytest.raises(DxError) as err:
         client.gradient("rosenbrock", "auto", X, batch_axis=1)
     assert err.value.field == "batch_axis"
+
+
+def test_concurrent_batches_through_the_request_batcher(tmp_path: Any) -> None:
+    # Concurrent requests of one prep may be merged into one call (request_batching);
+    # a batch of points is then a batch of batches, and each answer must still be its own.
+    from dxserve.service import Service
+
+    service = Service(Settings(
+        store=tmp_path, compilation_cache="", functions=["dxserve.examples"], warm_up=False,
+        batch_wait=0.005, inline_below=0.0,
+    ))
+    parts = [X[i * 50:(i + 1) * 50] for i in range(8)]
+
+    async def main() -> list:
+        await service.gradient("rosenbrock", "auto", parts[0], batch_axis=0)  # prepare once
+        return await asyncio.gather(*(
+            service.gradient("rosenbrock", "auto", p, batch_axis=0) for p in parts
+        ))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        service.close()
+    for i, g in enumerate(results):
+        _close(g, GRAD[i * 50:(i + 1) * 50])
