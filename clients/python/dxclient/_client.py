@@ -267,6 +267,13 @@ class Client(_ClientBase):
         except StopIteration as done:
             return done.value
 
+    def scipy(self, f: RemoteFunction | str, backend: Backend | str = "auto", *contexts: Any) -> Any:
+        """``f`` shaped for ``scipy.optimize.minimize``: a ``dxclient.scipy.ScipyProblem``
+        with ``fun``, ``jac`` (one value_and_gradient request per point), ``hessp``, ``hess``."""
+        from .scipy import ScipyProblem
+
+        return ScipyProblem(self, f, backend, *contexts)
+
     def close(self) -> None:
         self.http.close()
 
