@@ -20,8 +20,10 @@ The transport is swappable, so tests can mount the ASGI app in process
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +40,37 @@ T = TypeVar("T")
 #: A method's requests and result, without I/O: yields calls, is sent their responses,
 #: returns the result. ``Client`` returns that result, ``AsyncClient`` an awaitable of it.
 Plan = Generator[Call, httpx.Response, T]
+
+
+#: Errors after which a request may be sent again: the connection failed or broke
+#: before an answer came. Only idempotent calls are retried after these.
+_TRANSPORT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
+                     httpx.RemoteProtocolError, httpx.WriteError)
+MAX_RETRY_DELAY = 30.0
+
+
+def _idempotent(call: Call) -> bool:
+    """Operator and preparation POSTs, GETs and DELETEs can be repeated safely;
+    registration (``POST /functions``) cannot (a retry could register twice)."""
+    return call.method != "POST" or not call.path.startswith("/functions")
+
+
+def _retry_delay(response: httpx.Response | None, attempt: int, backoff: float) -> float | None:
+    """Seconds to wait before trying again, or None when this answer is final.
+
+    A 503 says when to come back in ``Retry-After`` (seconds); without one, and after
+    a connection error, the wait doubles from ``backoff``.
+    """
+    if response is not None:
+        if response.status_code != 503:
+            return None
+        after = response.headers.get("retry-after")
+        if after is not None:
+            try:
+                return min(max(float(after), 0.0), MAX_RETRY_DELAY)
+            except ValueError:
+                pass
+    return min(backoff * 2**attempt, MAX_RETRY_DELAY)
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -117,10 +150,17 @@ class _ClientBase(OperatorMethods):
         encoding: str = "binary",
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         http: httpx.Client | httpx.AsyncClient | None = None,
+        retries: int = 3,
+        backoff: float = 0.1,
     ) -> None:
         """``encoding``: "binary" (default), "b64" or "json". ``http``: an httpx client
-        to use instead of a new one (``url``, ``timeout`` and ``transport`` then unused)."""
+        to use instead of a new one (``url``, ``timeout`` and ``transport`` then unused).
+        ``retries``: how many times an idempotent call (every operator and preparation,
+        not registration) is sent again after a 503 (waiting its ``Retry-After``) or a
+        connection error (waiting ``backoff`` seconds, doubling); 0 turns retrying off."""
         self.encoding = encoding
+        self.retries = retries
+        self.backoff = backoff
         self.http = http or self._HTTP(
             base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
         )
@@ -253,9 +293,23 @@ class Client(_ClientBase):
     http: httpx.Client
 
     def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> T:
-        response = self.http.request(
-            call.method, call.path if url is None else url, content=call.body, headers=call.headers
-        )
+        retries = self.retries if _idempotent(call) else 0
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(
+                    call.method, call.path if url is None else url, content=call.body,
+                    headers=call.headers,
+                )
+            except _TRANSPORT_ERRORS:
+                if attempt >= retries:
+                    raise
+                response = None
+            delay = _retry_delay(response, attempt, self.backoff) if attempt < retries else None
+            if delay is None and response is not None:
+                break
+            time.sleep(delay or 0.0)
+            attempt += 1
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
 
@@ -293,9 +347,23 @@ class AsyncClient(_ClientBase):
     async def _run(
         self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any
     ) -> T:
-        response = await self.http.request(
-            call.method, call.path if url is None else url, content=call.body, headers=call.headers
-        )
+        retries = self.retries if _idempotent(call) else 0
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(
+                    call.method, call.path if url is None else url, content=call.body,
+                    headers=call.headers,
+                )
+            except _TRANSPORT_ERRORS:
+                if attempt >= retries:
+                    raise
+                response = None
+            delay = _retry_delay(response, attempt, self.backoff) if attempt < retries else None
+            if delay is None and response is not None:
+                break
+            await asyncio.sleep(delay or 0.0)
+            attempt += 1
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
 
