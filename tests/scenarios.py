@@ -9,7 +9,9 @@ references computed by hand in numpy (never with JAX):
   ``derivative`` when x is a scalar and the ``gradient`` when y is a scalar;
 - ``hessian`` (``x.shape + x.shape``) for scalar-valued scenarios;
 - ``second_derivative`` (``y.shape``) for scalar-input scenarios;
-- for the pytree scenario (x a dict), ``gradient`` and a hand-derived ``hvp_ref``.
+- for the pytree scenario (x a dict), ``gradient`` and a hand-derived ``hvp_ref``; its
+  ``jacobian`` and ``hessian`` are ``jax.jacobian``'s and ``jax.hessian``'s blocks (dicts
+  of dicts), built from those.
 
 The module is reusable: the in-process conformance suite imports it, the HTTP tests
 import it, and the server registers its functions with ``--functions tests.scenarios``
@@ -42,7 +44,6 @@ from dxclient.errors import (
     DxError,
     NotScalarInputError,
     NotScalarOutputError,
-    UnsupportedOperatorError,
 )
 from dxclient.operators import OPERATORS
 
@@ -101,6 +102,21 @@ def _arr(v: Any) -> np.ndarray:
     return np.asarray(v, dtype=np.float64)
 
 
+def _hessian_blocks(x: dict, hvp: Callable) -> dict:
+    """``{p: {q: H[p][q]}}`` of shape ``x[p].shape + x[q].shape``, from ``t -> H t``."""
+    blocks: dict = {p: {} for p in x}
+    for q, xq in x.items():
+        columns = []
+        for j in range(xq.size):
+            t = {k: np.zeros_like(v) for k, v in x.items()}
+            t[q].reshape(-1)[j] = 1.0
+            columns.append(hvp(t))
+        for p, xp_ in x.items():
+            stacked = np.stack([c[p] for c in columns], axis=-1)  # x[p].shape + (x[q].size,)
+            blocks[p][q] = stacked.reshape(xp_.shape + xq.shape)
+    return blocks
+
+
 def _add(
     f: Callable,
     kind: str,
@@ -140,12 +156,18 @@ def _add(
                 hessian = second_derivative
             if second_derivative is None:
                 second_derivative = hessian
-    if hessian is not None:
+    if hessian is not None and not tree:
         hessian = _arr(hessian)
         assert hessian.shape == x.shape + x.shape, (name, hessian.shape)
     if second_derivative is not None:
         second_derivative = _arr(second_derivative)
         assert second_derivative.shape == value.shape, (name, second_derivative.shape)
+    if tree and y_scalar:
+        # jax.jacobian's blocks of a scalar f are the gradient's leaves; jax.hessian's
+        # block [p][q] (x[p].shape + x[q].shape) is H applied to q's basis tangents
+        jacobian = gradient
+        if hessian is None and hvp_ref is not None:
+            hessian = _hessian_blocks(x, hvp_ref)
     if y_scalar:
         assert gradient is not None and (hessian is not None or hvp_ref is not None), name
     if x_scalar:
@@ -791,7 +813,7 @@ def tree_leaves(tree: Any) -> list:
 
 def jvp_ref(s: Scenario, t: Any) -> Any:
     """``J t`` from the references."""
-    if s.jacobian is not None:
+    if s.jacobian is not None and not s.x_is_tree:
         return np.tensordot(s.jacobian, t, axes=np.ndim(t))
     # scalar-valued pytree: <grad, t>
     return _arr(sum(np.vdot(g, v) for g, v in
@@ -800,14 +822,14 @@ def jvp_ref(s: Scenario, t: Any) -> Any:
 
 def vjp_ref(s: Scenario, c: Any) -> Any:
     """``Jᵀ c`` from the references."""
-    if s.jacobian is not None:
+    if s.jacobian is not None and not s.x_is_tree:
         return np.tensordot(c, s.jacobian, axes=np.ndim(c))
     return tree_map(lambda g: c * g, s.gradient)
 
 
 def hvp_ref(s: Scenario, t: Any) -> Any:
     """``H t`` from the references."""
-    if s.hessian is not None:
+    if s.hessian is not None and not s.x_is_tree:
         return np.tensordot(s.hessian, t, axes=np.ndim(t))
     return s.hvp_ref(t)
 
@@ -832,9 +854,7 @@ def expected_error(s: Scenario, operator: str) -> type[DxError] | None:
         return NotScalarInputError
     if family in ("gradient", "hvp", "hessian") and not s.y_is_scalar:
         return NotScalarOutputError
-    if family in ("jacobian", "hessian") and s.x_is_tree:
-        return UnsupportedOperatorError
-    return None
+    return None  # pytree x included: jacobian and hessian give jax's blocks
 
 
 def _seed(*parts: str) -> int:

@@ -281,11 +281,13 @@ def test_integer_x_to_gradient_is_a_dtype_mismatch() -> None:
     assert info.value.field == "x"
 
 
-def test_jacobian_of_pytree_x_is_unsupported() -> None:
-    s = sc.BY_NAME["pytree_tanh_regression"]
-    with pytest.raises(UnsupportedOperatorError) as info:
-        dxserve.jacobian(s.f, "jax-forward", s.x, *s.contexts)
-    assert info.value.field == "x"
+def test_jacobian_and_hessian_of_pytree_x_are_jax_blocks() -> None:
+    s = sc.BY_NAME["pytree_tanh_regression"]  # more in tests/test_pytrees.py
+    J = dxserve.jacobian(s.f, "jax-forward", s.x, *s.contexts)
+    sc.assert_close(J, s.gradient, rtol=RTOL, atol=ATOL)  # scalar f: blocks of shape x[k]
+    H = dxserve.hessian(s.f, "auto", s.x, *s.contexts)
+    assert H["w"]["b"].shape == (3, 2, 2)
+    sc.assert_close(H, s.hessian, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize(

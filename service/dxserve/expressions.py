@@ -12,7 +12,8 @@ Security rules (all checked eagerly, before anything runs):
 * Names: only those in ``args``; ``jnp``/``jax`` only as the head of an allowed
   ``jnp.<fn>``, ``jnp.linalg.<fn>``, ``jax.nn.<fn>``, ``jax.scipy.special.<fn>`` path or an
   allowed constant. No other attribute access; dunder names are rejected everywhere.
-* No strings, bytes, f-strings, complex numbers, lambdas, comprehensions, walrus, ``*``/``**``
+* Strings only as a whole subscript, a key of a pytree input (``x["w"]``: ASCII, not
+  starting with ``_``). No other strings, no bytes, f-strings, complex numbers, lambdas, comprehensions, walrus, ``*``/``**``
   unpacking, dict/set literals, ``and``/``or``/``not`` (use ``&``, ``|``, ``~`` or
   ``jnp.logical_*``), ``is``/``in``, shifts, ``await``/``yield``.
 * No functions that create arrays from a shape (``zeros``, ``ones``, ``full``, ``arange``,
@@ -191,6 +192,7 @@ _CREATION = frozenset(
 _PREFIXES = frozenset(_NAMESPACES)
 _RESERVED_ARGS = frozenset({"jnp", "jax"})
 _ARG_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,%d}\Z" % (MAX_ARG_NAME_CHARS - 1))
 
 _BINOPS: dict[type, tuple[str, Callable[..., Any]]] = {
     ast.Add: ("+", jnp.add),
@@ -521,8 +523,26 @@ class _Compiler:
 
     def expr_Subscript(self, node: ast.Subscript) -> _Closure:
         value = self.expr(node.value)
+        key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            # a pytree key (x["w"]): the only place a string may appear, and only whole
+            name = self.pytree_key(key)
+            return lambda env: value(env)[name]
         index = self.static_index(node.slice)
         return lambda env: value(env)[index]
+
+    def pytree_key(self, node: ast.Constant) -> str:
+        """A string subscript: a dict key of a pytree input, ASCII, not reserved."""
+        name = node.value
+        if name.startswith("_") or not _KEY_RE.match(name):
+            self.fail(
+                self.pos(node),
+                self.segment(node),
+                f"key {self.segment(node)} is not allowed; pytree keys in subscripts are "
+                f"up to {MAX_ARG_NAME_CHARS} ASCII letters, digits, '_', '-' or '.', "
+                "not starting with '_'",
+            )
+        return name
 
     def expr_Call(self, node: ast.Call) -> _Closure:
         func = node.func
@@ -634,7 +654,9 @@ class _Compiler:
         if array.dtype.kind == "f":
 
             def floats(env: tuple) -> Any:
-                dtype = env[0].dtype if jnp.issubdtype(env[0].dtype, jnp.floating) else None
+                first = jax.tree_util.tree_leaves(env[0])  # x may be a pytree
+                dt = first[0].dtype if first else None
+                dtype = dt if dt is not None and jnp.issubdtype(dt, jnp.floating) else None
                 return jnp.asarray(array, dtype=dtype)
 
             return floats
@@ -855,7 +877,11 @@ class Expression:
                 f"got {len(contexts)}",
                 field="contexts",
             )
-        env = tuple(jnp.asarray(value) for value in (x, *contexts))
+        env = tuple(
+            jax.tree_util.tree_map(jnp.asarray, value)
+            if isinstance(value, dict | list | tuple) else jnp.asarray(value)
+            for value in (x, *contexts)
+        )  # pytree inputs stay pytrees: subscripts (x["w"], x[0]) reach their leaves
         return jnp.asarray(self._fn(env))
 
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from dxclient.backends import Backend, backend_from_json
+from dxclient.encodings.common import is_array_list
 from dxclient.errors import (
     DxError,
     FunctionEvaluationError,
@@ -54,9 +55,10 @@ _NOT_TRACEABLE = (
 
 # --- inputs and signatures -------------------------------------------------
 def as_tree(value: Any) -> Tree:
-    """Normalize one input: Python numbers and lists become float64 arrays.
+    """Normalize one input: Python numbers and lists of numbers become float64 arrays.
 
-    numpy and JAX arrays keep their dtype; dicts (and tuples) are pytrees.
+    numpy and JAX arrays keep their dtype; dicts, tuples and lists of anything else
+    (arrays, pytrees, None) are pytree nodes.
     """
     if type(value) is np.ndarray or isinstance(value, (np.ndarray, jax.Array)):
         return value  # (the exact-type test first: isinstance on jax.Array is slow)
@@ -68,6 +70,8 @@ def as_tree(value: Any) -> Tree:
         return np.asarray(value)
     if isinstance(value, bool):
         return np.asarray(value)
+    if isinstance(value, list) and not is_array_list(value):  # a list node of a pytree
+        return [as_tree(v) for v in value]
     if isinstance(value, (int, float, list)):
         return np.asarray(value, dtype=np.float64)
     return value

@@ -360,6 +360,10 @@ def _host(tree: Any) -> Any:
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
+    if isinstance(tree, list):  # a list node of a pytree result
+        return [_host(t) for t in tree]
+    if tree is None:  # a None node of a pytree result
+        return None
     if isinstance(tree, BCOO):  # a sparse result: its wire object (dxclient.sparse)
         return sparse_wire(tree)
     return np.asarray(tree)

@@ -14,6 +14,7 @@ tangent batches carry a leading axis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -125,16 +126,27 @@ class Engine:
         y, ty = self.pushforward(g, x, self.xp.ones((1,), x.dtype))
         return y, jax.tree_util.tree_map(lambda t: t[0], ty)
 
-    def jacobian(self, g: Fn, x: Any) -> tuple[Any, Any]:
-        """``(g(x), J)`` for array x and y; ``J.shape == y.shape + x.shape``."""
+    def jacobian(self, g: Fn, x: Tree) -> tuple[Tree, Tree]:
+        """``(g(x), J)``; for array x and y ``J.shape == y.shape + x.shape``.
+
+        For pytrees, ``J`` nests as ``jax.jacobian``'s: y's structure whose every leaf is
+        an x-structured tree of blocks of shape ``y_leaf.shape + x_leaf.shape``, cut from
+        the flat ``(m, n)`` map, so every engine (finite differences, plug-ins) gives them.
+        """
         xp = self.xp
         if self.mode == "reverse":
-            y, rows, _ = self._rows(g, x)
-            return y, xp.reshape(rows, (*np.shape(y), *np.shape(x)))
-        y, cols, _ = self._columns(g, x)
-        n = cols.shape[0]
-        m = int(np.prod(np.shape(y)))
-        return y, xp.reshape(xp.reshape(cols, (n, m)).T, (*np.shape(y), *np.shape(x)))
+            y, rows, _ = self._rows(g, x)  # (m, n) over flat y and flat x
+            if _is_leaf(x) and _is_leaf(y):
+                return y, xp.reshape(rows, (*np.shape(y), *np.shape(x)))
+            sizes = [math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(y)]
+            return y, _blocks(xp, _split(xp, rows, sizes, axis=0), y, x)
+        y, cols, _ = self._columns(g, x)  # y's structure, leaves (n, *y_leaf.shape)
+        col_leaves = jax.tree_util.tree_leaves(cols)
+        n = col_leaves[0].shape[0] if col_leaves else 0
+        if _is_leaf(x) and _is_leaf(y):
+            m = int(np.prod(np.shape(y)))
+            return y, xp.reshape(xp.reshape(cols, (n, m)).T, (*np.shape(y), *np.shape(x)))
+        return y, _blocks(xp, [xp.reshape(c, (n, -1)).T for c in col_leaves], y, x)
 
     def symmetric_products(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
         """``(g(x), J @ t for t in tx)`` for a ``g`` whose Jacobian is symmetric (a
@@ -188,18 +200,68 @@ class Engine:
         """``(g(x), rows, unflatten)``: rows stacks flat ``J^T @ e_j`` over flat y, (m, n)."""
         xp = self.xp
         shape_y = jax.eval_shape(g, x) if self.traced and self.traces else g(x)
-        m = int(np.prod(np.shape(shape_y)))
-        dtype = _dtype_of(shape_y)
-        eye = self.basis(m, dtype)
-        y, out = self.pullback(g, x, xp.reshape(eye, (m, *np.shape(shape_y))))
+        if _is_leaf(shape_y):
+            m = int(np.prod(np.shape(shape_y)))
+            eye = self.basis(m, _dtype_of(shape_y))
+            y, out = self.pullback(g, x, xp.reshape(eye, (m, *np.shape(shape_y))))
+        else:  # a pytree y: row j of the basis, cut into y's leaves
+            leaves, y_def = jax.tree_util.tree_flatten(shape_y)
+            sizes = [math.prod(np.shape(v)) for v in leaves]
+            m = sum(sizes)
+            eye = self.basis(m, np.result_type(*[_dtype_of(v) for v in leaves]))
+            parts = _split(xp, eye, sizes, axis=1)
+            cotangents = [
+                xp.reshape(p, (m, *np.shape(v))).astype(_dtype_of(v))
+                for p, v in zip(parts, leaves, strict=True)
+            ]
+            y, out = self.pullback(g, x, jax.tree_util.tree_unflatten(y_def, cotangents))
         flat_rows = self.map(lambda r: self.flatten(r)[0], out)
         _, unflatten = self.flatten(x)
         return y, flat_rows, unflatten
+
+
+def _is_leaf(tree: Any) -> bool:
+    """An array (or its shape spec), not a pytree node."""
+    return not isinstance(tree, dict | list | tuple) and hasattr(tree, "shape")
+
+
+def _split(xp: Any, a: Any, sizes: list[int], axis: int) -> list[Any]:
+    """``a`` cut along ``axis`` into consecutive pieces of ``sizes`` (zero sizes allowed)."""
+    out, at = [], 0
+    for size in sizes:
+        index = [slice(None)] * a.ndim
+        index[axis] = slice(at, at + size)
+        out.append(a[tuple(index)])
+        at += size
+    return out
+
+
+def _blocks(xp: Any, rows: list[Any], y: Tree, x: Tree) -> Tree:
+    """``jax.jacobian``'s nesting from ``rows[i]``, the ``(y_leaf_i.size, x.size)`` rows of
+    the flat Jacobian belonging to y's i-th leaf: y's structure of x-structured blocks."""
+    x_leaves, x_def = jax.tree_util.tree_flatten(x)
+    y_leaves, y_def = jax.tree_util.tree_flatten(y)
+    sizes = [math.prod(np.shape(v)) for v in x_leaves]
+    nested = []
+    for part, y_leaf in zip(rows, y_leaves, strict=True):
+        blocks = [
+            xp.reshape(b, (*np.shape(y_leaf), *np.shape(x_leaf))).astype(_dtype_of(x_leaf))
+            for b, x_leaf in zip(_split(xp, part, sizes, axis=1), x_leaves, strict=True)
+        ]
+        nested.append(jax.tree_util.tree_unflatten(x_def, blocks))
+    return jax.tree_util.tree_unflatten(y_def, nested)
 
 
 def _dtype_of(y: Any) -> Any:
     return y.dtype if hasattr(y, "dtype") else np.asarray(y).dtype
 
 
-def _unflatten_like(flat: Any, y: Any, xp: Any) -> Any:
-    return xp.reshape(flat, np.shape(y))
+def _unflatten_like(flat: Any, y: Tree, xp: Any) -> Tree:
+    """A flat ``(y.size,)`` vector in ``y``'s structure and shapes."""
+    if _is_leaf(y):
+        return xp.reshape(flat, np.shape(y))
+    leaves, y_def = jax.tree_util.tree_flatten(y)
+    parts = _split(xp, flat, [math.prod(np.shape(v)) for v in leaves], axis=0)
+    return jax.tree_util.tree_unflatten(
+        y_def, [xp.reshape(p, np.shape(v)) for p, v in zip(parts, leaves, strict=True)]
+    )

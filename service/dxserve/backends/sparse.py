@@ -236,8 +236,16 @@ class SparseEngine(Engine):
 
     # --- preparation: the pattern and its colouring, once ----------------------
     def prepare(self, family: str, f: Callable, inputs: Any) -> None:
-        asdex = _asdex()
         x, contexts, y = inputs.x, inputs.contexts, inputs.y
+        for tree, field, what in ((x, "x", "input"), (y, "function", "output")):
+            if isinstance(tree, dict | list | tuple) or not hasattr(tree, "shape"):
+                # the pattern is of one flat matrix; blocks of pytrees are dense-only
+                raise UnsupportedOperatorError(
+                    f"sparse backends need an array {what}, not a pytree; use a dense "
+                    "backend for Jacobian/Hessian blocks of pytrees",
+                    field=field,
+                )
+        asdex = _asdex()
         n, m = int(np.size(x)), int(np.prod(np.shape(y), dtype=np.int64))
         self.y_shape = tuple(np.shape(y))
         if family == "sparsity":

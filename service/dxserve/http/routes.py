@@ -28,6 +28,7 @@ from .wire import (
     decode_operator_request,
     response_encoding,
     result_nbytes,
+    results_to_wire,
     wire_headers,
 )
 
@@ -190,7 +191,7 @@ class OperatorEndpoint:
             )
         finally:
             release_ticket(request)
-        return await encode(results, encoding, budget=service.budget)
+        return await encode(results_to_wire(results, self.op), encoding, budget=service.budget)
 
 
 class PrepareEndpoint:

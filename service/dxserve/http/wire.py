@@ -14,6 +14,7 @@ import numpy as np
 
 from dxclient import codec
 from dxclient.backends import Backend, backend_from_json
+from dxclient.encodings.common import mark_sequences
 from dxclient.encodings.negotiation import response_encoding as response_encoding
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.operators import OperatorSpec
@@ -185,3 +186,17 @@ def result_nbytes(tree: Any) -> int:
     if isinstance(tree, tuple | list):
         return sum(result_nbytes(v) for v in tree)
     return getattr(tree, "nbytes", 0)
+
+
+def results_to_wire(results: dict, op: OperatorSpec) -> dict:
+    """``results`` with the tuple and list nodes of pytree results marked for the wire
+    (``{"__tuple__": [...]}``, ``{"__list__": [...]}``); array results are left alone, and
+    batch results (one entry per tangent) stay lists of such pytrees."""
+    for name, value in results.items():
+        if type(value) is np.ndarray:
+            continue
+        if name in op.batch_results:
+            results[name] = [mark_sequences(v) for v in value]
+        else:
+            results[name] = mark_sequences(value)
+    return results

@@ -57,8 +57,8 @@ def scalar_input(inputs: Inputs, operator: str) -> None:
 def array_input(inputs: Inputs, operator: str) -> None:
     if not _is_array(inputs.x):
         raise UnsupportedOperatorError(
-            f"{operator} of a pytree input is not supported yet; use gradient, pullback "
-            "or hvp, which keep x's structure",
+            f"{operator} of a pytree input is not supported; jacobian and hessian give "
+            "blocks of pytrees, gradient, pullback and hvp keep x's structure",
             field="x",
         )
 
@@ -66,7 +66,8 @@ def array_input(inputs: Inputs, operator: str) -> None:
 def array_output(inputs: Inputs, operator: str) -> None:
     if not _is_array(inputs.y):
         raise UnsupportedOperatorError(
-            f"{operator} of a pytree-valued function is not supported; use pullback",
+            f"{operator} of a pytree-valued function is not supported; jacobian gives "
+            "its blocks, pullback keeps its structure",
             field="function",
         )
 

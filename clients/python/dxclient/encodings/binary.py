@@ -25,6 +25,7 @@ from .common import (
     LE,
     MARKER,
     MAX_DEPTH,
+    SeqNode,
     check_dtype,
     dumps,
     encode_tree,
@@ -300,4 +301,7 @@ def _header_key(tree: Any, arrays: list[np.ndarray]) -> Any:
         return None if None in subs else (list, subs)
     if kind is str or kind is int or kind is bool or tree is None:
         return kind, tree
+    if kind is SeqNode:  # a pytree's tuple/list node: its marker and its items' keys
+        subs = tuple(_header_key(v, arrays) for v in tree.items)
+        return None if None in subs else (SeqNode, tree.marker, subs)
     return None

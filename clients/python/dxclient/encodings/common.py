@@ -23,6 +23,11 @@ except ImportError:  # pragma: no cover - exercised only without orjson
 
 JSON_TYPE = "application/json"
 MARKER = "__ndarray__"
+#: pytree sequence nodes on the wire: ``{"__tuple__": [...]}`` and ``{"__list__": [...]}``
+#: (a plain JSON list is always an array); each item is a pytree of its own
+TUPLE_MARKER = "__tuple__"
+LIST_MARKER = "__list__"
+SEQUENCE_MARKERS: dict[str, type] = {TUPLE_MARKER: tuple, LIST_MARKER: list}
 #: deepest pytree / list nesting accepted (binary headers: twice this, lists and dicts)
 MAX_DEPTH = 32
 #: most array elements one ``orjson`` call writes in ``dumps_parts`` (~1 ms of work)
@@ -294,6 +299,73 @@ def check_dtype(a: np.ndarray, field: str) -> str:
 # --------------------------------------------------------------------------- tree walking
 
 
+class SeqNode:
+    """A tuple or list node of a pytree, to be sent as its marker object
+    (``{"__tuple__": [...]}`` / ``{"__list__": [...]}``) by ``encode_tree``.
+
+    Plain lists and tuples in a payload are JSON lists (arrays, batches of tangents);
+    ``mark_sequences`` and ``pytree_to_wire`` wrap the pytree nodes in this.
+    """
+
+    __slots__ = ("items", "marker")
+
+    def __init__(self, marker: str, items: list) -> None:
+        self.marker = marker
+        self.items = items
+
+    def __repr__(self) -> str:
+        return f"SeqNode({self.marker!r}, {self.items!r})"
+
+
+_NUMBERS = (int, float, np.number, np.bool_)
+
+
+def is_array_list(value: list) -> bool:
+    """Is a Python list an array (numbers, nested lists of numbers) rather than a
+    list node of a pytree (arrays, dicts, tuples, None...)? Decided by its first leaf
+    (``[]`` is an empty array), so it costs O(depth); a list mixing both fails later
+    in ``np.asarray``, loudly."""
+    v: Any = value
+    while type(v) is list:
+        if not v:
+            return True
+        v = v[0]
+    return isinstance(v, _NUMBERS)
+
+
+def mark_sequences(tree: Any) -> Any:
+    """A pytree of arrays with its tuple and list nodes as ``SeqNode``s (``tree`` itself
+    when it has none). Sparse result objects (a ``"format"`` string) pass as they are."""
+    kind = type(tree)
+    if kind is np.ndarray:
+        return tree
+    if isinstance(tree, tuple | list):  # namedtuples travel as tuples
+        marker = LIST_MARKER if isinstance(tree, list) else TUPLE_MARKER
+        return SeqNode(marker, [mark_sequences(v) for v in tree])
+    if isinstance(tree, dict) and not isinstance(tree.get("format"), str):
+        out = {k: mark_sequences(v) for k, v in tree.items()}
+        return out if any(out[k] is not v for k, v in tree.items()) else tree
+    return tree
+
+
+def pytree_to_wire(value: Any) -> Any:
+    """A caller's input -> what ``encode_tree`` sends: Python numbers and lists of numbers
+    become float64 arrays, other lists and tuples ``SeqNode``s, dicts stay dicts, JAX
+    arrays and numpy scalars become ndarrays, None stays (a pytree node JAX allows)."""
+    if isinstance(value, dict):
+        return {k: pytree_to_wire(v) for k, v in value.items()}
+    if isinstance(value, list) and not is_array_list(value):
+        return SeqNode(LIST_MARKER, [pytree_to_wire(v) for v in value])
+    if isinstance(value, tuple):
+        return SeqNode(TUPLE_MARKER, [pytree_to_wire(v) for v in value])
+    if isinstance(value, (list, int, float)) and not isinstance(value, bool):
+        return np.asarray(value, dtype=np.float64)
+    if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
+        return np.asarray(value)  # JAX arrays, numpy scalars
+    return value
+
+
+
 def is_arraylike(x: Any) -> bool:
     """numpy arrays and scalars, and anything else with ``__array__`` (JAX arrays)."""
     return isinstance(x, np.ndarray | np.generic) or (
@@ -323,6 +395,12 @@ def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
         return tree
     if is_arraylike(tree):
         return encoding.encode_array(np.asarray(tree), buffers, field)
+    if type(tree) is SeqNode:  # a tuple/list node of a pytree: its marker object
+        return {
+            tree.marker: [
+                encode_tree(v, encoding, buffers, f"{field}[{i}]") for i, v in enumerate(tree.items)
+            ]
+        }
     raise InvalidArgumentError(f"cannot encode a {type(tree).__name__}", field=field or None)
 
 

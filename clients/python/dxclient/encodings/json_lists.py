@@ -26,11 +26,13 @@ from .common import (
     JSON_TYPE,
     MARKER,
     MAX_DEPTH,
+    SEQUENCE_MARKERS,
     SPELLINGS,
     JsonBody,
     check_dtype,
     join,
     json_float,
+    json_kind,
     typed_header,
 )
 from .typed_b64 import from_b64
@@ -86,10 +88,12 @@ def to_tree(
     default_dtype: Any = np.float64,
     max_depth: int = MAX_DEPTH,
 ) -> Any:
-    """Turn one decoded JSON value into an ndarray or a dict-pytree of ndarrays.
+    """Turn one decoded JSON value into an ndarray or a pytree of ndarrays.
 
     Numbers and (nested) lists become ``default_dtype`` arrays (0-d for numbers);
     typed objects keep their dtype and shape; ndarrays (binary views) pass through.
+    Objects are dicts, ``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` tuples / lists
+    of pytrees; ``null`` inside a pytree is a None node.
     Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
     like ``"x[2][1]"`` or ``"contexts[0].w"``.
     """
@@ -108,13 +112,34 @@ def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -
         out = {}
         for key, v in value.items():
             if not isinstance(key, str) or key.startswith("__"):
+                if key in SEQUENCE_MARKERS:  # checked only here: plain dicts pay nothing
+                    return _sequence(value, key, field, dt, max_depth, depth)
                 raise MalformedRequestError(
-                    f"pytree key {key!r} is reserved (keys starting with '__' are not allowed)",
+                    f"pytree key {key!r} is reserved (keys starting with '__' are not allowed; "
+                    f"{', '.join(SEQUENCE_MARKERS)} mark sequence nodes, {MARKER} arrays)",
                     field=join(field, str(key)),
                 )
             out[key] = _to_tree(v, join(field, key), dt, max_depth, depth + 1)
         return out
+    if value is None and depth:  # a None node inside a pytree, as JAX allows
+        return None
     return _data_to_array(value, field, dt, max_depth - depth)
+
+
+def _sequence(
+    value: dict, key: str, field: str, dt: np.dtype, max_depth: int, depth: int
+) -> tuple | list:
+    """``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` -> a tuple / list pytree node."""
+    items = value[key]
+    if len(value) != 1 or type(items) is not list:
+        raise MalformedRequestError(
+            f"a sequence node must be exactly {{{key!r}: [item, ...]}} (each item a pytree), "
+            f"got keys {sorted(map(str, value))} and "
+            f"{'an object' if isinstance(items, dict) else json_kind(items)}",
+            field=field,
+        )
+    out = [_to_tree(v, f"{field}[{i}]", dt, max_depth, depth + 1) for i, v in enumerate(items)]
+    return out if SEQUENCE_MARKERS[key] is list else tuple(out)
 
 
 def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
