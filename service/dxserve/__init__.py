@@ -9,6 +9,9 @@ it changes nothing in the caller's JAX configuration.
     dxserve.gradient(lambda x: (x**2).sum(), JaxReverse(), np.arange(3.0))
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from dxclient.backends import (
     Auto,
     Backend,
@@ -36,10 +39,15 @@ from .operators import __all__ as _operator_names
 from .precision import float64_scope
 from .preparation import CACHE, Prep, resolve
 
+try:
+    __version__ = _version("dxserve")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0.0.0+unknown"
+
 __all__ = [
     "Auto", "Backend", "CACHE", "DxError", "Engine", "FiniteDifferences", "JaxForward",
     "JaxReverse", "NotScalarInputError", "NotScalarOutputError", "Prep",
     "PreparationMismatchError", "SecondOrder", "ShapeMismatchError", "Sparse", "SparsePattern",
     "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",
-    "register_backend", "resolve", *_operator_names,
+    "register_backend", "resolve", "__version__", *_operator_names,
 ]

@@ -11,11 +11,15 @@ import os
 import sys
 from typing import Any
 
+from pydantic import ValidationError
+
+from . import __version__
 from .settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dxserve", description="Differentiation as a service")
+    parser.add_argument("--version", action="version", version=f"dxserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the HTTP server")
     serve.add_argument("--host", help="bind address (DXSERVE_HOST or HOST, default 127.0.0.1)")
@@ -32,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "functions" in overrides:
         overrides["functions"] = [m.strip() for m in overrides["functions"].split(",") if m.strip()]
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"dxserve: {setting_problem(exc, overrides)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -62,6 +70,31 @@ def main(argv: list[str] | None = None) -> int:
         **connection_options(settings, log),
     )
     return 0
+
+
+def setting_problem(exc: ValidationError, flags: dict[str, Any]) -> str:
+    """One line per bad setting: the flag or variable that set it, what it takes and
+    the value given (pydantic's own report spans many lines)."""
+    from pydantic_core import PydanticUndefined
+
+    lines = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        if name in flags:
+            where = f"--{name.replace('_', '-')}"
+        elif name in ("host", "port") and f"DXSERVE_{name.upper()}" not in os.environ:
+            where = name.upper()  # the container spelling (see Settings)
+        else:
+            where = f"DXSERVE_{name.upper()}"
+        field = Settings.model_fields.get(name)
+        takes = ""
+        if field is not None:
+            kind = getattr(field.annotation, "__name__", None) or str(field.annotation)
+            default = "" if field.default is PydanticUndefined else f", default {field.default!r}"
+            takes = f" ({where} takes {kind}{default})"
+        msg = error["msg"][0].lower() + error["msg"][1:]
+        lines.append(f"bad setting {where}={error.get('input')!r}: {msg}{takes}")
+    return "\n".join(lines)
 
 
 def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any]:

@@ -18,7 +18,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DXSERVE_", extra="ignore")
 
     host: str = Field(default_factory=lambda: os.environ.get("HOST", "127.0.0.1"))
-    port: int = Field(default_factory=lambda: int(os.environ.get("PORT", "8000")))
+    # validated like DXSERVE_PORT, so a bad PORT is a ValidationError naming the field
+    port: int = Field(default_factory=lambda: os.environ.get("PORT", "8000"), validate_default=True)
     #: Python modules whose ``@dxserve.function``s are registered at start.
     functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
     #: Directory of the persistent function registry.

@@ -1,5 +1,8 @@
 """dxclient: derivatives from a dxserve server, numpy in and numpy out."""
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from ._client import AsyncClient, Client
 from ._models import RemoteFunction, RemotePrep
 from .backends import (
@@ -16,7 +19,13 @@ from .backends import (
 from .errors import DxError, PreparationMismatchError
 from .operators import OPERATORS
 
+try:
+    __version__ = _version("dxserve-client")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0.0.0+unknown"
+
 __all__ = [
+    "__version__",
     "AsyncClient",
     "Client",
     "RemoteFunction",

@@ -235,6 +235,27 @@ def export_function(
         return _export(fn, concrete, platforms, polymorphic_shapes, tuple(constraints))
 
 
+def _tracer_errors() -> tuple[type[Exception], ...]:
+    import jax
+
+    errors = jax.errors
+    return (errors.ConcretizationTypeError, errors.TracerArrayConversionError,
+            errors.TracerIntegerConversionError, errors.UnexpectedTracerError)
+
+
+def _untraceable_message(fn: Callable[..., Any], exc: Exception) -> str:
+    """Why ``fn`` cannot be uploaded, and the two ways that work instead."""
+    name = getattr(fn, "__name__", repr(fn))
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"client.register cannot export {name!r}: JAX cannot trace it "
+        f"({type(exc).__name__}: {first}). Only functions written with jax.numpy can be "
+        "uploaded. Register the formula with client.register_expression(name, "
+        "'jnp....'), or put the function in a module on the server with "
+        "@dxserve.function and start it with `dxserve serve --functions <module>`."
+    )
+
+
 class _nullcontext:
     def __enter__(self) -> None:
         return None
@@ -248,6 +269,7 @@ def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
     import numpy as np
     from jax import export as jex
 
+    tracer_errors = _tracer_errors()
     tu = jax.tree_util
     scope = jex.SymbolicScope(constraints)
     if polymorphic_shapes is None:
@@ -275,7 +297,10 @@ def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
         return jex.export(jax.jit(f), platforms=platforms)(*args)
 
     # -- primal, with the user's pytree structure
-    primal = export(fn, x_spec, *c_specs)
+    try:
+        primal = export(fn, x_spec, *c_specs)
+    except tracer_errors as exc:
+        raise TypeError(_untraceable_message(fn, exc)) from exc
     y_leaves_avals = primal.out_avals
     for i, a in enumerate(y_leaves_avals):
         if not np.issubdtype(np.dtype(a.dtype), np.floating):
