@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dxclient.errors import InvalidArgumentError
+
 Tree = Any
 Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape, dtype), ...))
 
@@ -47,6 +49,19 @@ class Signature:
     @staticmethod
     def of(
         x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None = None
+    ) -> Signature:
+        try:
+            return Signature._of(x, tangents, contexts, batch_axis)
+        except (AttributeError, TypeError):  # a leaf that is no array: say where
+            trees = [("x", x), *((f"tangents[{i}]", t) for i, t in enumerate(tangents or ())),
+                     *((f"contexts[{i}]", c) for i, c in enumerate(contexts))]
+            for field, tree in trees:
+                _check_leaves(tree, field)
+            raise
+
+    @staticmethod
+    def _of(
+        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None
     ) -> Signature:
         return Signature(
             spec_of(x),
@@ -80,6 +95,23 @@ class Signature:
             if a != b:
                 return f"contexts[{i}]", _describe(a, b)
         return None
+
+
+def _check_leaves(tree: Tree, field: str) -> None:
+    """``InvalidArgumentError`` (422) naming the first leaf of ``tree`` that is no array:
+    an object of a node type JAX does not know is a leaf to it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+            where = field + "".join(
+                f".{k.key}" if isinstance(k, jax.tree_util.DictKey)
+                else f"[{k.idx}]" if isinstance(k, jax.tree_util.SequenceKey) else str(k)
+                for k in path
+            )
+            raise InvalidArgumentError(
+                f"{type(leaf).__name__} at {where} is not an array; pytrees are arrays in "
+                "dicts, lists and tuples (None allowed)",
+                field=where,
+            )
 
 
 def _describe(got: Spec, want: Spec) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MalformedRequestError
+from ..errors import InvalidArgumentError, MalformedRequestError
 from . import common
 from .binary import BINARY_TYPE, HEADER_LENGTH
 from .common import (
@@ -114,6 +114,12 @@ def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -
             if not isinstance(key, str) or key.startswith("__"):
                 if key in SEQUENCE_MARKERS:  # checked only here: plain dicts pay nothing
                     return _sequence(value, key, field, dt, max_depth, depth)
+                if isinstance(key, str) and len(key) > 4 and key.endswith("__"):
+                    raise InvalidArgumentError(  # a marker of a node type we do not know
+                        f"unknown pytree node type {key[:40]!r}; nodes are objects (dicts), "
+                        f"{', '.join(SEQUENCE_MARKERS)} and {MARKER} (typed arrays)",
+                        field=join(field, key[:40]),
+                    )
                 raise MalformedRequestError(
                     f"pytree key {key!r} is reserved (keys starting with '__' are not allowed; "
                     f"{', '.join(SEQUENCE_MARKERS)} mark sequence nodes, {MARKER} arrays)",
