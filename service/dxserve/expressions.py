@@ -192,7 +192,7 @@ _CREATION = frozenset(
 _PREFIXES = frozenset(_NAMESPACES)
 _RESERVED_ARGS = frozenset({"jnp", "jax"})
 _ARG_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
-_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,%d}\Z" % (MAX_ARG_NAME_CHARS - 1))
+_KEY_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{MAX_ARG_NAME_CHARS - 1}}}\Z")
 
 _BINOPS: dict[type, tuple[str, Callable[..., Any]]] = {
     ast.Add: ("+", jnp.add),
