@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from . import __version__
+from .observe import configure_logging
 from .settings import Settings
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"dxserve: {setting_problem(exc, overrides)}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
 
     import uvicorn
 
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=10,
+        # JSON logs: uvicorn's loggers reach the root's JSON handler, and the app's own
+        # request lines replace uvicorn's access lines
+        **({"log_config": None, "access_log": False} if settings.log_format == "json" else {}),
         **connection_options(settings, log),
     )
     return 0

@@ -14,7 +14,9 @@ and the operator is ``jax.vmap``ped over the points inside the one compiled call
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,6 +46,7 @@ from .precision import float64_scope
 from .signature import Signature
 
 Tree = Any
+_log = logging.getLogger("dxserve.compile")
 
 _NOT_TRACEABLE = (
     jax.errors.TracerArrayConversionError,
@@ -195,6 +198,7 @@ class Prep:
             self.function, self.resolved, results, x, tangents, contexts,
             self.signature.batch_axis,
         )
+        start = time.perf_counter()
         try:
             exe = self.compiler.compile(run, (x, tangents, contexts), key)
         except DxError:
@@ -203,6 +207,13 @@ class Prep:
             raise out_of_memory(exc) or FunctionEvaluationError(
                 _short(exc), field="function"
             ) from exc
+        seconds = time.perf_counter() - start
+        function = getattr(self.function, "__name__", type(self.function).__name__)
+        _log.info(
+            "compiled %s of %s (%s) in %.3f s", operator, function, self.resolved.to_json(),
+            seconds, extra={"event": "compile", "operator": operator, "function": function,
+                            "backend": self.resolved.to_json(), "seconds": round(seconds, 6)},
+        )
         if self.limits is not None:  # once per executable, before it ever runs
             self.limits.check(exe, operator)
         return exe

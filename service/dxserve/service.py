@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import secrets
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
@@ -29,7 +31,7 @@ from dxclient.lru import LRU
 from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
 
-from . import export_gate
+from . import export_gate, observe
 from .backends import backend_table
 from .backends.sparse import BCOO, configure_detection, sparse_wire
 from .budget import ComputeLimits, InFlight
@@ -44,6 +46,8 @@ from .worker import Workers
 
 Action = Literal["compute", "write"]
 
+
+_log = logging.getLogger("dxserve.service")
 
 class PrepHandles:
     """Handles returned by ``Service.prepare``: a bounded LRU of preps."""
@@ -200,6 +204,7 @@ class Service:
         the tangents hold B points, each result stacked (B, ...); one job, one call.
         """
         op = OPERATORS[ALIASES.get(operator, operator)]
+        info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
@@ -213,14 +218,22 @@ class Service:
         if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
             budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all are taken
             try:
-                return await self._call(op, found, key, limit_large=False)
+                results = await self._call(op, found, key, limit_large=False, info=info)
             finally:
                 budget.give_large()
-        return await self._call(op, found, key, limit_large=True)
+        else:
+            results = await self._call(op, found, key, limit_large=True, info=info)
+        if info is not None:
+            info.call_end = time.perf_counter()
+        return results
 
-    async def _call(self, op: OperatorSpec, found: Lookup, key: Hashable, limit_large: bool) -> dict:
+    async def _call(
+        self, op: OperatorSpec, found: Lookup, key: Hashable, limit_large: bool,
+        info: observe.RequestInfo | None = None,
+    ) -> dict:
         """Run a looked-up call; ``limit_large``: take a large-result slot if the prep
-        made for it (on a first call) turns out to return a large result."""
+        made for it (on a first call) turns out to return a large result. ``info``: the
+        request's record, given the computation's own time (merged batches: not apart)."""
         if found.prep is not None and self.workers.batching:
             ready = found.prep
 
@@ -237,14 +250,19 @@ class Service:
         limit, limits, budget = self.settings.max_result_elements, self.limits, self.budget
 
         def compute() -> dict:
+            start = time.perf_counter()
             ready = found.prep or found.prepare(self.cache, limit, limits)  # first call: compile
             if not (limit_large and budget.is_large(ready.result_bytes)):
-                return results_of(op, ready.run(op.name, *found.inputs))
-            budget.take_large(ready.result_bytes)
-            try:
-                return results_of(op, ready.run(op.name, *found.inputs))
-            finally:
-                budget.give_large()
+                results = results_of(op, ready.run(op.name, *found.inputs))
+            else:
+                budget.take_large(ready.result_bytes)
+                try:
+                    results = results_of(op, ready.run(op.name, *found.inputs))
+                finally:
+                    budget.give_large()
+            if info is not None:
+                info.compute = time.perf_counter() - start
+            return results
 
         return await self.workers.run(compute, key)
 
@@ -263,6 +281,7 @@ class Service:
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
         ``batch_axis=0`` prepares a batch of points (calls must send one as well)."""
         op = OPERATORS[ALIASES.get(operator, operator)]
+        info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         limit, limits = self.settings.max_result_elements, self.limits
 
@@ -273,6 +292,8 @@ class Service:
             )
 
         prep = await self.workers.run(compile_it)
+        if info is not None:
+            info.call_end = time.perf_counter()
         return {
             "prep": self.handles.add(prep),
             "operator": op.name,
@@ -301,7 +322,13 @@ class Service:
                 return self.registry.register_body(body)
 
         entry, created = await run_in_threadpool(register_it)
-        return entry.describe(), created
+        described = entry.describe()
+        _log.info(
+            "registered %s (%s)%s", entry.name, described.get("kind"), "" if created else ", unchanged",
+            extra={"event": "register", "function": entry.name, "kind": described.get("kind"),
+                   "new": created},
+        )
+        return described, created
 
     async def delete(self, name: str) -> str:
         """Remove a registered (not server-side) function; returns its name."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     keep_alive_timeout: int = Field(default=5, ge=1)
     backlog: int = Field(default=2048, ge=1)
     log_level: str = "info"
+    #: "text" (default) or "json": one JSON object per line, with a line per request
+    #: (method, route, status, seconds, request id, function, operator), registration,
+    #: compile and rejected request (see ``observe``).
+    log_format: Literal["text", "json"] = "text"
     #: Check every uploaded export in a resource-limited child process (deserialize,
     #: build its MLIR modules, compile and run its operators once) before the server
     #: reads it in process; a crash there is a 422, not a dead server. Keep it on.

@@ -8,6 +8,8 @@ app: routes, problem handlers, middleware and the OpenAPI document.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +22,7 @@ from starlette.responses import Response
 from dxclient import codec
 from dxclient.operators import ALIASES, OPERATORS
 
+from .. import __version__, observe
 from ..service import Service
 from ..settings import Settings
 from . import problems, routes, schemas
@@ -51,7 +54,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
 
     app = FastAPI(
         title="dxserve",
-        version="0.1.0",
+        version=__version__,
         summary="Differentiation as a service: DifferentiationInterface-style derivatives over JAX",
         lifespan=lifespan,
     )
@@ -61,7 +64,15 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     _add_routes(app)
     # Innermost, so the metrics (and any other) middleware still see every request.
     app.add_middleware(OperatorDispatch, api=app)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    # Outermost, around Starlette's ServerErrorMiddleware too, so that an unexpected
+    # error's 500 is counted, timed and given its request id like any answer.
+    build_stack = app.build_middleware_stack
+    log_requests = service.settings.log_format == "json"
+
+    def build_middleware_stack() -> Any:
+        return _MetricsMiddleware(build_stack(), metrics, app, log_requests)
+
+    app.build_middleware_stack = build_middleware_stack  # type: ignore[method-assign]
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -168,26 +179,130 @@ def _document_wire_media(spec: dict) -> None:
 
 
 class _MetricsMiddleware:
-    """Pure ASGI: counts and times every HTTP request by route template."""
+    """Pure ASGI: counts and times every HTTP request by route template, and gives
+    every answer an ``X-Request-ID`` (the request's own, else a new one) and a
+    ``Server-Timing`` (total, and decode/queue/compute/encode where the request made a
+    service call). With JSON logs on, one line per request (``event`` "rejected" for
+    4xx/5xx, with the problem's type and detail).
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    The operator hot path runs through here: the added work is a context variable,
+    a header scan and two header appends; logging only when JSON logs are on.
+    """
+
+    def __init__(self, app: Any, metrics: Metrics, api: FastAPI, log_requests: bool = False) -> None:
         self.app = app
         self.metrics = metrics
+        self.api = api
+        self.log_requests = log_requests
+        self._known: frozenset[str] | None = None
+
+    def known_paths(self) -> frozenset[str]:
+        """Paths of routes without parameters (FastAPI's own /docs and /openapi.json
+        among them), counted under themselves when the route leaves no ``scope["route"]``."""
+        if self._known is None:
+            self._known = frozenset(
+                path for r in self.api.routes
+                if "{" not in (path := getattr(r, "path", "{"))
+            )
+        return self._known
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = [500]
+        request_id = _request_id(scope["headers"])
+        info = observe.RequestInfo(request_id)
+        token = observe.CURRENT.set(info)
+        status = [500, 0.0]  # status, time the answer started
+        problem: list[bytes] = []
 
         async def sending(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                status[1] = now = time.perf_counter()
+                message["headers"] = [
+                    *message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1")),
+                    (b"server-timing", _server_timing(info, start, now)),
+                ]
+            elif self.log_requests and status[0] >= 400 and len(problem) < 4:
+                problem.append(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.record(path, status[0], time.perf_counter() - start)
+            observe.CURRENT.reset(token)
+            route = scope.get("route")
+            if route is not None:
+                path = route.path
+            else:
+                path = scope["path"] if scope["path"] in self.known_paths() else "unmatched"
+            seconds = time.perf_counter() - start
+            self.metrics.record(path, status[0], seconds)
+            if self.log_requests:
+                _log_request(scope, path, status[0], seconds, info, b"".join(problem))
+
+
+#: An ``X-Request-ID`` sent by the client is echoed when it is this short and plain.
+_MAX_REQUEST_ID = 128
+_log = logging.getLogger("dxserve.http")
+
+
+def _request_id(headers: list) -> str:
+    """The request's own ``X-Request-ID`` if it sent a usable one, else a new random id."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if 0 < len(value) <= _MAX_REQUEST_ID and value.isascii():
+                text = value.decode("ascii")
+                if text.isprintable():  # echoed into our own header and log lines
+                    return text
+            break
+    return os.urandom(8).hex()
+
+
+def _server_timing(info: observe.RequestInfo, start: float, now: float) -> bytes:
+    """``total`` (ms, to the answer's start), and the split of a service call: decode
+    (to its start), queue and compute (when measured apart), encode (after it)."""
+    total = f"total;dur={(now - start) * 1e3:.3f}"
+    if not info.call_start:
+        return total.encode("ascii")
+    parts = [total, f"decode;dur={(info.call_start - start) * 1e3:.3f}"]
+    if info.call_end:
+        call = info.call_end - info.call_start
+        if info.compute is not None:
+            parts.append(f"queue;dur={max(call - info.compute, 0.0) * 1e3:.3f}")
+            parts.append(f"compute;dur={info.compute * 1e3:.3f}")
+        else:  # a merged batch: waiting and computing not timed apart
+            parts.append(f"compute;dur={call * 1e3:.3f}")
+        parts.append(f"encode;dur={(now - info.call_end) * 1e3:.3f}")
+    return ", ".join(parts).encode("ascii")
+
+
+def _log_request(
+    scope: dict, route: str, status: int, seconds: float, info: observe.RequestInfo,
+    problem: bytes,
+) -> None:
+    fields: dict[str, Any] = {
+        "event": "request" if status < 400 else "rejected", "method": scope["method"],
+        "route": route, "path": scope["path"], "status": status,
+        "seconds": round(seconds, 6), "request_id": info.id,
+    }
+    if info.function is not None:
+        fields["function"] = info.function
+    if info.operator is not None:
+        fields["operator"] = info.operator
+    if status >= 400 and problem:
+        try:
+            doc = json.loads(problem)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict):
+            fields["problem"] = str(doc.get("type", ""))
+            if doc.get("detail"):
+                fields["detail"] = str(doc["detail"])[:500]
+    _log.log(
+        logging.INFO if status < 400 else logging.WARNING,
+        "%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1e3,
+        extra=fields,
+    )

@@ -6,7 +6,7 @@ import bisect
 import itertools
 import math
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -20,6 +20,10 @@ class Metrics:
         self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None
     ) -> None:
         self.registry = CollectorRegistry()
+        # process_* (CPU, memory, open files, start time; Linux) and python_info, on this
+        # app's own registry so several apps in one process each expose them
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.requests = _RequestCollector()
         self.registry.register(self.requests)
         self.registry.register(_CacheCollector(cache))
