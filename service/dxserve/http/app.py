@@ -99,7 +99,7 @@ def _add_routes(app: FastAPI) -> None:
             f"/{name}", routes.OperatorEndpoint(op), methods=["POST"], tags=["operators"],
             responses={200: {"model": schemas.RESPONSES[op.name]}, **problem_responses},
             openapi_extra=body, summary=name, include_in_schema=name in OPERATORS,
-            route_class_override=OperatorRoute,
+            route_class_override=OperatorRoute, operation_id=name,
         )
         if name in OPERATORS:
             app.router.add_api_route(
@@ -107,18 +107,22 @@ def _add_routes(app: FastAPI) -> None:
                 tags=["preparation"],
                 responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
                 openapi_extra=body, summary=f"prepare_{name}",
-                route_class_override=OperatorRoute,
+                route_class_override=OperatorRoute, operation_id=f"prepare_{name}",
             )
-    app.get("/functions", response_model=schemas.FunctionList, tags=["functions"])(
+    # Explicit operationIds: generated clients name their methods after them.
+    app.get(
+        "/functions", response_model=schemas.FunctionList, tags=["functions"],
+        operation_id="list_functions",
+    )(
         routes.list_functions
     )
     app.get(
         "/functions/{name}", response_model=schemas.FunctionInfoModel, tags=["functions"],
-        responses={404: {"model": schemas.Problem}},
+        responses={404: {"model": schemas.Problem}}, operation_id="get_function",
     )(routes.get_function)
     app.post(
         "/functions", tags=["functions"], status_code=201,
-        response_model=schemas.FunctionInfoModel,
+        response_model=schemas.FunctionInfoModel, operation_id="register_function",
         responses={200: {"description": "Identical content was already registered"},
                    **problem_responses, 401: {"model": schemas.Problem}},
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -127,11 +131,14 @@ def _add_routes(app: FastAPI) -> None:
     app.delete(
         "/functions/{name}", tags=["functions"],
         responses={404: {"model": schemas.Problem}, 401: {"model": schemas.Problem}},
+        operation_id="delete_function",
     )(routes.delete_function)
-    app.get("/backends", tags=["service"])(routes.list_backends)
-    app.get("/health", tags=["service"])(routes.health)
-    app.get("/ready", tags=["service"])(routes.ready)
-    app.get("/metrics", tags=["service"], response_class=Response)(routes.prometheus)
+    app.get("/backends", tags=["service"], operation_id="list_backends")(routes.list_backends)
+    app.get("/health", tags=["service"], operation_id="health")(routes.health)
+    app.get("/ready", tags=["service"], operation_id="ready")(routes.ready)
+    app.get(
+        "/metrics", tags=["service"], response_class=Response, operation_id="metrics"
+    )(routes.prometheus)
 
 
 def _openapi(app: FastAPI) -> dict:

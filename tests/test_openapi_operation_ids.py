@@ -1,0 +1,27 @@
+"""OpenAPI operationIds are the operators' and routes' own names (generated clients use them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dxclient.operators import OPERATORS
+
+SPEC = json.loads((Path(__file__).resolve().parents[1] / "openapi/openapi.json").read_text())
+
+
+def test_operation_ids_are_plain_names() -> None:
+    ids = {
+        (path, method): operation["operationId"]
+        for path, methods in SPEC["paths"].items()
+        for method, operation in methods.items()
+    }
+    assert len(set(ids.values())) == len(ids)
+    for name in OPERATORS:
+        assert ids[(f"/{name}", "post")] == name
+        assert ids[(f"/prepare/{name}", "post")] == f"prepare_{name}"
+    assert ids[("/functions", "get")] == "list_functions"
+    assert ids[("/functions", "post")] == "register_function"
+    assert ids[("/functions/{name}", "get")] == "get_function"
+    assert ids[("/functions/{name}", "delete")] == "delete_function"
+    assert ids[("/health", "get")] == "health"
