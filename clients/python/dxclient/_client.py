@@ -33,6 +33,8 @@ from . import _models
 from ._models import Call, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .backends import Backend
+from .errors import UnknownPreparationError
+from .lru import LRU
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -121,8 +123,13 @@ def _operator_answer(operator: str, response: httpx.Response) -> Any:
     return _models.operator_result(operator, response.headers, response.content)
 
 
-def _prep_answer(response: httpx.Response) -> RemotePrep:
-    return _models.prep_result(response.content)
+def _prep_answer(request: Call, response: httpx.Response) -> RemotePrep:
+    return _models.prep_result(response.content, request)
+
+
+#: Handles renewed after the server dropped them, remembered per client so a prep whose
+#: handle expired is prepared again once, not on every later call that passes it.
+_RENEWED_HANDLES = 256
 
 
 def _plan(method: Callable[..., Plan[Any]]) -> Callable[..., Any]:
@@ -167,6 +174,7 @@ class _ClientBase(OperatorMethods):
         if http is not None and token:
             self.http.headers.update(_headers(token))
         self._urls = _OperatorURLs()
+        self._renewed: LRU[str, RemotePrep] = LRU(_RENEWED_HANDLES)
 
     # --- how calls travel: one implementation per class ---------------------------
     def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> Any:
@@ -185,12 +193,27 @@ class _ClientBase(OperatorMethods):
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
     ) -> Any:
+        if prep is not None and prep.request is not None:
+            def build(p: RemotePrep) -> Call:
+                return _models.operator_call(
+                    operator, f, backend, x, tangents, contexts, p, self.encoding,
+                    batch_axis=batch_axis,
+                )
+
+            return self._run_prepared(operator, prep, build)
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, prep, self.encoding,
             batch_axis=batch_axis,
         )
         url = self._urls.resolve(self.http, call.path)
         return self._run(call, url, _operator_answer, operator)
+
+    def _run_prepared(
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+    ) -> Any:
+        """Run ``build(prep)``; if the server no longer holds the handle (404
+        ``UnknownPreparationError``), send ``prep.request`` again and retry once."""
+        raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
@@ -200,7 +223,7 @@ class _ClientBase(OperatorMethods):
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
             batch_axis=batch_axis,
         )
-        return self._run(call, self._urls.resolve(self.http, call.path), _prep_answer)
+        return self._run(call, self._urls.resolve(self.http, call.path), _prep_answer, call)
 
     # --- functions -------------------------------------------------------------
     @_plan
@@ -321,6 +344,19 @@ class Client(_ClientBase):
         except StopIteration as done:
             return done.value
 
+    def _run_prepared(
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+    ) -> Any:
+        current = self._renewed.get(prep.handle) or prep
+        try:
+            return self._run(build(current), None, _operator_answer, operator)
+        except UnknownPreparationError:
+            request = prep.request
+            assert request is not None
+            fresh = self._run(request, None, _prep_answer, request)
+            self._renewed.put(prep.handle, fresh)
+            return self._run(build(fresh), None, _operator_answer, operator)
+
     def scipy(self, f: RemoteFunction | str, backend: Backend | str = "auto", *contexts: Any) -> Any:
         """``f`` shaped for ``scipy.optimize.minimize``: a ``dxclient.scipy.ScipyProblem``
         with ``fun``, ``jac`` (one value_and_gradient request per point), ``hessp``, ``hess``."""
@@ -374,6 +410,19 @@ class AsyncClient(_ClientBase):
                 call = plan.send(await self._run(call, None, _response))
         except StopIteration as done:
             return done.value
+
+    async def _run_prepared(
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+    ) -> Any:
+        current = self._renewed.get(prep.handle) or prep
+        try:
+            return await self._run(build(current), None, _operator_answer, operator)
+        except UnknownPreparationError:
+            request = prep.request
+            assert request is not None
+            fresh = await self._run(request, None, _prep_answer, request)
+            self._renewed.put(prep.handle, fresh)
+            return await self._run(build(fresh), None, _operator_answer, operator)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import codec, sparse
 from .backends import Backend, backend_to_json
+from .encodings.common import pytree_to_wire
 from .errors import DxError
 from .lru import LRU
 from .operators import ALIASES, BATCH_RESULTS, OPERATORS, OperatorSpec
@@ -43,6 +44,9 @@ class RemotePrep:
     #: for a sparse backend: the pattern's ``shape``, ``nnz``, ``colors``, ``coloring``
     #: and ``mode`` the server found at preparation (None otherwise)
     sparsity: dict | None = field(default=None, compare=False)
+    #: the ``POST /prepare/<op>`` call this handle came from: the client sends it again
+    #: when the server no longer holds the handle (evicted, or the server restarted)
+    request: Call | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -65,14 +69,11 @@ def function_name(f: RemoteFunction | str) -> str:
 
 
 def to_wire_tree(value: Any) -> Any:
-    """numpy in: lists and numbers become float64 arrays, dicts stay pytrees."""
-    if isinstance(value, dict):
-        return {k: to_wire_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, int, float)) and not isinstance(value, bool):
-        return np.asarray(value, dtype=np.float64)
-    if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
-        return np.asarray(value)  # JAX arrays, numpy scalars
-    return value
+    """numpy in: numbers and lists of numbers become float64 arrays, dicts stay pytrees,
+    tuples and other lists become sequence nodes (``encodings.common.pytree_to_wire``)."""
+    if type(value) is np.ndarray:
+        return value
+    return pytree_to_wire(value)
 
 
 def operator_spec(operator: str) -> OperatorSpec:
@@ -231,11 +232,12 @@ def _wire_headers(headers: Any) -> tuple[str | None, str | None]:
     return content_type, header_length
 
 
-def prep_result(content: bytes) -> RemotePrep:
+def prep_result(content: bytes, request: Call | None = None) -> RemotePrep:
+    """The handle in a ``/prepare/<op>`` answer (``request``: the call that asked for it)."""
     obj = codec.loads(content)
     return RemotePrep(
         obj["prep"], obj["operator"], obj["function"], obj["backend"], obj["resolved"],
-        obj.get("sparsity"),
+        obj.get("sparsity"), request,
     )
 
 

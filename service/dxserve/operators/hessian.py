@@ -1,7 +1,8 @@
 """hessian: ``∇²f(x)`` of a scalar-valued f, shape ``x.shape + x.shape``.
 
 Batched HVPs over the input basis: the outer mode's Jacobian of the inner mode's
-gradient, ``batch_size`` basis tangents per vectorized call.
+gradient, ``batch_size`` basis tangents per vectorized call. For a pytree x the
+result is ``jax.hessian``'s blocks: ``H[p][q]`` of shape ``x[p].shape + x[q].shape``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from . import _checks
 
 
 def _check(inputs: Inputs) -> None:
-    _checks.scalar_output(inputs, "hessian")
-    _checks.array_input(inputs, "hessian")
+    _checks.scalar_output(inputs, "hessian")  # any pytree x: jax.hessian's blocks
     _checks.differentiable_x(inputs)
 
 
@@ -33,17 +33,24 @@ def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("hessian", _check, _build))
 
 
-def prepare_hessian(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("hessian", f, backend, x, None, contexts)
+def prepare_hessian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
-def hessian(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def hessian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
+) -> Any:
     """``∇²f(x)``: shape ``x.shape + x.shape``."""
-    return call("hessian", f, backend, x, None, contexts, prep)
+    return call("hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
 
 
 def value_gradient_and_hessian(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), ∇f(x), ∇²f(x))``."""
-    return call("value_gradient_and_hessian", f, backend, x, None, contexts, prep)
+    return call("value_gradient_and_hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)

@@ -2,6 +2,8 @@
 
 Forward mode stacks JVPs of input basis vectors (columns), reverse mode VJPs of
 output basis vectors (rows), ``batch_size`` of them per vectorized call.
+For pytree x or f(x) the result is ``jax.jacobian``'s: f(x)'s structure whose every
+leaf is an x-structured tree of blocks ``y_leaf.shape + x_leaf.shape``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from . import _checks
 
 
 def _check(inputs: Inputs) -> None:
-    _checks.array_input(inputs, "jacobian")
-    _checks.array_output(inputs, "jacobian")
+    # pytree x and y are served: blocks nested as jax.jacobian nests them
     _checks.differentiable_x(inputs)
 
 
@@ -30,17 +31,24 @@ def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
 register_family(Family("jacobian", _check, _build))
 
 
-def prepare_jacobian(f: Callable, backend: Any, x: Any, *contexts: Any) -> Prep:
-    return prepare("jacobian", f, backend, x, None, contexts)
+def prepare_jacobian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    return prepare("jacobian", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
-def jacobian(f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None) -> Any:
+def jacobian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
+) -> Any:
     """``∂f/∂x``: shape ``y.shape + x.shape``."""
-    return call("jacobian", f, backend, x, None, contexts, prep)
+    return call("jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
 
 
 def value_and_jacobian(
-    f: Callable, backend: Any, x: Any, *contexts: Any, prep: Prep | None = None
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    prep: Prep | None = None, batch_axis: int | None = None,
 ) -> tuple[Any, Any]:
     """``(f(x), ∂f/∂x)``."""
-    return call("value_and_jacobian", f, backend, x, None, contexts, prep)
+    return call("value_and_jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
