@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from . import _models
+from . import _models, models
 from ._models import Call, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .backends import Backend
@@ -193,6 +193,10 @@ class _ClientBase(OperatorMethods):
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
     ) -> Any:
+        model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
+        if model is not None:
+            return model.finish(operator, self._operator(
+                operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis))
         if prep is not None and prep.request is not None:
             def build(p: RemotePrep) -> Call:
                 return _models.operator_call(
@@ -219,6 +223,9 @@ class _ClientBase(OperatorMethods):
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, batch_axis: int | None = None,
     ) -> Any:
+        model = models.model_call(x, tangents)
+        if model is not None:
+            x, tangents = model.x, model.tangents
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
             batch_axis=batch_axis,
@@ -250,16 +257,23 @@ class _ClientBase(OperatorMethods):
     ) -> Plan[RemoteFunction]:
         """Export ``fn(x, *contexts)`` with ``jax.export`` (needs jax locally) and upload it.
 
+        ``x`` may be an Equinox or Flax NNX model: its parameters are uploaded as ``x``
+        (a list of leaves) and the rest is folded in (``dxclient.models``).
+
         Lowered for every platform the server reports in ``GET /ready`` unless
         ``platforms=`` says otherwise; other options go to ``export_function``
         (``polymorphic_shapes``, ``constraints``).
         """
+        name = name or fn.__name__
+        if example_args and models.is_model(example_args[0]):
+            # x is the model's parameter leaves; its static part is folded into the export
+            fn, example_args = models.for_export(fn, example_args)
         platforms = export_options.pop("platforms", None)
         if not platforms:
             platforms = (yield _get("/ready")).json()["export_platforms"]
         bundle = _export(fn, example_args, platforms, **export_options)
         fields = {"export": base64.b64encode(bundle).decode("ascii")}
-        call = _models.register_call(name or fn.__name__, description, replace, fields)
+        call = _models.register_call(name, description, replace, fields)
         return _models.function_result((yield call).content)
 
     @_plan
