@@ -32,8 +32,8 @@ from dxclient.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.http import create_app
 from dxserve.http.wire import decode_operator_request, response_encoding
-from dxserve.http.wire import payload as result_payload
 from dxserve.preparation import PrepCache, call, lookup
+from dxserve.service import results_of as result_payload
 from dxserve.settings import Settings
 
 ENCODINGS = ("binary", "b64", "json")
