@@ -1,4 +1,4 @@
-"""Round-trip latency of POST /gradient against a bare FastAPI echo.
+"""Round-trip latency of POST /gradient against a bare FastAPI echo and the raw loopback floor.
 
     .venv/bin/python bench/latency.py           # n = 10, 1e3, 1e5, 1e6
     .venv/bin/python bench/latency.py --quick   # fewer rounds
@@ -6,7 +6,8 @@
 Starts two servers on 127.0.0.1 (random free ports) and stops them by PID:
 ``dxserve serve`` (examples registered, fresh temporary store, no persistent
 compilation cache) and ``bench/echo_app.py`` (``POST /echo`` returns the body),
-both under uvicorn with the same settings and the same log level.
+both under uvicorn with the same settings and the same log level. The echo process
+also serves the raw floor (``echo_app.py --raw-port``): a plain socket server.
 
 For each n and encoding (binary, b64, json) it times, interleaved:
 
@@ -14,15 +15,25 @@ For each n and encoding (binary, b64, json) it times, interleaved:
   the whole user-visible call (client encode, HTTP, server, client decode);
 * echo: the same ``httpx.Client`` posting the exact request bytes and headers that
   encoding produces to ``/echo`` (transport only: the bytes are encoded once);
+* raw: the same number of bytes each way over a plain loopback socket: the HTTP
+  request the client sends (request line, headers, body) written with one ``sendmsg``,
+  dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
+  fresh buffer of its size; no HTTP parsing on either side (the floor);
+* async: ``dxclient.AsyncClient`` (default encoding, binary), each call driven by
+  ``loop.run_until_complete`` (which adds ~20 us of its own);
 * in process: ``dxserve.gradient(rosenbrock, JaxReverse(), x, prep=prep)``, blocked.
 
-Targets: small requests within 1.3x of the echo; n = 10^6 within 1.5x of
-(in-process + echo).
+Targets: n <= 10^3 within 1.3x of the echo in every encoding; the default encoding
+(binary) within 1.6x of the raw floor at n = 10^6 and 3x at 10^5; the async client
+within 1.1x of the sync one.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -44,13 +55,59 @@ from _common import (
 )
 
 import dxserve
-from dxclient import Client, _models
+from dxclient import AsyncClient, Client, _models
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
 ENCODINGS = ("binary", "b64", "json")
 SMALL_TARGET = 1.3
-LARGE_TARGET = 1.5
+#: dxserve (binary) / raw floor, by n
+FLOOR_TARGETS = {10**5: 3.0, 10**6: 1.6}
+ASYNC_TARGET = 1.1
+_PREFIX = struct.Struct("<QQ")
+
+
+class RawFloor:
+    """A client of ``echo_app.py --raw-port``: one kept-open socket; each ``exchange``
+    writes ``head + body`` with one ``sendmsg`` and reads ``n_out`` bytes into a fresh
+    buffer with ``recv_into``."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def exchange(self, head: bytes, body: bytes, n_out: int) -> bytearray:
+        parts = [_PREFIX.pack(len(head) + len(body), n_out), head, body]
+        total = sum(len(p) for p in parts)
+        sent = self.sock.sendmsg(parts)
+        if sent < total:  # the kernel took part of it: the rest in one go
+            self.sock.sendall(memoryview(b"".join(parts))[sent:])
+        out = bytearray(n_out)
+        view, got = memoryview(out), 0
+        while got < n_out:
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("raw floor server closed the connection")
+            got += n
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def request_head(url: httpx.URL, headers: dict[str, str], body: bytes) -> bytes:
+    """The request line and headers httpx writes for this POST (the same byte count)."""
+    request = httpx.Client().build_request("POST", url, content=body, headers=headers)
+    lines = [f"POST {url.raw_path.decode()} HTTP/1.1"]
+    lines += [f"{k.decode()}: {v.decode()}" for k, v in request.headers.raw]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def response_size(response: httpx.Response) -> int:
+    """Bytes of a whole HTTP/1.1 answer: status line, headers, body."""
+    head = f"HTTP/1.1 {response.status_code} {response.reason_phrase}\r\n"
+    head += "".join(f"{k.decode()}: {v.decode()}\r\n" for k, v in response.headers.raw)
+    return len(head.encode("latin-1")) + 2 + len(response.content)
 
 
 def rounds_for(n: int, quick: bool) -> int:
@@ -74,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = JaxReverse()
     with tempfile.TemporaryDirectory(prefix="dxbench-") as tmp:
         tmpdir = Path(tmp)
-        dx_port, echo_port = free_port(), free_port()
+        dx_port, echo_port, raw_port = free_port(), free_port(), free_port()
         dx = Server(
             [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(dx_port),
              "--store", str(tmpdir / "store"), "--compilation-cache", "", "--log-level", args.log_level],
@@ -83,46 +140,62 @@ def main(argv: list[str] | None = None) -> int:
         try:
             echo = Server(
                 [PYTHON, str(Path(__file__).resolve().parent / "echo_app.py"), "--port", str(echo_port),
-                 "--log-level", args.log_level],
+                 "--log-level", args.log_level, "--raw-port", str(raw_port)],
                 echo_port, "/health", tmpdir / "echo.log",
             )
         except BaseException:
             dx.stop()
             raise
         try:
-            rows = run(sizes, args.quick, backend, dx.url, echo.url)
+            rows, async_rows = run(sizes, args.quick, backend, dx.url, echo.url, raw_port)
         finally:
             echo.stop()
             dx.stop()
 
-    out("# POST /gradient round trip vs a bare FastAPI echo (Rosenbrock, float64)")
+    out("# POST /gradient round trip vs a bare FastAPI echo and the raw loopback floor "
+        "(Rosenbrock, float64)")
     out()
     out(f"{machine_line()}; loopback, uvicorn log level {args.log_level} on both servers; "
         "medians of interleaved rounds (rounds per n: "
         + ", ".join(f"{n:.0e}: {rounds_for(n, args.quick)}" for n in sizes) + ").")
     out()
-    header = ["n", "encoding", "dxserve ms", "echo ms", "dxserve/echo", "in-process ms",
-              "dxserve/(in-process+echo)", "bytes (request)"]
+    header = ["n", "encoding", "dxserve ms", "echo ms", "raw ms", "in-process ms",
+              "dxserve/echo", "dxserve/raw", "echo/raw", "bytes (request)", "bytes (answer)"]
     out(markdown_table(header, rows))
     out()
-    out(f"Targets: small requests dxserve/echo <= {SMALL_TARGET}x; n = 10^6 "
-        f"dxserve/(in-process+echo) <= {LARGE_TARGET}x. dxserve = the whole "
-        "`dxclient.Client.gradient` call (client encode + HTTP + server + client decode); "
-        "echo = the same httpx.Client posting the same request bytes to `POST /echo` (no "
-        "client encoding); in-process = `dxserve.gradient(..., prep=prep)` blocked until ready.")
+    out("## AsyncClient vs Client (binary)")
+    out()
+    out(markdown_table(["n", "Client ms", "AsyncClient ms", "async/sync"], async_rows))
+    out()
+    out(f"Targets: n <= 10^3 dxserve/echo <= {SMALL_TARGET}x in every encoding; binary "
+        + ", ".join(f"n = {n:.0e} dxserve/raw <= {t}x" for n, t in FLOOR_TARGETS.items())
+        + f"; async/sync <= {ASYNC_TARGET}x. dxserve = the whole `dxclient.Client.gradient` "
+        "call (client encode + HTTP + server + client decode); echo = an httpx.Client "
+        "posting the same request bytes to `POST /echo` (no client encoding); raw = the "
+        "same byte counts each way (whole HTTP request, whole HTTP answer) over a plain "
+        "loopback socket, `sendmsg` out and `recv_into` a fresh buffer in, no HTTP; "
+        "in-process = `dxserve.gradient(..., prep=prep)` blocked until ready. AsyncClient "
+        "calls are each driven by `loop.run_until_complete` (~20 us of its own).")
     if args.save:
         print(f"saved {out.save(args.save)}", file=sys.stderr)
     return 0
 
 
-def run(sizes: list[int], quick: bool, backend: JaxReverse, dx_url: str, echo_url: str) -> list:
-    rows = []
+def run(
+    sizes: list[int], quick: bool, backend: JaxReverse, dx_url: str, echo_url: str, raw_port: int
+) -> tuple[list, list]:
+    rows, async_rows = [], []
     started = time.perf_counter()
+    raw = RawFloor(raw_port)
+    loop = asyncio.new_event_loop()
+    aclient = AsyncClient(dx_url, timeout=600.0)
     http = httpx.Client(base_url=dx_url, timeout=600.0)
     # parsed once, as dxclient.Client does for its operator URLs: the echo pays no more
     # URL handling per request than the client does
     echo_target = httpx.URL(echo_url + "/echo")
-    clients = {enc: Client(encoding=enc, http=http) for enc in ENCODINGS}
+    # each encoding its own client (and connection pool), as users would have it
+    clients = {enc: Client(dx_url, encoding=enc, timeout=600.0) for enc in ENCODINGS}
+    echo_http = httpx.Client(timeout=600.0)
     try:
         for n in sizes:
             x = np.random.default_rng(n).uniform(-1.5, 1.5, n)
@@ -138,27 +211,46 @@ def run(sizes: list[int], quick: bool, backend: JaxReverse, dx_url: str, echo_ur
                 got = client.gradient("rosenbrock", backend, x)  # compiles on the server
                 np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
                 call = _models.operator_call("gradient", "rosenbrock", backend, x, None, (), None, enc)
-                sizes_by_enc[enc] = len(call.body)
-                echoed = http.post(echo_url + "/echo", content=call.body, headers=call.headers)
+                answer = http.post("/gradient", content=call.body, headers=call.headers)
+                head = request_head(httpx.URL(dx_url + "/gradient"), call.headers, call.body)
+                sizes_by_enc[enc] = (len(head) + len(call.body), response_size(answer))
+                echoed = echo_http.post(echo_target, content=call.body, headers=call.headers)
                 assert echoed.content == call.body
                 candidates[f"dxserve {enc}"] = lambda c=client, x=x: c.gradient("rosenbrock", backend, x)
-                candidates[f"echo {enc}"] = lambda c=call: http.post(
+                candidates[f"echo {enc}"] = lambda c=call: echo_http.post(
                     echo_target, content=c.body, headers=c.headers).content
+                candidates[f"raw {enc}"] = lambda h=head, c=call, k=sizes_by_enc[enc][1]: (
+                    raw.exchange(h, c.body, k))
+            candidates["async binary"] = lambda x=x: loop.run_until_complete(
+                aclient.gradient("rosenbrock", backend, x))
+            np.testing.assert_allclose(candidates["async binary"](), expected, rtol=1e-12, atol=0)
             times = interleaved(candidates, rounds_for(n, quick), budget_seconds=240)
             inproc = median(times["in-process"])
+            label = f"{n:.0e}" if n >= 1000 else str(n)
             for enc in ENCODINGS:
                 d, e = median(times[f"dxserve {enc}"]), median(times[f"echo {enc}"])
-                small, large = d / e, d / (inproc + e)
+                r = median(times[f"raw {enc}"])
+                small = d / e
                 flag_small = (" ok" if small <= SMALL_TARGET else " MISS") if n <= 10**3 else ""
-                flag_large = (" ok" if large <= LARGE_TARGET else " MISS") if n >= 10**6 else ""
-                rows.append([f"{n:.0e}" if n >= 1000 else str(n), enc, ms(d), ms(e),
-                             f"{small:.2f}x{flag_small}", ms(inproc), f"{large:.2f}x{flag_large}",
-                             f"{sizes_by_enc[enc]:,}"])
+                target = FLOOR_TARGETS.get(n) if enc == "binary" else None
+                flag_raw = "" if target is None else (" ok" if d / r <= target else " MISS")
+                rows.append([label, enc, ms(d), ms(e), ms(r), ms(inproc),
+                             f"{small:.2f}x{flag_small}", f"{d / r:.2f}x{flag_raw}", f"{e / r:.2f}x",
+                             f"{sizes_by_enc[enc][0]:,}", f"{sizes_by_enc[enc][1]:,}"])
+            s_, a_ = median(times["dxserve binary"]), median(times["async binary"])
+            flag = " ok" if a_ / s_ <= ASYNC_TARGET else " MISS"
+            async_rows.append([label, ms(s_), ms(a_), f"{a_ / s_:.2f}x{flag}"])
             print(f"  n={n:.0e} done ({len(times['in-process'])} rounds, "
                   f"{time.perf_counter() - started:.0f} s so far)", file=sys.stderr)
     finally:
         http.close()
-    return rows
+        echo_http.close()
+        for client in clients.values():
+            client.close()
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
+        raw.close()
+    return rows, async_rows
 
 
 if __name__ == "__main__":
