@@ -115,9 +115,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
 
 
 def test_script_covers_every_non_operator_method() -> None:
-    from dxclient.operators import ALIASES, OPERATORS
+    from dxclient.operators import OPERATORS
 
-    operators = set(OPERATORS) | set(ALIASES) | {f"prepare_{n}" for n in OPERATORS}
+    operators = set(OPERATORS) | {f"prepare_{n}" for n in OPERATORS}
     # scipy() builds a sync-only adapter over the operators (tests/test_scipy_adapter.py)
     public = {
         name for name, _ in inspect.getmembers(Client, callable)

@@ -213,8 +213,8 @@ CASES: list[Case] = [
          path="/pushforward", body=rb(function="sin_cumsum", tangents=[[1.0, 0.0, None]])),
     Case("pullback-tangent-shaped-like-x", 422, "shape-mismatch", "tangents[0]", "f(x)",
          path="/pullback", body=rb(function="sum_of_squares", tangents=[GOOD_X])),
-    Case("jvp-alias-wrong-shape", 422, "shape-mismatch", "tangents[0]", "(1,)",
-         path="/jvp", body=rb(function="sin_cumsum", tangents=[[1.0]])),
+    Case("pushforward-wrong-shape", 422, "shape-mismatch", "tangents[0]", "(1,)",
+         path="/pushforward", body=rb(function="sin_cumsum", tangents=[[1.0]])),
     Case("tangents-on-gradient", 422, "invalid-argument", "tangents", "takes no tangents",
          body=rb(tangents=[GOOD_X])),
     # --- contexts -----------------------------------------------------------------------
@@ -272,6 +272,9 @@ CASES: list[Case] = [
          method="GET", headers={}),
     Case("unknown-route", 404, "not-found", "path", "no route post /gradientt",
          path="/gradientt", body=rb()),
+    # JAX's names are not aliases (their return shapes would differ from jax.jvp/jax.vjp)
+    Case("jvp-is-not-a-route", 404, "not-found", "path", "no route post /jvp",
+         path="/jvp", body=rb(function="sin_cumsum", tangents=[[1.0, 0.0, 0.0]])),
     # --- the registry ------------------------------------------------------------------------------
     Case("register-hostile-expression", 422, "invalid-expression", "expression", "__import__",
          path="/functions",

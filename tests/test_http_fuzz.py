@@ -57,7 +57,7 @@ BODY = st.fixed_dictionaries(
         "extra": JSONISH,
     },
 )
-OPERATORS = st.sampled_from(["gradient", "hvp", "jacobian", "pullback", "derivative", "value", "hessian", "jvp"])
+OPERATORS = st.sampled_from(["gradient", "hvp", "jacobian", "pullback", "derivative", "value", "hessian", "pushforward"])
 
 
 @pytest.fixture(scope="module")

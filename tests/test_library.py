@@ -337,7 +337,6 @@ def test_auto_jacobian_mode_follows_sizes():
 def test_auto_first_order_choices():
     assert dxserve.resolve("auto", "gradient", sin_sq, X3) == JaxReverse()
     assert dxserve.resolve("auto", "pullback", grow, X3) == JaxReverse()
-    assert dxserve.resolve("auto", "vjp", grow, X3) == JaxReverse()
     assert dxserve.resolve("auto", "pushforward", grow, X3) == JaxForward()
     assert dxserve.resolve("auto", "derivative", jnp.sin, 0.5) == JaxForward()
     # explicit first-order backends are used as given

@@ -36,7 +36,7 @@ from dxclient.errors import (
     ShapeMismatchError,
 )
 from dxclient.lru import LRU
-from dxclient.operators import ALIASES, OPERATORS
+from dxclient.operators import OPERATORS
 
 from . import executable_cache
 from .backends import engines_for, resolve_backend
@@ -655,7 +655,7 @@ def call(
 
 def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:
     """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied)."""
-    family = OPERATORS[ALIASES.get(operator, operator)].family
+    family = OPERATORS[operator].family
     x = as_tree(x)
     contexts = tuple(as_tree(c) for c in contexts)
     with float64_scope():

@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from dxclient.backends import Backend
 from dxclient.errors import ForbiddenError, UnauthorizedError, UnknownPreparationError
 from dxclient.lru import LRU
-from dxclient.operators import ALIASES, OPERATORS, OperatorSpec
+from dxclient.operators import OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
 
 from . import export_gate, observe
@@ -203,7 +203,7 @@ class Service:
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
         """
-        op = OPERATORS[ALIASES.get(operator, operator)]
+        op = OPERATORS[operator]
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
@@ -280,7 +280,7 @@ class Service:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
         ``batch_axis=0`` prepares a batch of points (calls must send one as well)."""
-        op = OPERATORS[ALIASES.get(operator, operator)]
+        op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         limit, limits = self.settings.max_result_elements, self.limits
@@ -429,5 +429,5 @@ def _operator_method(op: OperatorSpec) -> Callable:
     return method
 
 
-for _name in (*OPERATORS, *ALIASES):
-    setattr(Service, _name, _operator_method(OPERATORS[ALIASES.get(_name, _name)]))
+for _name, _op in OPERATORS.items():
+    setattr(Service, _name, _operator_method(_op))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .operators import ALIASES, OPERATORS, OperatorSpec
+from .operators import OPERATORS, OperatorSpec
 
 TARGET = Path(__file__).with_name("_operators.py")
 
@@ -84,8 +84,6 @@ def render() -> str:
     """The text ``_operators.py`` should have."""
     parts = [_HEADER]
     parts += [_methods(op) for op in OPERATORS.values()]
-    parts.append("\n")
-    parts += [f"    {alias} = {name}\n" for alias, name in ALIASES.items()]
     return "".join(parts)
 
 

@@ -19,7 +19,7 @@ from .backends import Backend, backend_to_json
 from .encodings.common import pytree_to_wire
 from .errors import DxError
 from .lru import LRU
-from .operators import ALIASES, BATCH_RESULTS, OPERATORS, OperatorSpec
+from .operators import BATCH_RESULTS, OPERATORS, OperatorSpec
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def to_wire_tree(value: Any) -> Any:
 
 
 def operator_spec(operator: str) -> OperatorSpec:
-    return OPERATORS[ALIASES.get(operator, operator)]
+    return OPERATORS[operator]
 
 
 def operator_call(

@@ -324,6 +324,3 @@ class OperatorMethods:
     ) -> Any:
         """Compile ``gradient_and_hvp`` on the server for this signature; returns a RemotePrep."""
         return self._prepare("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis)
-
-    jvp = pushforward
-    vjp = pullback

@@ -128,8 +128,5 @@ OPERATORS: dict[str, OperatorSpec] = {
     ]
 }  # fmt: skip
 
-# JAX's names, accepted as aliases on the wire and in the client.
-ALIASES: dict[str, str] = {"jvp": "pushforward", "vjp": "pullback"}
-
 #: Every result name that holds one array per tangent.
 BATCH_RESULTS: frozenset[str] = frozenset().union(*(op.batch_results for op in OPERATORS.values()))

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from dxclient import codec
-from dxclient.operators import ALIASES, OPERATORS
+from dxclient.operators import OPERATORS
 
 from .. import __version__, observe
 from ..service import Service
@@ -81,8 +81,7 @@ def _add_routes(app: FastAPI) -> None:
     problem_responses = {
         status: {"model": schemas.Problem, "description": desc} for status, desc in _PROBLEMS.items()
     }
-    for name in (*OPERATORS, *ALIASES):
-        op = OPERATORS[ALIASES.get(name, name)]
+    for name, op in OPERATORS.items():
         body = {
             "requestBody": {
                 "required": True,
@@ -98,17 +97,16 @@ def _add_routes(app: FastAPI) -> None:
         app.router.add_api_route(
             f"/{name}", routes.OperatorEndpoint(op), methods=["POST"], tags=["operators"],
             responses={200: {"model": schemas.RESPONSES[op.name]}, **problem_responses},
-            openapi_extra=body, summary=name, include_in_schema=name in OPERATORS,
+            openapi_extra=body, summary=name,
             route_class_override=OperatorRoute, operation_id=name,
         )
-        if name in OPERATORS:
-            app.router.add_api_route(
-                f"/prepare/{name}", routes.PrepareEndpoint(op), methods=["POST"],
-                tags=["preparation"],
-                responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
-                openapi_extra=body, summary=f"prepare_{name}",
-                route_class_override=OperatorRoute, operation_id=f"prepare_{name}",
-            )
+        app.router.add_api_route(
+            f"/prepare/{name}", routes.PrepareEndpoint(op), methods=["POST"],
+            tags=["preparation"],
+            responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
+            openapi_extra=body, summary=f"prepare_{name}",
+            route_class_override=OperatorRoute, operation_id=f"prepare_{name}",
+        )
     # Explicit operationIds: generated clients name their methods after them.
     app.get(
         "/functions", response_model=schemas.FunctionList, tags=["functions"],

@@ -35,6 +35,14 @@ def prepare_derivative(
     return prepare("derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_and_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_and_derivative`` once for this signature (a ``derivative``-family prep)."""
+    return prepare("value_and_derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
+
+
 def derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,

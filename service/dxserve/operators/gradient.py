@@ -35,6 +35,14 @@ def prepare_gradient(
     return prepare("gradient", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_and_gradient(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_and_gradient`` once for this signature (a ``gradient``-family prep)."""
+    return prepare("value_and_gradient", f, backend, x, None, contexts, batch_axis=batch_axis)
+
+
 def gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,

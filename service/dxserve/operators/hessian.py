@@ -40,6 +40,14 @@ def prepare_hessian(
     return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_gradient_and_hessian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_gradient_and_hessian`` once for this signature (a ``hessian``-family prep)."""
+    return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, batch_axis=batch_axis)
+
+
 def hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,

@@ -42,6 +42,14 @@ def prepare_hvp(
     return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
+def prepare_gradient_and_hvp(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``gradient_and_hvp`` once for this signature (a ``hvp``-family prep)."""
+    return prepare("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+
+
 def hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,

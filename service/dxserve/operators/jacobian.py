@@ -38,6 +38,14 @@ def prepare_jacobian(
     return prepare("jacobian", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_and_jacobian(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_and_jacobian`` once for this signature (a ``jacobian``-family prep)."""
+    return prepare("value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis)
+
+
 def jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,

@@ -35,6 +35,14 @@ def prepare_pullback(
     return prepare("pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_and_pullback(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_and_pullback`` once for this signature (a ``pullback``-family prep)."""
+    return prepare("value_and_pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+
+
 def pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
@@ -50,5 +58,3 @@ def value_and_pullback(
     """``(f(x), (Jᵀ @ c for c in tangents))``."""
     return call("value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
-
-vjp = pullback

@@ -35,6 +35,14 @@ def prepare_pushforward(
     return prepare("pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_and_pushforward(
+    f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_and_pushforward`` once for this signature (a ``pushforward``-family prep)."""
+    return prepare("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+
+
 def pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
@@ -50,5 +58,3 @@ def value_and_pushforward(
     """``(f(x), (J @ t for t in tangents))``."""
     return call("value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
 
-
-jvp = pushforward

@@ -35,6 +35,14 @@ def prepare_second_derivative(
     return prepare("second_derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
 
 
+def prepare_value_derivative_and_second_derivative(
+    f: Callable, backend: Any, x: Any, *contexts: Any,
+    batch_axis: int | None = None,
+) -> Prep:
+    """Compile ``value_derivative_and_second_derivative`` once for this signature (a ``second_derivative``-family prep)."""
+    return prepare("value_derivative_and_second_derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
+
+
 def second_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
