@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,11 @@ from tests.conftest import start_server, stop_server
 
 
 def _objects_bytes(root: Path) -> int:
+    """Bytes of the stored objects: the SQLite store's blobs (the default), or the files
+    of a directory store."""
+    if (root / "store.db").exists():
+        with contextlib.closing(sqlite3.connect(root / "store.db")) as db:
+            return db.execute("SELECT COALESCE(SUM(LENGTH(content)), 0) FROM objects").fetchone()[0]
     return sum(p.stat().st_size for p in (root / "objects").iterdir() if not p.name.startswith("."))
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,8 +125,16 @@ class Registry:
         *,
         max_loaded: int = 64,
         max_loaded_bytes: int = 0,
+        sync_interval: float = 0.25,
     ) -> None:
         self.store = store
+        #: Other processes write this store too: follow its change log (``refresh``).
+        self.shared = bool(getattr(store, "shared", False))
+        #: Seconds after which a request checks the store for other processes' writes.
+        self.sync_interval = sync_interval
+        self._seq = 0  # the last change of the store's log applied here
+        self._checked = float("-inf")  # time.monotonic() of the last check
+        self._sync_lock = threading.Lock()
         self.max_functions = max_functions
         #: Most stored functions kept built in memory (at least 1).
         self.max_loaded = max(1, max_loaded)
@@ -166,6 +175,9 @@ class Registry:
         built once and their record upgraded, and one that no longer loads is skipped.
         """
         indexed = 0
+        if self.shared:  # changes after this point are applied by ``refresh``
+            self._seq = self.store.generation()
+            self._checked = time.monotonic()
         for record in self.store.records():
             if "signature" in record.metadata:
                 entry = _index_entry(record)
@@ -202,6 +214,7 @@ class Registry:
 
     def loaded(self, name: Any) -> Entry | None:
         """``get`` without building: the built entry, or None if it needs a build."""
+        self.refresh()
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None or entry.fn is not None:
             return entry
@@ -210,7 +223,10 @@ class Registry:
 
     def lookup(self, name: Any, field_name: str = "function") -> Entry:
         """The function's entry without building it (``fn`` is None if not built)."""
+        self.refresh()
         entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is None and self.shared and isinstance(name, str):
+            entry = self._read_through(name)
         if entry is None:
             if not isinstance(name, str):
                 raise UnknownFunctionError(
@@ -308,6 +324,7 @@ class Registry:
         return len(self._loaded)
 
     def list(self) -> list[Entry]:
+        self.refresh()
         with self._lock:
             return sorted(self._entries.values(), key=lambda e: e.name)
 
@@ -318,6 +335,92 @@ class Registry:
         """How many functions were registered by clients (server-side ones not counted)."""
         with self._lock:  # concurrent registrations resize the dict
             return sum(1 for e in self._entries.values() if e.kind != MODULE.name)
+
+    # --- other processes' writes (shared stores) ----------------------------
+    def refresh(self, *, force: bool = False) -> None:
+        """Apply what other processes wrote to a shared store since the last check.
+
+        Checked at most every ``sync_interval`` seconds (and at once when the store
+        hints at a change: a PostgreSQL notification), so a deletion or replacement
+        committed anywhere is seen by every request that starts ``sync_interval``
+        seconds later. The check itself is cheap: SQLite's ``data_version`` first, then
+        only the names in the change log since the last applied change are re-read.
+        """
+        if not self.shared:
+            return
+        now = time.monotonic()
+        due = force or now - self._checked >= self.sync_interval
+        pushed = self._pushes and self.store.maybe_changed()  # a notification arrived
+        if not (due or pushed):
+            return
+        if not self._sync_lock.acquire(blocking=force):
+            return  # another thread is applying the same changes right now
+        try:
+            self._checked = now
+            # SQLite's hint is itself a (cheap) query: asked once due, and nothing else
+            # is read when it says no other connection committed.
+            if not (force or pushed or self._pushes) and not self.store.maybe_changed():
+                return
+            seq, names = self.store.changes(self._seq)
+            if names is None:  # the log no longer reaches back: compare every record
+                names = sorted({r.name for r in self.store.records()} | set(self._stored_names()))
+            for name in names:
+                self._apply(name, self.store.record(name))
+            self._seq = seq
+        except Exception as exc:  # a store that is briefly unreachable: serve what we have
+            log.warning("registry: cannot read the store's changes: %s", exc)
+        finally:
+            self._sync_lock.release()
+
+    @property
+    def _pushes(self) -> bool:
+        # Stores that push hints (PostgreSQL's NOTIFY) are asked on every request.
+        return bool(getattr(self.store, "pushes_changes", False))
+
+    def _stored_names(self) -> list[str]:
+        with self._lock:
+            return [n for n, e in self._entries.items() if e.kind != MODULE.name]
+
+    def _read_through(self, name: str) -> Entry | None:
+        """A name unknown here: registered by another process since the last check?"""
+        try:
+            record = self.store.record(name)
+        except Exception as exc:
+            log.warning("registry: cannot read %r from the store: %s", name, exc)
+            return None
+        if record is None:
+            return None
+        self._apply(name, record)
+        return self._entries.get(name)
+
+    def _apply(self, name: str, record: StoredRecord | None) -> None:
+        """Make this process's entry for ``name`` match the store's ``record``."""
+        with self._lock:
+            current = self._entries.get(name)
+            if current is not None and current.kind == MODULE.name:
+                return  # a server-side function of this process shadows the name
+            if record is None:
+                if current is None:
+                    return
+                del self._entries[name]
+            elif current is not None and current.digest == record.digest:
+                if current.created == record.created and current.description == \
+                        record.metadata.get("description", ""):
+                    return
+                index = _index_entry(record)  # new metadata, same content: keep what is built
+                self._entries[name] = (
+                    dataclasses.replace(index, signature=current.signature)
+                    if "signature" not in record.metadata else index
+                )
+                return
+            else:
+                index = _index_entry(record) if "signature" in record.metadata else None
+                if index is None:  # an old record: built on first use, described then
+                    index = _index_entry(record)
+                self._entries[name] = index
+                if current is None:
+                    return
+        self._removed(current)  # deleted or replaced elsewhere: drop what was built of it
 
     # --- writes ------------------------------------------------------------
     def register_body(self, body: dict[str, Any]) -> tuple[Entry, bool]:

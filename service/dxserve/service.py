@@ -41,7 +41,7 @@ from .registry import Registry
 from .request_batching import Batcher
 from .settings import Settings
 from .signature import Signature
-from .store import DirectoryStore
+from .stores import open_store
 from .worker import Workers
 
 Action = Literal["compute", "write"]
@@ -83,10 +83,10 @@ class Service:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings = settings or Settings()
         export_gate.configure(settings)  # uploads are checked with this server's limits
-        self.store = DirectoryStore(settings.store, quota_bytes=settings.store_quota_bytes)
+        self.store = open_store(settings.store, quota_bytes=settings.store_quota_bytes)
         self.registry = Registry(
             self.store, settings.max_functions, max_loaded=settings.max_loaded_functions,
-            max_loaded_bytes=settings.max_loaded_bytes,
+            max_loaded_bytes=settings.max_loaded_bytes, sync_interval=settings.store_sync_interval,
         )
         with float64_scope():  # stored exports may carry float64 signatures
             for module in settings.functions:

@@ -22,8 +22,19 @@ class Settings(BaseSettings):
     port: int = Field(default_factory=lambda: os.environ.get("PORT", "8000"), validate_default=True)
     #: Python modules whose ``@dxserve.function``s are registered at start.
     functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
-    #: Directory of the persistent function registry.
-    store: Path = Path("dxserve-store")
+    #: The persistent function registry: a path (an SQLite database ``<path>/store.db``
+    #: that the processes of one machine share), ``postgresql://...`` (processes on many
+    #: machines) or ``dir:///path`` (the one-process directory format); see ``stores``.
+    store: str = "dxserve-store"
+    #: Seconds within which a deletion or replacement made by another process is seen:
+    #: a request checks the store's change log first when its last check is older.
+    store_sync_interval: float = Field(default=0.25, ge=0)
+    #: Server processes sharing the port, the store and the compilation cache
+    #: (``dxserve serve --workers N``); each has its own event loop and device workers.
+    workers: int = Field(default=1, ge=1, le=256)
+    #: Devices given to the worker processes in turn, one ``CUDA_VISIBLE_DEVICES`` value
+    #: each, separated by ";" or "," (e.g. "0,1": worker 0 sees GPU 0, worker 1 GPU 1).
+    worker_devices: Annotated[list[str], NoDecode] = []
     #: Most bytes of stored content (exports and expressions; content shared by several
     #: names counts once): 507 past it, 413 for one upload larger than all of it; 0: none.
     store_quota_bytes: int = Field(default=1 << 30, ge=0)
@@ -133,6 +144,19 @@ class Settings(BaseSettings):
     def _split_modules(cls, value: object) -> object:
         if isinstance(value, str):
             return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_text(cls, value: object) -> object:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("worker_devices", mode="before")
+    @classmethod
+    def _split_devices(cls, value: object) -> object:
+        if isinstance(value, str):
+            sep = ";" if ";" in value else ","
+            return [d.strip() for d in value.split(sep) if d.strip()]
         return value
 
     @field_validator("max_batch")

@@ -1,0 +1,322 @@
+"""What the SQL stores (SQLite, PostgreSQL) share: the schema, the put/delete rules and
+the change log other processes follow.
+
+Tables (the same in both databases)::
+
+    functions(name PRIMARY KEY, kind, digest, size, metadata JSON text, created)
+    objects(digest PRIMARY KEY, content, size)      one row per referenced content
+    changes(seq, name)                               one row per put or delete
+
+Every write is one transaction, serialized across processes (SQLite: ``BEGIN
+IMMEDIATE``; PostgreSQL: a transaction-scoped advisory lock), so the 409/``replace``
+rules and the quota are decided on what is committed, never on a process's stale view.
+``objects`` holds exactly the contents some name refers to (an object is removed in the
+transaction that drops its last name), so the quota check is one ``SUM``.
+
+``changes`` is what keeps every process's registry current without reading everything:
+a process remembers the last ``seq`` it applied and asks only for the names changed
+since (``changes``). The log keeps the last ``KEEP_CHANGES`` rows; a process further
+behind than that gets ``None`` and re-reads every record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from dxclient.errors import (
+    FunctionConflictError,
+    InvalidArgumentError,
+    PayloadTooLargeError,
+    StorageFullError,
+)
+
+from ..kinds import stored_names
+from ..store import StoredFunction, StoredRecord, _now, content_digest, validate_name
+
+log = logging.getLogger("dxserve.store")
+
+#: Rows of ``changes`` kept; a process that has not synced for that many writes re-reads all.
+KEEP_CHANGES = 10_000
+
+_FIELDS = "name, kind, digest, size, metadata, created"
+
+
+class SqlStore:
+    """A ``FunctionStore`` over one SQL connection (``put`` rules as ``DirectoryStore``).
+
+    Subclasses provide ``_write`` (a serialized write transaction yielding a cursor),
+    ``_read`` (a cursor for reads), ``_is_full`` (is this driver error a full disk) and
+    ``_p`` (the driver's placeholder). Every method may be called from any thread.
+    """
+
+    #: True: other processes may write this store (the registry follows ``changes``).
+    shared = True
+    _p = "?"
+
+    def __init__(self, *, quota_bytes: int | None = None) -> None:
+        #: Most bytes of distinct objects the names may refer to (None: no limit).
+        self.quota_bytes = quota_bytes if quota_bytes and quota_bytes > 0 else None
+        self._mutex = threading.RLock()
+
+    # -- for subclasses ----------------------------------------------------------------
+    def _write(self) -> contextlib.AbstractContextManager[Any]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _read(self) -> contextlib.AbstractContextManager[Any]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _is_full(self, exc: BaseException) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    def _sql(self, statement: str) -> str:
+        return statement if self._p == "?" else statement.replace("?", self._p)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[Any]:
+        """``_write`` with a full disk reported as a 507 (nothing was committed)."""
+        try:
+            with self._write() as cur:
+                yield cur
+        except Exception as exc:
+            if self._is_full(exc):
+                raise StorageFullError(
+                    "the function store's database has no space left; nothing was stored: "
+                    "retry once the operator has freed space"
+                ) from exc
+            raise
+
+    # -- FunctionStore -----------------------------------------------------------------
+    def put(
+        self,
+        name: str,
+        kind: str,
+        content: bytes,
+        metadata: dict[str, Any],
+        *,
+        replace: bool = False,
+    ) -> tuple[StoredFunction, bool]:
+        """Bind ``name`` to ``content``: the rules of ``DirectoryStore.put``, committed
+        (durably, see the backend) before it returns."""
+        validate_name(name)
+        kinds = stored_names()
+        if kind not in kinds:
+            raise InvalidArgumentError(
+                f"kind must be one of {sorted(kinds)}, got {kind!r}", field="kind"
+            )
+        if not isinstance(content, bytes | bytearray | memoryview):
+            raise InvalidArgumentError("content must be bytes", field="content")
+        content = bytes(content)
+        metadata = _clean_metadata(metadata)
+        digest = content_digest(content)
+        size = len(content)
+        if self.quota_bytes is not None and size > self.quota_bytes:
+            raise PayloadTooLargeError(
+                f"{kind} of {size} bytes is larger than the store's whole quota of "
+                f"{self.quota_bytes} bytes",
+                field="body",
+            )
+        q = self._sql
+        with self._writing() as cur:
+            cur.execute(q(f"SELECT {_FIELDS} FROM functions WHERE name = ?"), (name,))
+            row = cur.fetchone()
+            old = _record(row) if row is not None else None
+            same = old is not None and old.digest == digest and old.kind == kind
+            cur.execute(q("SELECT 1 FROM objects WHERE digest = ?"), (digest,))
+            have_object = cur.fetchone() is not None
+            if same and not replace:
+                if not have_object:  # heals a lost object
+                    cur.execute(
+                        q("INSERT INTO objects (digest, content, size) VALUES (?, ?, ?)"),
+                        (digest, content, size),
+                    )
+                return _with_content(old, content), False
+            if old is not None and not same and not replace:
+                raise FunctionConflictError(
+                    f"function {name!r} is already registered with different content "
+                    f"({old.kind}, {old.digest}); pass replace=true to overwrite",
+                    field="name",
+                )
+            frees_old = old is not None and old.digest != digest and self._refs(cur, old.digest) == 1
+            if self.quota_bytes is not None:
+                cur.execute("SELECT COALESCE(SUM(size), 0) FROM objects")
+                used = int(cur.fetchone()[0])
+                added = 0 if have_object else size
+                freed = old.size if frees_old else 0
+                if used + added - freed > self.quota_bytes:
+                    raise StorageFullError(
+                        f"the function store is full: {used} of {self.quota_bytes} bytes used, "
+                        f"and this needs {added - freed} more; delete or replace functions "
+                        "(DXSERVE_STORE_QUOTA_BYTES sets the quota)",
+                        field="body",
+                    )
+            created = old.created if same else _now()
+            record = StoredRecord(name, kind, digest, size, metadata, created)
+            if not have_object:
+                cur.execute(
+                    q("INSERT INTO objects (digest, content, size) VALUES (?, ?, ?)"),
+                    (digest, content, size),
+                )
+            meta = json.dumps(metadata, sort_keys=True)
+            if old is None:
+                cur.execute(
+                    q(f"INSERT INTO functions ({_FIELDS}) VALUES (?, ?, ?, ?, ?, ?)"),
+                    (name, kind, digest, size, meta, created),
+                )
+            else:
+                cur.execute(
+                    q("UPDATE functions SET kind = ?, digest = ?, size = ?, metadata = ?, "
+                      "created = ? WHERE name = ?"),
+                    (kind, digest, size, meta, created, name),
+                )
+            if frees_old:
+                cur.execute(q("DELETE FROM objects WHERE digest = ?"), (old.digest,))
+            self._log_change(cur, name)
+        return _with_content(record, content), not same
+
+    def get(self, name: str) -> StoredFunction | None:
+        """The record with its content, hash-checked (None: absent or corrupt)."""
+        q = self._sql
+        with self._read() as cur:
+            cur.execute(
+                q("SELECT f.name, f.kind, f.digest, f.size, f.metadata, f.created, o.content "
+                  "FROM functions f LEFT JOIN objects o ON o.digest = f.digest WHERE f.name = ?"),
+                (name,),
+            )
+            row = cur.fetchone()
+        if row is None:
+            return None
+        rec, content = _record(row[:6]), row[6]
+        if content is None or content_digest(bytes(content)) != rec.digest:
+            log.warning("store: %r: its object is missing or fails its hash check", name)
+            return None
+        return _with_content(rec, bytes(content))
+
+    def record(self, name: str) -> StoredRecord | None:
+        """The name record alone (no content)."""
+        with self._read() as cur:
+            cur.execute(self._sql(f"SELECT {_FIELDS} FROM functions WHERE name = ?"), (name,))
+            row = cur.fetchone()
+        return _record(row) if row is not None else None
+
+    def records(self) -> list[StoredRecord]:
+        """Every name record, by name, without content."""
+        with self._read() as cur:
+            cur.execute(f"SELECT {_FIELDS} FROM functions ORDER BY name")
+            rows = cur.fetchall()
+        return [_record(row) for row in rows]
+
+    def delete(self, name: str) -> bool:
+        q = self._sql
+        with self._writing() as cur:
+            cur.execute(q("SELECT digest FROM functions WHERE name = ?"), (name,))
+            row = cur.fetchone()
+            if row is None:
+                return False
+            cur.execute(q("DELETE FROM functions WHERE name = ?"), (name,))
+            if self._refs(cur, row[0]) == 0:
+                cur.execute(q("DELETE FROM objects WHERE digest = ?"), (row[0],))
+            self._log_change(cur, name)
+        return True
+
+    def list(self) -> list[StoredFunction]:
+        """Every function with its content (reads every object: prefer ``records``)."""
+        out = []
+        for rec in self.records():
+            full = self.get(rec.name)
+            if full is not None:
+                out.append(full)
+        return out
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the distinct objects the names refer to (what the quota bounds)."""
+        with self._read() as cur:
+            cur.execute("SELECT COALESCE(SUM(size), 0) FROM objects")
+            return int(cur.fetchone()[0])
+
+    def __len__(self) -> int:
+        with self._read() as cur:
+            cur.execute("SELECT COUNT(*) FROM functions")
+            return int(cur.fetchone()[0])
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.record(name) is not None
+
+    def __enter__(self) -> SqlStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - backends close their connections
+        raise NotImplementedError
+
+    # -- change log --------------------------------------------------------------------
+    def generation(self) -> int:
+        """The newest change's sequence number (0: none yet)."""
+        with self._read() as cur:
+            cur.execute("SELECT COALESCE(MAX(seq), 0) FROM changes")
+            return int(cur.fetchone()[0])
+
+    def changes(self, since: int) -> tuple[int, list[str] | None]:
+        """``(newest seq, names changed after seq since)``; the names are None when the
+        log no longer reaches back to ``since`` (re-read every record then)."""
+        with self._read() as cur:
+            cur.execute(self._sql("SELECT seq, name FROM changes WHERE seq > ? ORDER BY seq"),
+                        (since,))
+            rows = cur.fetchall()
+            if not rows:
+                return since, []
+            if since > 0:
+                cur.execute("SELECT MIN(seq) FROM changes")
+                oldest = int(cur.fetchone()[0])
+                if oldest > since + 1:
+                    return int(rows[-1][0]), None
+        return int(rows[-1][0]), sorted({row[1] for row in rows})
+
+    def maybe_changed(self) -> bool:
+        """A cheap hint that another process may have written since the last call
+        (False: certainly not; backends without one always say True)."""
+        return True
+
+    def _log_change(self, cur: Any, name: str) -> None:
+        cur.execute(self._sql("INSERT INTO changes (name) VALUES (?)"), (name,))
+        cur.execute("SELECT MAX(seq) FROM changes")
+        newest = int(cur.fetchone()[0])
+        if newest % 1000 == 0:  # trim now and then, not on every write
+            cur.execute(self._sql("DELETE FROM changes WHERE seq <= ?"), (newest - KEEP_CHANGES,))
+
+    def _refs(self, cur: Any, digest: str) -> int:
+        cur.execute(self._sql("SELECT COUNT(*) FROM functions WHERE digest = ?"), (digest,))
+        return int(cur.fetchone()[0])
+
+
+def _record(row: Any) -> StoredRecord:
+    name, kind, digest, size, metadata, created = row
+    meta = json.loads(metadata) if isinstance(metadata, str) else dict(metadata)
+    return StoredRecord(name, kind, digest, int(size), meta, created)
+
+
+def _with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
+    return StoredFunction(
+        rec.name, rec.kind, rec.digest, content, copy.deepcopy(rec.metadata), rec.created
+    )
+
+
+def _clean_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidArgumentError("metadata must be an object", field="metadata")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"metadata is not JSON-serializable: {e}", field="metadata"
+        ) from e
