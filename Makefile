@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-slow lint openapi clean docker-test
+.PHONY: serve test test-slow test-cluster lint openapi clean docker-test
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,11 +18,21 @@ serve: $(STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not docker and not slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -m "not docker and not slow and not cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+
+# Several processes on one store (SQLite and a real PostgreSQL that the tests start from
+# Debian's binaries), --workers, and a local Ray cluster: the extras they need first.
+CLUSTER_STAMP := $(VENV)/.installed-cluster
+$(CLUSTER_STAMP): $(STAMP)
+	$(PY) -m pip install -q --config-settings editable_mode=compat -e '.[test,postgres,ray]'
+	touch $(CLUSTER_STAMP)
+
+test-cluster: $(CLUSTER_STAMP)
+	DXSERVE_REQUIRE_POSTGRES=1 $(PY) -m pytest -q -m "cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # Build docker/Dockerfile with podman (no Docker daemon needed) and smoke-test the running
 # container from the host: shared/oci/build-and-run.sh builds, starts and waits for /health,

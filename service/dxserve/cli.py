@@ -26,7 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="bind address (DXSERVE_HOST or HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (DXSERVE_PORT or PORT, default 8000)")
     serve.add_argument("--functions", help="comma-separated modules of @dxserve.function's")
-    serve.add_argument("--store", help="registry directory (DXSERVE_STORE)")
+    serve.add_argument(
+        "--store", help="registry: a path (SQLite), postgresql://... or dir:///path (DXSERVE_STORE)"
+    )
+    serve.add_argument(
+        "--workers", type=int,
+        help="server processes sharing the port and the store (DXSERVE_WORKERS, default 1)",
+    )
+    serve.add_argument(
+        "--worker-devices",
+        help="CUDA_VISIBLE_DEVICES of each worker in turn, e.g. '0,1' (DXSERVE_WORKER_DEVICES)",
+    )
     serve.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
     serve.add_argument("--token", help="bearer token for registry writes (DXSERVE_TOKEN)")
     serve.add_argument("--log-level", help="debug, info, warning, error")
@@ -43,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dxserve: {setting_problem(exc, overrides)}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    worker = os.environ.get(WORKER_INDEX)
+    if settings.workers > 1 and worker is None:
+        from .supervisor import supervise
+
+        return supervise(settings, argv if argv is not None else sys.argv[1:])
 
     import uvicorn
 
@@ -62,18 +77,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = logging.getLogger("dxserve")
     log.info("access: %s", app.state.service.access_mode())
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=10,
+    options = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level.lower(),
+        "timeout_graceful_shutdown": 10,
         # JSON logs: uvicorn's loggers reach the root's JSON handler, and the app's own
         # request lines replace uvicorn's access lines
         **({"log_config": None, "access_log": False} if settings.log_format == "json" else {}),
         **connection_options(settings, log),
-    )
+    }
+    if worker is None:
+        uvicorn.run(app, **options)
+        return 0
+    # One of --workers N processes: its own listening socket on the shared port
+    # (SO_REUSEPORT), so the kernel spreads new connections over the processes.
+    from prometheus_client import Gauge
+
+    from .supervisor import reuse_port_socket
+
+    # which process answered a scrape: one series per worker (index, pid)
+    Gauge("dxserve_worker", "This --workers process (always 1)", ["index", "pid"],
+          registry=app.state.metrics.registry).labels(worker, str(os.getpid())).set(1)
+    sock = reuse_port_socket(settings.host, settings.port, settings.backlog)
+    log.info("worker %s (pid %d) listening on %s:%d", worker, os.getpid(), settings.host,
+             settings.port)
+    uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=[sock])
     return 0
+
+
+#: Set by ``supervisor.supervise`` in each worker process: its index (0 .. N-1).
+WORKER_INDEX = "DXSERVE_WORKER_INDEX"
 
 
 def setting_problem(exc: ValidationError, flags: dict[str, Any]) -> str:
