@@ -13,8 +13,9 @@ For each n and encoding (binary, b64, json) it times, interleaved:
 
 * dxserve: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   the whole user-visible call (client encode, HTTP, server, client decode);
-* echo: the same ``httpx.Client`` posting the exact request bytes and headers that
-  encoding produces to ``/echo`` (transport only: the bytes are encoded once);
+* echo: an ``httpx.Client`` with the client's transport (``dxclient.transport``)
+  posting the exact request bytes and headers that encoding produces to ``/echo``
+  (transport only: the bytes are encoded once);
 * raw: the same number of bytes each way over a plain loopback socket: the HTTP
   request the client sends (request line, headers, body) written with one ``sendmsg``,
   dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
@@ -56,6 +57,7 @@ from _common import (
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
+from dxclient.transport import FastTransport
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
@@ -195,7 +197,9 @@ def run(
     echo_target = httpx.URL(echo_url + "/echo")
     # each encoding its own client (and connection pool), as users would have it
     clients = {enc: Client(dx_url, encoding=enc, timeout=600.0) for enc in ENCODINGS}
-    echo_http = httpx.Client(timeout=600.0)
+    # the echo goes through the client's own transport (dxclient.transport's fast path for
+    # large bodies): the same HTTP client stack on both sides of the ratio
+    echo_http = httpx.Client(timeout=600.0, transport=FastTransport())
     try:
         for n in sizes:
             x = np.random.default_rng(n).uniform(-1.5, 1.5, n)

@@ -144,7 +144,7 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
     _raise_open_files(settings.max_connections + 256, log)
     limits = ConnectionLimits(
         settings.header_timeout, settings.body_timeout, settings.max_header_bytes,
-        settings.max_connections,
+        settings.max_connections, max_body_bytes=settings.max_body_bytes,
     )
     protocol = bounded_protocol(limits)
     if protocol is None:  # pragma: no cover - uvicorn[standard] brings httptools

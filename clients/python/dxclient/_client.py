@@ -24,6 +24,7 @@ import asyncio
 import base64
 import functools
 import time
+import urllib.request
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from ._operators import OperatorMethods
 from .backends import Backend
 from .errors import UnknownPreparationError
 from .lru import LRU
+from .transport import AsyncFastTransport, FastTransport
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -147,6 +149,7 @@ class _ClientBase(OperatorMethods):
 
     http: Any  # httpx.Client or httpx.AsyncClient
     _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
+    _FAST_TRANSPORT: type[FastTransport] | type[AsyncFastTransport]
 
     def __init__(
         self,
@@ -168,6 +171,10 @@ class _ClientBase(OperatorMethods):
         self.encoding = encoding
         self.retries = retries
         self.backoff = backoff
+        if http is None and transport is None and not urllib.request.getproxies():
+            # large bodies skip httpcore (dxclient.transport); with proxies configured in
+            # the environment httpx's own transports apply them
+            transport = self._FAST_TRANSPORT()
         self.http = http or self._HTTP(
             base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
         )
@@ -327,6 +334,7 @@ class Client(_ClientBase):
     """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
 
     _HTTP = httpx.Client
+    _FAST_TRANSPORT = FastTransport
     http: httpx.Client
 
     def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> T:
@@ -392,6 +400,7 @@ class AsyncClient(_ClientBase):
     """Asynchronous client: the same methods as ``Client``, awaited."""
 
     _HTTP = httpx.AsyncClient
+    _FAST_TRANSPORT = AsyncFastTransport
     http: httpx.AsyncClient
 
     async def _run(

@@ -14,6 +14,18 @@ uvicorn's httptools protocol with those bounds:
 * once the headers are in, the whole body must arrive within ``body_timeout`` seconds;
 * past ``max_connections`` open connections, a new one is answered 503 and closed at once.
 
+A request whose ``Content-Length`` is at least ``inbox_min_bytes`` (and at most
+``max_body_bytes``) is received into one buffer of exactly that size: when the
+application first asks for the body (after its limits and in-flight budget accepted
+the declared length: nothing is allocated for a body it refuses unread), the buffer is
+allocated, what uvicorn holds already (up to 64 KiB) is copied in, and every later chunk
+the socket delivers is copied there once; reading is no longer paused every 64 KiB to
+hand the application a chunk (uvicorn's flow control), and the application gets the
+whole body as one message when the last byte is in. The buffer is a new ``bytearray``
+per request, owned by that request alone: arrays decoded from it as views can never see
+the bytes of a later request. Larger declared lengths are left to the application,
+which refuses them (413) before reading.
+
 A request that runs out of time is answered 408 (problem+json) if no response has
 started, and its connection is closed. No read timer runs while the application works
 on a complete request (``request_timeout`` bounds computations), and between requests
@@ -52,6 +64,10 @@ class ConnectionLimits:
     body_timeout: float = 120.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
+    #: bodies declaring at least this many bytes are received into one buffer
+    inbox_min_bytes: int = 64 * 1024
+    #: ... and at most this many (the application refuses larger ones before reading)
+    max_body_bytes: int = 256 * 1024 * 1024
 
 
 def raw_problem(status: int, reason: str, error: DxError, *headers: str) -> bytes:
@@ -85,6 +101,9 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._phase = _HEAD
             self._header_bytes = 0
             self._deadline = self.loop.time() + limits.header_timeout
+            self._inbox: bytearray | None = None
+            self._inbox_got = 0
+            self._inbox_cycle: Any = None
             if len(self.connections) > limits.max_connections:
                 self._refuse(
                     503, "Service Unavailable",
@@ -100,6 +119,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._inbox = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -128,9 +148,34 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._phase = _BODY  # the armed timer moves on to this deadline when it fires
             self._deadline = self.loop.time() + limits.body_timeout
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
+                return
+            length = _declared_length(self.headers)
+            if limits.inbox_min_bytes <= length <= limits.max_body_bytes:
+                # read by run_asgi when the task first runs, after this callback
+                cycle.receive = _inbox_receive(self, cycle, length)
+
+        def on_body(self, body: bytes) -> None:
+            inbox = self._inbox
+            if inbox is None or self._inbox_cycle is not self.cycle:
+                super().on_body(body)
+                return
+            if self.cycle.response_complete:  # answered early (e.g. 503): drop the rest
+                return
+            start = self._inbox_got
+            end = start + len(body)
+            if end > len(inbox):  # pragma: no cover - httptools frames by Content-Length
+                self._inbox = None
+                self._refuse(400, "Bad Request", MalformedRequestError(
+                    "the body is longer than its Content-Length", field="body"))
+                return
+            inbox[start:end] = body  # same length: a copy in place, never a resize
+            self._inbox_got = end
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
+            self._inbox = self._inbox_cycle = None  # its receive holds it; the next gets its own
             self._phase = _APP
             self._disarm()
 
@@ -198,3 +243,54 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self.transport.close()
 
     return BoundedHttpToolsProtocol
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The request's Content-Length, or -1 (none, not a plain number, or chunked)."""
+    length = -1
+    for name, value in headers:
+        if name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > 18:
+                return -1  # repeated or odd: left to uvicorn and the application
+            length = int(value)
+        elif name == b"transfer-encoding":
+            return -1
+    return length
+
+
+def _inbox_receive(protocol: Any, cycle: Any, length: int) -> Any:
+    """An ASGI ``receive`` for ``cycle`` (a body of ``length`` bytes) that delivers the
+    body whole, received into one buffer.
+
+    The first call allocates the buffer (unless the body is in already), waits until
+    the last byte is in (or the client is gone) and returns the body as one
+    ``http.request`` message (a ``bytearray``: bytes-like, not copied); later calls are
+    uvicorn's own (they wait for a disconnect).
+    """
+    delivered = False
+    own_receive = type(cycle).receive
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if delivered or not cycle.more_body or cycle.disconnected or cycle.response_complete:
+            return await own_receive(cycle)  # in already (or gone): uvicorn's way
+        delivered = True
+        inbox = bytearray(length)
+        got = len(cycle.body)
+        inbox[:got] = cycle.body
+        cycle.body = bytearray()
+        protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, cycle
+        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+            cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        while cycle.more_body and not cycle.disconnected and not cycle.response_complete:
+            cycle.flow.resume_reading()
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if protocol._inbox is inbox:  # gone before the last byte: drop it
+            protocol._inbox = protocol._inbox_cycle = None
+        if cycle.disconnected or cycle.response_complete:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": inbox, "more_body": False}
+
+    return receive

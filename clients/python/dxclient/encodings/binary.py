@@ -127,7 +127,9 @@ class Binary:
             raise MalformedRequestError(
                 f"header length {n} exceeds the body length {len(body)}", field=field
             )
-        buf = body if isinstance(body, bytes | bytearray) else memoryview(body)
+        # views into a writable body (a bytearray received in place) stay read-only, as
+        # views of bytes are: decoded arrays never write into what was received
+        buf = body if isinstance(body, bytes) else memoryview(body).toreadonly()
         head = bytes(buf[:n]) if n <= BinaryLayout.MAX_HEADER else None
         layout = _LAYOUTS.get(head) if head is not None else None
         if layout is not None and len(buf) - n >= layout.end:

@@ -1,0 +1,610 @@
+"""httpx transports with a fast path for large bodies over plain HTTP/1.1.
+
+httpx (through httpcore and h11) writes a request body in one piece but reads an answer
+64 KiB at a time, each chunk through h11's buffer, and joins the chunks at the end; for
+an 8 MB answer that is about as much time as moving the bytes through the kernel. The
+transports here keep httpx's API, its errors and its timeouts, and send a request whose
+body is at least ``min_bytes`` like this:
+
+* the request line and headers are written together with the body in one
+  ``socket.sendmsg`` (scatter-gather: the body is not copied into a joined buffer);
+* the answer's head is parsed here; a ``Content-Length`` body is read with ``recv_into``
+  straight into one buffer of exactly that size (chunked answers are decoded, answers
+  framed by the connection's close read to the end);
+* connections are kept alive and reused per host and port, as httpx does (an idle one
+  that became readable, i.e. the server closed it, or that idled past
+  ``keepalive_expiry`` seconds, is dropped, never reused).
+
+Everything else goes to ``fallback`` (httpx's own transport): https, small bodies,
+streamed bodies, HEAD, and requests that accept ``text/event-stream``. A body the
+server answers early (413) while it is still being sent is handled as httpcore does:
+the answer is read and returned.
+
+The answer's ``content`` is a ``bytearray`` (bytes-like; ``dxclient``'s decoders make
+read-only views of it). Timeouts apply per socket operation, as in httpx; errors are
+httpx's (``ConnectError``, ``ConnectTimeout``, ``WriteError``, ``WriteTimeout``,
+``ReadError``, ``ReadTimeout``, ``RemoteProtocolError``), so retry rules built on them
+hold for both paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+
+#: request bodies from this size on take the fast path
+FAST_MIN_BYTES = 64 * 1024
+KEEPALIVE_EXPIRY = 5.0
+MAX_IDLE_PER_HOST = 16
+MAX_HEAD_BYTES = 64 * 1024
+_RECV = 64 * 1024
+_NO_BODY_STATUS = frozenset((204, 304))
+
+
+def fast_body(request: httpx.Request, min_bytes: int) -> bytes | None:
+    """The request's body if the request takes the fast path, else None."""
+    if request.url.scheme != "http" or request.method == "HEAD":
+        return None
+    if not isinstance(request.stream, httpx.ByteStream):  # streamed: httpx's own path
+        return None
+    body = request.content
+    if len(body) < min_bytes:
+        return None
+    if b"event-stream" in request.headers.get("accept", "").encode("latin-1", "replace"):
+        return None
+    return body
+
+
+def request_head(request: httpx.Request) -> bytes:
+    """The request line and headers, as httpx would write them (Host included)."""
+    target = request.url.raw_path or b"/"
+    lines = [request.method.encode("ascii") + b" " + target + b" HTTP/1.1"]
+    lines += [name + b": " + value for name, value in request.headers.raw]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+class _Head:
+    """A parsed answer head: status, reason, raw headers and how the body is framed."""
+
+    __slots__ = ("chunked", "headers", "keep_alive", "length", "reason", "status")
+
+    def __init__(self, data: bytes, method: str) -> None:
+        lines = data.split(b"\r\n")
+        try:
+            version, status, *reason = lines[0].split(b" ", 2)
+            self.status = int(status)
+        except ValueError:
+            raise ValueError(f"malformed status line {lines[0][:80]!r}") from None
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+        self.reason = reason[0].decode("latin-1") if reason else ""
+        self.headers: list[tuple[bytes, bytes]] = []
+        length: int | None = None
+        chunked = False
+        keep_alive = version == b"HTTP/1.1"
+        for line in lines[1:]:
+            if not line:
+                continue
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip():
+                raise ValueError(f"malformed header line {line[:80]!r}")
+            value = value.strip()
+            self.headers.append((name, value))
+            lower = name.lower()
+            if lower == b"content-length":
+                if not value.isdigit() or (length is not None and int(value) != length):
+                    raise ValueError(f"bad Content-Length {value[:40]!r}")
+                length = int(value)
+            elif lower == b"transfer-encoding":
+                chunked = value.lower().endswith(b"chunked")
+            elif lower == b"connection":
+                keep_alive = keep_alive and b"close" not in value.lower()
+        if method == "HEAD" or self.status in _NO_BODY_STATUS or self.status < 200:
+            length, chunked = 0, False
+        elif chunked:
+            length = None
+        elif length is None:  # framed by the connection's close: never reused
+            keep_alive = False
+        self.length, self.chunked, self.keep_alive = length, chunked, keep_alive
+
+
+def _response(request: httpx.Request, head: _Head, body: Any) -> httpx.Response:
+    extensions = {"http_version": b"HTTP/1.1", "reason_phrase": head.reason.encode("latin-1")}
+    encoded = any(
+        name.lower() == b"content-encoding" and value.lower() not in (b"identity", b"")
+        for name, value in head.headers
+    )
+    if encoded:  # httpx decodes it while reading
+        return httpx.Response(
+            head.status, headers=head.headers, stream=httpx.ByteStream(bytes(body)),
+            request=request, extensions=extensions,
+        )
+    response = httpx.Response(head.status, headers=head.headers, request=request,
+                              extensions=extensions)
+    # read already (httpx does not read again); not copied into bytes
+    response._content = body
+    response.stream = httpx.ByteStream(body)
+    return response
+
+
+class _Conn:
+    """A socket and what has been read past the last answer (nothing, for reuse)."""
+
+    __slots__ = ("idle_since", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.idle_since = 0.0
+
+
+def _stale(conn: _Conn, now: float) -> bool:
+    """Idle too long, or readable while idle (the server closed it, or sent junk)."""
+    if now - conn.idle_since > KEEPALIVE_EXPIRY:
+        return True
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _timeouts(request: httpx.Request) -> tuple[float | None, float | None, float | None]:
+    t = request.extensions.get("timeout") or {}
+    return t.get("connect"), t.get("write"), t.get("read")
+
+
+async def _within(awaitable: Any, seconds: float | None) -> Any:
+    """``await awaitable``, TimeoutError after ``seconds`` (None: no limit). A timeout
+    scope where asyncio has one (3.11+): no task per socket operation, as wait_for makes."""
+    if seconds is None:
+        return await awaitable
+    scope = getattr(asyncio, "timeout", None)
+    if scope is None:  # pragma: no cover - Python 3.10
+        return await asyncio.wait_for(awaitable, seconds)
+    async with scope(seconds):
+        return await awaitable
+
+
+def _find_head_end(buf: bytearray, start: int) -> int:
+    return buf.find(b"\r\n\r\n", max(0, start - 3))
+
+
+# --------------------------------------------------------------------------- sync
+
+
+class FastTransport(httpx.BaseTransport):
+    """``httpx.Client(transport=FastTransport())``: large bodies on the fast path."""
+
+    def __init__(
+        self, fallback: httpx.BaseTransport | None = None, *, min_bytes: int = FAST_MIN_BYTES
+    ) -> None:
+        self.fallback = fallback if fallback is not None else httpx.HTTPTransport()
+        self.min_bytes = min_bytes
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        body = fast_body(request, self.min_bytes)
+        if body is None:
+            return self.fallback.handle_request(request)
+        key = (request.url.host, request.url.port or 80)
+        connect_t, write_t, read_t = _timeouts(request)
+        conn = self._checkout(key, connect_t, request)
+        try:
+            head, data, keep = self._exchange(conn.sock, request, body, write_t, read_t)
+        except BaseException:
+            conn.sock.close()
+            raise
+        if keep:
+            self._checkin(key, conn)
+        else:
+            conn.sock.close()
+        return _response(request, head, data)
+
+    def _checkout(self, key: tuple[str, int], timeout: float | None, request: httpx.Request) -> _Conn:
+        now = time.monotonic()
+        with self._lock:
+            idle = self._idle.get(key, [])
+            while idle:
+                conn = idle.pop()
+                if not _stale(conn, now):
+                    return conn
+                conn.sock.close()
+        try:
+            sock = socket.create_connection(key, timeout=timeout)
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Conn(sock)
+
+    def _checkin(self, key: tuple[str, int], conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < MAX_IDLE_PER_HOST:
+                idle.append(conn)
+                return
+        conn.sock.close()
+
+    def _exchange(
+        self, sock: socket.socket, request: httpx.Request, body: bytes,
+        write_t: float | None, read_t: float | None,
+    ) -> tuple[_Head, Any, bool]:
+        try:
+            sock.settimeout(write_t)
+            _send_parts(sock, [request_head(request), body])
+            write_error = None
+        except TimeoutError as exc:
+            raise httpx.WriteTimeout(str(exc) or "write timed out", request=request) from exc
+        except OSError as exc:  # perhaps answered early (413) and closed: read the answer
+            write_error = exc
+        try:
+            sock.settimeout(read_t)
+            reader = _SyncReader(sock)
+            head = reader.head(request.method)
+            data = reader.body(head)
+        except TimeoutError as exc:
+            if write_error is not None:
+                raise httpx.WriteError(str(write_error), request=request) from write_error
+            raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
+        except (OSError, EOFError, ValueError) as exc:
+            if write_error is not None:
+                raise httpx.WriteError(str(write_error), request=request) from write_error
+            if isinstance(exc, ValueError):
+                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+            if isinstance(exc, EOFError):
+                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+            raise httpx.ReadError(str(exc), request=request) from exc
+        keep = head.keep_alive and write_error is None and not reader.pending
+        if request.headers.get("connection", "").lower() == "close":
+            keep = False
+        return head, data, keep
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.sock.close()
+        self.fallback.close()
+
+
+def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
+    """Write ``parts`` in order with ``sendmsg`` (partial sends resumed)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+class _ReaderBase:
+    """The bytes read past the head (``buf[start:end]``) and the framing logic."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(_RECV)
+        self.start = self.end = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.end > self.start
+
+    def _take(self, n: int) -> memoryview:
+        view = memoryview(self.buf)[self.start : self.start + n]
+        self.start += len(view)
+        return view
+
+    def _head_from_buffer(self, method: str, scanned: int) -> tuple[_Head | None, int]:
+        at = _find_head_end(self.buf[: self.end], scanned)
+        if at < 0:
+            if self.end >= MAX_HEAD_BYTES:
+                raise ValueError(f"answer head longer than {MAX_HEAD_BYTES} bytes")
+            return None, self.end
+        head = _Head(bytes(self.buf[:at]), method)
+        self.start = at + 4
+        if 100 <= head.status < 200 and head.status != 101:  # interim: the next head follows
+            del self.buf[: self.start]
+            self.end -= self.start
+            self.start = 0
+            return None, 0
+        return head, 0
+
+
+class _SyncReader(_ReaderBase):
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+
+    def _fill(self) -> None:
+        """Read more into ``buf`` (grown if full)."""
+        if self.end == len(self.buf):
+            self.buf.extend(bytes(_RECV))
+        n = self.sock.recv_into(memoryview(self.buf)[self.end :])
+        if not n:
+            raise EOFError("server disconnected without sending a complete response")
+        self.end += n
+
+    def head(self, method: str) -> _Head:
+        scanned = 0
+        while True:
+            head, scanned = self._head_from_buffer(method, scanned)
+            if head is not None:
+                return head
+            self._fill()
+
+    def into(self, view: memoryview) -> None:
+        """Fill ``view``: buffered bytes first, then straight from the socket."""
+        got = len(self._take_into(view))
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise EOFError(f"server disconnected after {got} of {len(view)} body bytes")
+            got += n
+
+    def _take_into(self, view: memoryview) -> memoryview:
+        part = self._take(min(len(view), self.end - self.start))
+        view[: len(part)] = part
+        return part
+
+    def line(self) -> bytes:
+        while True:
+            at = self.buf.find(b"\r\n", self.start, self.end)
+            if at >= 0:
+                line = bytes(self.buf[self.start : at])
+                self.start = at + 2
+                return line
+            if self.end - self.start > MAX_HEAD_BYTES:
+                raise ValueError("chunk size line too long")
+            self._compact()
+            self._fill()
+
+    def _compact(self) -> None:
+        if self.start:
+            del self.buf[: self.start]
+            self.end -= self.start
+            self.start = 0
+
+    def body(self, head: _Head) -> Any:
+        if head.length is not None:
+            out = bytearray(head.length)
+            if head.length:
+                self.into(memoryview(out))
+            return out
+        if head.chunked:
+            chunks = []
+            while True:
+                size_line = self.line().split(b";", 1)[0].strip()
+                try:
+                    size = int(size_line, 16)
+                except ValueError:
+                    raise ValueError(f"bad chunk size {size_line[:40]!r}") from None
+                if size == 0:
+                    while self.line():  # trailers, up to the blank line
+                        pass
+                    return bytearray(b"".join(chunks))
+                chunk = bytearray(size)
+                self.into(memoryview(chunk))
+                chunks.append(chunk)
+                if self.line():
+                    raise ValueError("chunk not followed by CRLF")
+        out = bytearray(self.buf[self.start : self.end])  # to the connection's close
+        self.start = self.end
+        while True:
+            data = self.sock.recv(_RECV)
+            if not data:
+                return out
+            out += data
+
+
+# --------------------------------------------------------------------------- async
+
+
+class AsyncFastTransport(httpx.AsyncBaseTransport):
+    """``httpx.AsyncClient(transport=AsyncFastTransport())``: the fast path on asyncio
+    (``loop.sock_sendall``, ``loop.sock_recv_into``); other event loops (trio) use the
+    fallback.
+
+    Here every plain-HTTP request with a byte body takes it by default (``min_bytes``
+    0), not only large ones: httpx's async stack (anyio, httpcore) costs ~0.3 ms more
+    per call than its sync one, and this path is what lets ``AsyncClient`` match
+    ``Client``'s latency on small calls."""
+
+    def __init__(
+        self, fallback: httpx.AsyncBaseTransport | None = None, *,
+        min_bytes: int = 0,
+    ) -> None:
+        self.fallback = fallback if fallback is not None else httpx.AsyncHTTPTransport()
+        self.min_bytes = min_bytes
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = fast_body(request, self.min_bytes)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            body = None
+        if body is None:
+            return await self.fallback.handle_async_request(request)
+        key = (request.url.host, request.url.port or 80)
+        connect_t, write_t, read_t = _timeouts(request)
+        conn = await self._checkout(loop, key, connect_t, request)
+        try:
+            head, data, keep = await self._exchange(loop, conn.sock, request, body, write_t, read_t)
+        except BaseException:
+            conn.sock.close()
+            raise
+        if keep:
+            conn.idle_since = time.monotonic()
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < MAX_IDLE_PER_HOST:
+                idle.append(conn)
+            else:
+                conn.sock.close()
+        else:
+            conn.sock.close()
+        return _response(request, head, data)
+
+    async def _checkout(
+        self, loop: asyncio.AbstractEventLoop, key: tuple[str, int], timeout: float | None,
+        request: httpx.Request,
+    ) -> _Conn:
+        now = time.monotonic()
+        idle = self._idle.get(key, [])
+        while idle:
+            conn = idle.pop()
+            if not _stale(conn, now):
+                return conn
+            conn.sock.close()
+        try:
+            infos = await _within(
+                loop.getaddrinfo(key[0], key[1], type=socket.SOCK_STREAM), timeout)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await _within(loop.sock_connect(sock, address), timeout)
+            except BaseException:
+                sock.close()
+                raise
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout("connect timed out", request=request) from exc
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Conn(sock)
+
+    async def _exchange(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, request: httpx.Request,
+        body: bytes, write_t: float | None, read_t: float | None,
+    ) -> tuple[_Head, Any, bool]:
+        write_error = None
+        try:
+            # the head alone is small: sent first, then the body as it is (no join)
+            head = request_head(request)
+            if len(body) < FAST_MIN_BYTES:
+                await _within(loop.sock_sendall(sock, head + body), write_t)
+            else:
+                await _within(loop.sock_sendall(sock, head), write_t)
+                await _within(loop.sock_sendall(sock, body), write_t)
+        except TimeoutError as exc:
+            raise httpx.WriteTimeout("write timed out", request=request) from exc
+        except OSError as exc:
+            write_error = exc
+        reader = _AsyncReader(loop, sock, read_t)
+        try:
+            head = await reader.head(request.method)
+            data = await reader.body(head)
+        except TimeoutError as exc:
+            if write_error is not None:
+                raise httpx.WriteError(str(write_error), request=request) from write_error
+            raise httpx.ReadTimeout("read timed out", request=request) from exc
+        except (OSError, EOFError, ValueError) as exc:
+            if write_error is not None:
+                raise httpx.WriteError(str(write_error), request=request) from write_error
+            if isinstance(exc, ValueError | EOFError):
+                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+            raise httpx.ReadError(str(exc), request=request) from exc
+        keep = head.keep_alive and write_error is None and not reader.pending
+        if request.headers.get("connection", "").lower() == "close":
+            keep = False
+        return head, data, keep
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.sock.close()
+        await self.fallback.aclose()
+
+
+class _AsyncReader(_ReaderBase):
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float | None) -> None:
+        super().__init__()
+        self.loop, self.sock, self.timeout = loop, sock, timeout
+
+    async def _recv_into(self, view: memoryview) -> int:
+        return await _within(self.loop.sock_recv_into(self.sock, view), self.timeout)
+
+    async def _fill(self) -> None:
+        if self.end == len(self.buf):
+            self.buf.extend(bytes(_RECV))
+        n = await self._recv_into(memoryview(self.buf)[self.end :])
+        if not n:
+            raise EOFError("server disconnected without sending a complete response")
+        self.end += n
+
+    async def head(self, method: str) -> _Head:
+        scanned = 0
+        while True:
+            head, scanned = self._head_from_buffer(method, scanned)
+            if head is not None:
+                return head
+            await self._fill()
+
+    async def into(self, view: memoryview) -> None:
+        part = self._take(min(len(view), self.end - self.start))
+        view[: len(part)] = part
+        got = len(part)
+        while got < len(view):
+            n = await self._recv_into(view[got:])
+            if not n:
+                raise EOFError(f"server disconnected after {got} of {len(view)} body bytes")
+            got += n
+
+    async def line(self) -> bytes:
+        while True:
+            at = self.buf.find(b"\r\n", self.start, self.end)
+            if at >= 0:
+                line = bytes(self.buf[self.start : at])
+                self.start = at + 2
+                return line
+            if self.end - self.start > MAX_HEAD_BYTES:
+                raise ValueError("chunk size line too long")
+            if self.start:
+                del self.buf[: self.start]
+                self.end -= self.start
+                self.start = 0
+            await self._fill()
+
+    async def body(self, head: _Head) -> Any:
+        if head.length is not None:
+            out = bytearray(head.length)
+            if head.length:
+                await self.into(memoryview(out))
+            return out
+        if head.chunked:
+            chunks = []
+            while True:
+                size_line = (await self.line()).split(b";", 1)[0].strip()
+                try:
+                    size = int(size_line, 16)
+                except ValueError:
+                    raise ValueError(f"bad chunk size {size_line[:40]!r}") from None
+                if size == 0:
+                    while await self.line():
+                        pass
+                    return bytearray(b"".join(chunks))
+                chunk = bytearray(size)
+                await self.into(memoryview(chunk))
+                chunks.append(chunk)
+                if await self.line():
+                    raise ValueError("chunk not followed by CRLF")
+        out = bytearray(self.buf[self.start : self.end])
+        self.start = self.end
+        chunk = bytearray(_RECV)
+        while True:
+            n = await self._recv_into(memoryview(chunk))
+            if not n:
+                return out
+            out += chunk[:n]
