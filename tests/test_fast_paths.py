@@ -1,0 +1,192 @@
+"""The fast paths give the same arrays, byte for byte, as httpx's own transport.
+
+``dxclient.transport`` (the clients' default transport) and the server's one-buffer
+receive (``http.connections``) are checked against the general path (plain httpx
+transports, chunked bodies uvicorn hands over 64 KiB at a time), over real sockets:
+
+* every dtype the codec allows, 0-d, empty, non-contiguous and big-endian arrays,
+  small and past the fast-path threshold, in every encoding, through a bare uvicorn
+  echo (``bench/echo_app.py``), with the sync and async transports;
+* ``/gradient`` on a real dxserve through ``Client`` and ``AsyncClient``, fast transport
+  vs plain httpx, for float32/float64 inputs of those kinds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import free_port
+
+from dxclient import AsyncClient, Client, codec
+from dxclient.transport import FAST_MIN_BYTES, AsyncFastTransport, FastTransport
+from dxserve import JaxReverse
+
+ROOT = Path(__file__).resolve().parent.parent
+LARGE = FAST_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
+
+
+def _arrays(dtype: str) -> dict[str, np.ndarray]:
+    """Small, large, 0-d, empty, non-contiguous and big-endian arrays of ``dtype``."""
+    rng = np.random.default_rng(abs(hash(dtype)) % 2**32)
+    dt = np.dtype(dtype)
+
+    def sample(n: int) -> np.ndarray:
+        if dt.kind == "b":
+            return rng.integers(0, 2, n).astype(bool)
+        if dt.kind in "iu":
+            info = np.iinfo(dt)
+            return rng.integers(info.min, info.max, n, dtype=dt, endpoint=True)
+        if dt.kind == "c":
+            return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dt)
+        return rng.standard_normal(n).astype(dt)
+
+    big = sample(LARGE * 8)
+    out = {
+        "small": sample(7),
+        "large": big[: LARGE * 8 // dt.itemsize + 1],
+        "zero_d": sample(1).reshape(()),
+        "empty": sample(0).reshape(0, 3),
+        "strided": big.reshape(-1, 2)[:, 0],  # non-contiguous
+        "fortran": np.asfortranarray(sample(24 * 1024).reshape(96, 256)),
+    }
+    if dt.itemsize > 1:
+        out["big_endian"] = big.astype(dt.newbyteorder(">"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def echo_url(tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("echo") / "echo.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "echo_app.py"), "--port", str(port),
+         "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "echo app exited"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "echo app did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def _decode(response: httpx.Response, header_length: str | None) -> np.ndarray:
+    """The echoed body's x (the echo returns the body, not the header-length header)."""
+    obj = codec.decode_response(
+        response.content, response.headers.get("content-type"), header_length, arrays=("x",),
+    )
+    return obj["x"]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
+def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding: str) -> None:
+    plain = httpx.Client(timeout=60)
+    fast = httpx.Client(timeout=60, transport=FastTransport(min_bytes=0))
+    default = httpx.Client(timeout=60, transport=FastTransport())  # large bodies only
+    aplain = httpx.AsyncClient(timeout=60)
+    afast = httpx.AsyncClient(timeout=60, transport=AsyncFastTransport())
+    loop = asyncio.new_event_loop()
+    checked = 0
+    try:
+        for dtype in codec.ALLOWED_DTYPES:
+            for kind, a in _arrays(dtype).items():
+                body, ctype, headers = codec.encode_body({"x": a}, encoding)
+                headers = {"content-type": ctype, **headers}
+                url = echo_url + "/echo"
+                answers = [c.post(url, content=body, headers=headers) for c in (plain, fast, default)]
+                answers += [loop.run_until_complete(c.post(url, content=body, headers=headers))
+                            for c in (aplain, afast)]
+                arrays = [_decode(r, headers.get(codec.HEADER_LENGTH)) for r in answers]
+                expected = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"))
+                for r, got in zip(answers, arrays, strict=True):
+                    assert r.status_code == 200, (dtype, kind)
+                    assert bytes(r.content) == body, (dtype, kind)
+                    _same(got, arrays[0])
+                    if encoding != "json" or a.dtype.kind not in "fc":
+                        assert got.tobytes() == expected.tobytes(), (dtype, kind)
+                    else:  # JSON numbers: the same values (float16/32 widen, then narrow)
+                        np.testing.assert_array_equal(got, expected)
+                checked += 1
+    finally:
+        plain.close()
+        fast.close()
+        default.close()
+        loop.run_until_complete(aplain.aclose())
+        loop.run_until_complete(afast.aclose())
+        loop.close()
+    assert checked >= 14 * 6
+
+
+def _inputs() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    wide = rng.uniform(-1.5, 1.5, 2 * 40_000)
+    return {
+        "small": rng.uniform(-1.5, 1.5, 10),
+        "large": rng.uniform(-1.5, 1.5, 100_000),
+        "strided": wide[::2],
+        "big_endian": wide[:50_000].astype(">f8"),
+        "float32": wide[:30_000].astype(np.float32),
+        "zero_d": np.asarray(0.75),
+        "empty": np.zeros(0),
+    }
+
+
+@pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
+def test_gradient_identical_across_transports_and_clients(server, encoding: str) -> None:
+    backend = JaxReverse()
+    fast = Client(server.url, encoding=encoding)
+    plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url, timeout=60))
+    assert isinstance(fast.http._transport, FastTransport)
+    loop = asyncio.new_event_loop()
+    afast = AsyncClient(server.url, encoding=encoding)
+    aplain = AsyncClient(encoding=encoding, http=httpx.AsyncClient(base_url=server.url, timeout=60))
+    try:
+        for kind, x in _inputs().items():
+            f = "sum_of_squares" if x.ndim == 0 or x.size < 2 else "rosenbrock"
+            got = [c.gradient(f, backend, x) for c in (fast, plain)]
+            got += [loop.run_until_complete(c.gradient(f, backend, x)) for c in (afast, aplain)]
+            for g in got:
+                _same(np.asarray(g), np.asarray(got[1]))
+            if f == "sum_of_squares":
+                np.testing.assert_array_equal(got[0], 2 * x)
+            assert got[0].dtype == (np.float32 if x.dtype == np.float32 else np.float64), kind
+    finally:
+        fast.close()
+        plain.close()
+        loop.run_until_complete(afast.aclose())
+        loop.run_until_complete(aplain.aclose())
+        loop.close()
+
+
+def test_fast_transport_reuses_connections_and_returns_errors(server) -> None:
+    """Connections are kept alive and reused; an error answer comes back as it is."""
+    transport = FastTransport(min_bytes=0)
+    with httpx.Client(base_url=server.url, timeout=60, transport=transport) as c:
+        for _ in range(3):
+            assert c.get("/health").status_code == 200
+        assert sum(len(v) for v in transport._idle.values()) == 1
+        r = c.post("/gradient", content=b"{" + b" " * 64, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem")
