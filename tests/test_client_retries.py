@@ -23,8 +23,10 @@ from dxclient.errors import DxError
 class Scripted:
     """Answers 503 (Retry-After: ``retry_after``) ``fail`` times, then 200."""
 
-    def __init__(self, fail: int, retry_after: str = "0") -> None:
+    def __init__(self, fail: int, retry_after: str = "0", status: int = 503,
+                 problem: bool = True) -> None:
         self.fail, self.retry_after, self.requests = fail, retry_after, []
+        self.status, self.problem = status, problem  # problem=False: a proxy's plain answer
         scripted = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,10 +37,15 @@ class Scripted:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 scripted.requests.append(self.path)
                 if len(scripted.requests) <= scripted.fail:
-                    body = json.dumps({"type": "about:blank", "title": "overloaded", "status": 503,
-                                       "code": "overloaded", "detail": "busy"}).encode()
-                    self.send_response(503)
-                    self.send_header("content-type", "application/problem+json")
+                    body = json.dumps({"type": "about:blank", "title": "overloaded",
+                                       "status": scripted.status, "code": "overloaded",
+                                       "detail": "busy"}).encode()
+                    self.send_response(scripted.status)
+                    if scripted.problem:
+                        self.send_header("content-type", "application/problem+json")
+                    else:
+                        body = b"Internal Server Error"
+                        self.send_header("content-type", "text/plain; charset=utf-8")
                     self.send_header("retry-after", scripted.retry_after)
                 else:
                     body = json.dumps({"value": 42.0, "name": "f", "kind": "expression",
@@ -121,3 +128,19 @@ def test_connection_errors_are_retried_then_raised() -> None:
     with pytest.raises(httpx.ConnectError):
         client.value("f", "auto", np.ones(2))
     assert calls == ["/value"] * 3
+
+
+@pytest.mark.parametrize("status", [500, 502, 504])
+def test_a_proxys_plain_5xx_is_retried(scripted, status: int) -> None:
+    # Ray Serve's proxy answers a plain 500 when the replica running a call dies
+    srv = scripted(fail=2, status=status, problem=False)
+    with Client(srv.url, encoding="json", backoff=0.01) as client:
+        assert float(client.value("f", "auto", np.ones(2))) == 42.0
+    assert srv.requests == ["/value"] * 3
+
+
+def test_dxserves_own_500_is_not_retried(scripted) -> None:
+    srv = scripted(fail=2, status=500, problem=True)
+    with Client(srv.url, encoding="json", backoff=0.01) as client, pytest.raises(DxError):
+        client.value("f", "auto", np.ones(2))
+    assert srv.requests == ["/value"]

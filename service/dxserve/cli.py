@@ -40,7 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
     serve.add_argument("--token", help="bearer token for registry writes (DXSERVE_TOKEN)")
     serve.add_argument("--log-level", help="debug, info, warning, error")
+    ray = sub.add_parser("ray", help="serve on Ray Serve: replicas, GPUs, autoscaling "
+                         "(pip install 'dxserve[ray]'; see dxserve.ray_serve)")
+    ray.add_argument("--address", help="Ray cluster to join (default: start a local one)")
+    ray.add_argument("--host", default="127.0.0.1", help="Ray Serve's HTTP proxy address")
+    ray.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP proxy port")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas (without autoscaling)")
+    ray.add_argument("--num-gpus", type=float, default=0, help="GPUs per replica")
+    ray.add_argument("--num-cpus", type=float, help="CPUs per replica (Ray's default: 1)")
+    ray.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas")
+    ray.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    ray.add_argument("--store", help="shared registry: an absolute path or postgresql://...")
+    ray.add_argument("--functions", help="comma-separated modules of @dxserve.function's")
+    ray.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
     args = parser.parse_args(argv)
+    if args.command == "ray":
+        return run_ray(args)
 
     overrides = {
         k: v for k, v in vars(args).items() if k != "command" and v is not None
@@ -103,6 +118,54 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker %s (pid %d) listening on %s:%d", worker, os.getpid(), settings.host,
              settings.port)
     uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=[sock])
+    return 0
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    """``dxserve ray``: dxserve on Ray Serve until SIGINT/SIGTERM. Replicas get this
+    process's ``DXSERVE_*`` variables and the flags as their settings."""
+    import signal
+    import threading
+
+    settings: dict[str, Any] = {}
+    if args.store is not None:
+        local = "://" not in args.store
+        settings["store"] = os.path.abspath(args.store) if local else args.store
+    if args.functions is not None:
+        settings["functions"] = [m.strip() for m in args.functions.split(",") if m.strip()]
+    if args.compilation_cache is not None:
+        settings["compilation_cache"] = args.compilation_cache
+    try:
+        Settings(**settings)
+    except ValidationError as exc:
+        print(f"dxserve: {setting_problem(exc, settings)}", file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if k.startswith("DXSERVE_")}
+    autoscaling = None
+    if args.min_replicas is not None or args.max_replicas is not None:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        autoscaling = {"min_replicas": low, "max_replicas": max(low, args.max_replicas or low)}
+    try:
+        import ray
+
+        from . import ray_serve
+    except ImportError:
+        print("dxserve: Ray Serve is not installed: pip install 'dxserve[ray]'", file=sys.stderr)
+        return 2
+    ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True)
+    ray_serve.start(
+        host=args.host, port=args.port, replicas=args.replicas, num_gpus=args.num_gpus,
+        num_cpus=args.num_cpus, autoscaling=autoscaling, settings=settings, settings_env=env,
+    )
+    print(f"dxserve on Ray Serve: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 

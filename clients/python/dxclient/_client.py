@@ -51,6 +51,9 @@ Plan = Generator[Call, httpx.Response, T]
 _TRANSPORT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                      httpx.RemoteProtocolError, httpx.WriteError)
 MAX_RETRY_DELAY = 30.0
+#: Statuses that, without dxserve's problem+json body, come from a proxy or load balancer
+#: in front of the server: retried like a connection error.
+_GATEWAY_ERRORS = (500, 502, 504)
 
 
 def _idempotent(call: Call) -> bool:
@@ -66,6 +69,12 @@ def _retry_delay(response: httpx.Response | None, attempt: int, backoff: float) 
     a connection error, the wait doubles from ``backoff``.
     """
     if response is not None:
+        if response.status_code in _GATEWAY_ERRORS and not response.headers.get(
+            "content-type", ""
+        ).startswith("application/problem+json"):
+            # not dxserve's answer but a proxy's in front of it (Ray Serve's proxy says 500
+            # when the replica running the call dies): the call may be sent again
+            return min(backoff * 2**attempt, MAX_RETRY_DELAY)
         if response.status_code != 503:
             return None
         after = response.headers.get("retry-after")
