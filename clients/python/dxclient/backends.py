@@ -201,7 +201,7 @@ class SparsePattern:
                 return cls(np.repeat(np.arange(int(shape[0])), np.diff(indptr)), cols, tuple(shape))
         except InvalidBackendError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # IndexError: a 0-d indptr
             raise InvalidBackendError(f"sparsity: {exc}", field=field) from None
         raise InvalidBackendError(
             f"sparsity format must be 'coo' or 'csr', got {fmt!r}", field=f"{field}.format"

@@ -30,7 +30,8 @@ from .dispatch import OperatorDispatch, OperatorRoute
 from .metrics import Metrics
 
 _PROBLEMS = {
-    400: "Malformed body", 404: "Unknown function or handle", 409: "Prep mismatch",
+    400: "Malformed body", 401: "Missing or invalid bearer token (DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE)",
+    404: "Unknown function or handle", 409: "Prep mismatch",
     413: "Body too large", 415: "Unsupported media type", 422: "Semantically invalid",
     503: "Overloaded (Retry-After)", 504: "Timed out",
 }
@@ -122,13 +123,17 @@ def _add_routes(app: FastAPI) -> None:
         "/functions", tags=["functions"], status_code=201,
         response_model=schemas.FunctionInfoModel, operation_id="register_function",
         responses={200: {"description": "Identical content was already registered"},
-                   **problem_responses, 401: {"model": schemas.Problem}},
+                   **problem_responses, **_registry_problems(),
+                   409: {"model": schemas.Problem, "description": "Name taken by other content"},
+                   429: {"model": schemas.Problem, "description": "Function limit reached"},
+                   507: {"model": schemas.Problem, "description": "No space left to store it"}},
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": "#/components/schemas/RegisterFunction"}}}}},
     )(routes.register_function)
     app.delete(
         "/functions/{name}", tags=["functions"],
-        responses={404: {"model": schemas.Problem}, 401: {"model": schemas.Problem}},
+        responses={404: {"model": schemas.Problem}, **_registry_problems(),
+                   409: {"model": schemas.Problem, "description": "A server-side module's function"}},
         operation_id="delete_function",
     )(routes.delete_function)
     app.get("/backends", tags=["service"], operation_id="list_backends")(routes.list_backends)
@@ -137,6 +142,33 @@ def _add_routes(app: FastAPI) -> None:
     app.get(
         "/metrics", tags=["service"], response_class=Response, operation_id="metrics"
     )(routes.prometheus)
+
+
+def _registry_problems() -> dict:
+    return {
+        401: {"model": schemas.Problem, "description": "Missing or invalid bearer token"},
+        403: {"model": schemas.Problem,
+              "description": "Registration closed: no token configured beyond loopback"},
+    }
+
+
+#: the bearer token of ``DXSERVE_TOKEN`` / ``DXSERVE_TOKENS_FILE``
+BEARER = "bearer"
+
+
+def _document_security(spec: dict) -> None:
+    """Registry writes take a bearer token whenever tokens are configured; computations
+    only with ``DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE``. Either way ``{}`` (no token) is also
+    listed: a server without tokens on loopback takes anonymous requests."""
+    spec["components"]["securitySchemes"] = {BEARER: {
+        "type": "http", "scheme": "bearer",
+        "description": "A token of DXSERVE_TOKEN or DXSERVE_TOKENS_FILE: "
+                       "'Authorization: Bearer <token>'",
+    }}
+    for methods in spec.get("paths", {}).values():
+        for operation in methods.values():
+            if "401" in operation.get("responses", {}):
+                operation["security"] = [{BEARER: []}, {}]
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -150,6 +182,7 @@ def _openapi(app: FastAPI) -> dict:
         components.update(schema.pop("$defs", {}))
         components[model.__name__] = schema
     _document_wire_media(spec)
+    _document_security(spec)
     app.openapi_schema = spec
     return spec
 

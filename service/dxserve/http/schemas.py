@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -28,7 +28,9 @@ class TypedArray(BaseModel):
     shape: list[int]
 
 
-Array = float | list[Any] | TypedArray | dict[str, Any]
+#: JSON has no NaN or infinities: a scalar one travels as one of these strings
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+Array = float | NonFinite | list[Any] | TypedArray | dict[str, Any]
 ARRAY_DOC = (
     "A number, a nested list (float64), a typed array object, or a pytree "
     "(JSON object of arrays). NaN and infinities are the strings "
@@ -36,9 +38,94 @@ ARRAY_DOC = (
 )
 
 
-class BackendObject(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra={"example": {"type": "jax-forward", "batch_size": 16}})
-    type: Literal["jax-forward", "jax-reverse", "finite-differences", "second-order", "auto", "sparse"]
+# --- backend descriptors (what ``dxclient.backends.backend_from_json`` takes) ----------
+_BATCH = Field(None, ge=1, description="Tangents per vectorized call; null: all at once")
+
+
+class JaxForwardBackend(BaseModel):
+    """Forward mode: JVPs; Jacobians from ``batch_size`` columns per call."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {"type": "jax-forward", "batch_size": 16}})
+    type: Literal["jax-forward"]
+    batch_size: int | None = _BATCH
+
+
+class JaxReverseBackend(BaseModel):
+    """Reverse mode: VJPs; Jacobians from ``batch_size`` rows per call."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["jax-reverse"]
+    batch_size: int | None = _BATCH
+
+
+class FiniteDifferencesBackend(BaseModel):
+    """Finite differences (any function, traced or not)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["finite-differences"]
+    method: Literal["central", "forward"] | None = "central"
+    step: float | None = Field(None, gt=0, description="null: chosen from the dtype")
+    batch_size: int | None = _BATCH
+
+
+FirstOrderName = Literal["jax-forward", "jax-reverse", "finite-differences"]
+FirstOrderBackend = Annotated[
+    JaxForwardBackend | JaxReverseBackend | FiniteDifferencesBackend, Field(discriminator="type")
+]
+
+
+class SecondOrderBackend(BaseModel):
+    """HVPs and Hessians: ``outer`` differentiates ``inner``'s gradient (first-order each)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {
+        "type": "second-order", "outer": {"type": "jax-forward"}, "inner": {"type": "jax-reverse"}}})
+    type: Literal["second-order"]
+    outer: FirstOrderName | FirstOrderBackend
+    inner: FirstOrderName | FirstOrderBackend
+
+
+class AutoBackend(BaseModel):
+    """Picked per operator and shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto"]
+
+
+class SparsityPattern(BaseModel):
+    """A pattern without values: CSR (``indptr`` + column ``indices``) or COO (``[i, j]`` pairs)."""
+
+    format: Literal["csr", "coo"]
+    shape: list[int] = Field(min_length=2, max_length=2)
+    indptr: list[int] | None = Field(None, description="csr: m + 1 row offsets")
+    indices: list[int] | list[list[int]] = Field(description="csr: columns; coo: [row, col] pairs")
+
+
+class SparseBackend(BaseModel):
+    """Sparse Jacobians and Hessians: one pass of ``dense`` per colour of the pattern."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {
+        "type": "sparse", "dense": "jax-forward", "coloring": "column"}})
+    type: Literal["sparse"]
+    dense: (
+        Literal["auto", "jax-forward", "jax-reverse", "finite-differences"]
+        | Annotated[
+            JaxForwardBackend | JaxReverseBackend | FiniteDifferencesBackend | SecondOrderBackend
+            | AutoBackend,
+            Field(discriminator="type"),
+        ]
+    ) = "auto"
+    sparsity: SparsityPattern | None = Field(None, description="null: detected from the function")
+    coloring: Literal["column", "row", "star"] | None = None
+    format: Literal["csr", "coo"] | None = "csr"
+
+
+BackendObject = Annotated[
+    JaxForwardBackend | JaxReverseBackend | FiniteDifferencesBackend | SecondOrderBackend
+    | AutoBackend | SparseBackend,
+    Field(discriminator="type"),
+]
+#: the shorthands: a backend named by its type, with default parameters
+BackendName = Literal["auto", "jax-forward", "jax-reverse", "finite-differences", "sparse"]
 
 
 _SHAPED_LIKE = {"x": "x", "y": "f(x)"}
@@ -48,8 +135,9 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
     fields: dict[str, Any] = {
         "function": (str, Field(description="Name of a registered function", examples=["rosenbrock"])),
         "backend": (
-            str | BackendObject,
-            Field("auto", description="Backend descriptor or shorthand", examples=["jax-reverse"]),
+            BackendName | BackendObject,
+            Field("auto", description="A backend's name (its defaults) or its descriptor object",
+                  examples=["jax-reverse"]),
         ),
         "x": (Array, Field(description="The active input. " + ARRAY_DOC, examples=[[1.0, 2.0, 3.0]])),
         "contexts": (
