@@ -17,6 +17,21 @@ executable is *earned*, per (prep, operator, bucket):
 
 Buckets are powers of two (``bucket(k)``), so a key compiles at most log2(max) batched
 executables; a batch is padded to its bucket by repeating its last request.
+
+**Rounding mode** (``DXSERVE_BATCHING=rounding``, opt-in; the default ``exact`` is the
+above). For users who want throughput over bitwise reproducibility: step 2's check
+accepts a batched executable whose rows agree with the unbatched runs *to rounding*
+instead of bit for bit, so the (prep, operator, bucket)s that ``exact`` refuses (on CPU
+most sizes of most functions: ``bench/batching_bits.py``) are merged too. Agreement,
+per result array, is ``agree_to_rounding``: integer and bool results equal; float and
+complex results with the same non-finite values in the same places, and every finite
+element within ``ROUNDING_ULPS`` (256) units of roundoff of the array's scale:
+``|batched - alone| <= 256 * eps(dtype) * (|alone| + max|alone|)`` (float64: ~5.7e-14
+relative to the array's largest element; float32: ~3.1e-5). Rule 1 is unchanged
+(control flow is never batched: that is about which branch runs, not rounding), the
+check still runs once per (prep, operator, bucket) on the first real batch, and a
+batch that fails it is refused for good as in ``exact``. Answers then differ from
+unbatched ones in their last bits, by at most that bound on the checked inputs.
 """
 
 from __future__ import annotations
@@ -70,6 +85,35 @@ def primitives(jaxpr: Any) -> set[str]:
     return names
 
 
+#: Batching modes (``Settings.batching``): bit-identical rows only, or rows equal to rounding.
+MODES = ("exact", "rounding")
+#: Units of roundoff (of the result's dtype) a batched row may differ by in "rounding" mode.
+ROUNDING_ULPS = 256
+
+
+def agree_to_rounding(a: Any, b: Any, ulps: int = ROUNDING_ULPS) -> bool:
+    """``b`` equals ``a`` to rounding: same dtype and shape; integers and bools equal;
+    floats/complex with NaN and infinities in the same places and every finite
+    element within ``ulps * eps * (|a| + max|a|)`` (``max`` over ``a``'s finite
+    elements)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.kind not in "fc":
+        return a.tobytes() == b.tobytes()
+    finite = np.isfinite(a)
+    if not np.array_equal(finite, np.isfinite(b)):
+        return False
+    if not np.array_equal(a[~finite], b[~finite], equal_nan=True):
+        return False
+    if not finite.any():
+        return True
+    eps = np.finfo(a.dtype).eps
+    mag = np.abs(a[finite])
+    bound = ulps * eps * (mag + mag.max())
+    return bool((np.abs(b[finite] - a[finite]) <= bound).all())
+
+
 def _bits_equal(a: Any, b: Any) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
@@ -96,7 +140,13 @@ class Batcher:
     Only device worker threads call it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "exact") -> None:
+        """``mode``: "exact" (rows bit-identical to unbatched runs) or "rounding" (rows
+        equal to rounding, ``agree_to_rounding``); see the module docstring."""
+        if mode not in MODES:
+            raise ValueError(f"batching mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self._agree = _bits_equal if mode == "exact" else agree_to_rounding
         self.batches = 0  # merged calls answered from a batched executable
         self.batched_requests = 0
         self.refused = 0  # (prep, operator, bucket)s that failed the bit check
@@ -133,7 +183,7 @@ class Batcher:
             self.batched_requests += len(group)
             return batched
         alone = [_alone(prep, operator, inputs) for inputs in group]
-        if all(_same_result(a, b) for a, b in zip(alone, batched, strict=True)):
+        if all(_same_result(a, b, self._agree) for a, b in zip(alone, batched, strict=True)):
             plan.verified.add(slot)
         else:
             plan.executables[slot] = None
@@ -190,9 +240,9 @@ def _alone(prep: Any, operator: str, inputs: Inputs) -> Any:
         return exc
 
 
-def _same_result(alone: Any, batched: Any) -> bool:
+def _same_result(alone: Any, batched: Any, agree: Any = _bits_equal) -> bool:
     if isinstance(alone, BaseException):
         return False
     a, b = jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(batched)
-    return len(a) == len(b) and all(_bits_equal(u, v) for u, v in zip(a, b, strict=True))
+    return len(a) == len(b) and all(agree(u, v) for u, v in zip(a, b, strict=True))
 

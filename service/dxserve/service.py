@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from . import export_gate, observe
 from .backends import backend_table
 from .backends.sparse import BCOO, configure_detection, sparse_wire
 from .budget import ComputeLimits, InFlight
+from .jobs import Job, JobCancelled
 from .precision import float64_scope
 from .preparation import Lookup, Prep, PrepCache, lookup, out_of_memory, prepare
 from .registry import Registry
@@ -105,7 +107,7 @@ class Service:
         # size per rebuild otherwise). Preps hold compiled executables, unaffected.
         self.registry.on_evict.append(lambda entry: jax.clear_caches())
         self.registry.on_remove.append(lambda entry: jax.clear_caches())
-        self.batcher = Batcher()
+        self.batcher = Batcher(settings.batching)
         self.workers = Workers(
             settings.queue_size, settings.request_timeout, settings.inline_below,
             settings.max_batch, settings.batch_wait, settings.compute_nice,
@@ -116,8 +118,11 @@ class Service:
         self.limits = ComputeLimits(
             settings.max_request_memory_bytes or None, settings.max_request_flops or None,
             settings.request_timeout, settings.assumed_flops_per_second,
-            settings.assumed_bytes_per_second,
+            settings.assumed_bytes_per_second, chunk_memory_bytes=settings.chunk_memory_bytes,
         )
+        #: operator -> computations stopped early (client gone or past the deadline)
+        self.cancelled: dict[str, int] = {}
+        self._cancel_lock = threading.Lock()
         #: bytes in flight and large results being computed, across all requests
         self.budget = InFlight(
             settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
@@ -194,6 +199,8 @@ class Service:
         signature: Signature | None = None,
         hint: Hashable = None,
         batch_axis: int | None = None,
+        job: Job | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
@@ -202,6 +209,10 @@ class Service:
         (the HTTP layer passes the body size), so a call's expected cost is known
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
+        ``job``: told the progress of a chunked computation and checked between its
+        chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
+        ``timeout``: seconds before 504 (default ``request_timeout``); the job is
+        cancelled at its deadline, or when this coroutine is cancelled.
         """
         op = OPERATORS[operator]
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
@@ -215,26 +226,39 @@ class Service:
         # points, so its expected cost never comes from (nor is taken for) theirs.
         key = (entry.name, op.name, hint, prep, batch_axis)
         budget = self.budget
-        if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
-            budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all are taken
-            try:
-                results = await self._call(op, found, key, limit_large=False, info=info)
-            finally:
-                budget.give_large()
-        else:
-            results = await self._call(op, found, key, limit_large=True, info=info)
+        try:
+            if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
+                budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all taken
+                try:
+                    results = await self._call(
+                        op, found, key, limit_large=False, info=info, job=job, timeout=timeout
+                    )
+                finally:
+                    budget.give_large()
+            else:
+                results = await self._call(
+                    op, found, key, limit_large=True, info=info, job=job, timeout=timeout
+                )
+        except BaseException:  # a deadline, or the caller gone: stop at the next chunk
+            if job is not None:
+                job.cancel()
+            raise
         if info is not None:
             info.call_end = time.perf_counter()
         return results
 
     async def _call(
         self, op: OperatorSpec, found: Lookup, key: Hashable, limit_large: bool,
-        info: observe.RequestInfo | None = None,
+        info: observe.RequestInfo | None = None, job: Job | None = None,
+        timeout: float | None = None,
     ) -> dict:
         """Run a looked-up call; ``limit_large``: take a large-result slot if the prep
         made for it (on a first call) turns out to return a large result. ``info``: the
         request's record, given the computation's own time (merged batches: not apart)."""
-        if found.prep is not None and self.workers.batching:
+        if (
+            found.prep is not None and self.workers.batching
+            and (job is None or not job.streams) and not found.prep.chunked(op.name)
+        ):  # a chunked computation runs alone: its progress and cancellation are its own
             ready = found.prep
 
             def run_group(items: Sequence[tuple]) -> list:
@@ -251,20 +275,27 @@ class Service:
 
         def compute() -> dict:
             start = time.perf_counter()
-            ready = found.prep or found.prepare(self.cache, limit, limits)  # first call: compile
-            if not (limit_large and budget.is_large(ready.result_bytes)):
-                results = results_of(op, ready.run(op.name, *found.inputs))
-            else:
-                budget.take_large(ready.result_bytes)
-                try:
-                    results = results_of(op, ready.run(op.name, *found.inputs))
-                finally:
-                    budget.give_large()
+            try:
+                if job is not None:
+                    job.check()  # cancelled while it waited: the worker moves on
+                ready = found.prep or found.prepare(self.cache, limit, limits)  # first: compile
+                if not (limit_large and budget.is_large(ready.result_bytes)):
+                    results = results_of(op, ready.run(op.name, *found.inputs, job))
+                else:
+                    budget.take_large(ready.result_bytes)
+                    try:
+                        results = results_of(op, ready.run(op.name, *found.inputs, job))
+                    finally:
+                        budget.give_large()
+            except JobCancelled:
+                with self._cancel_lock:
+                    self.cancelled[op.name] = self.cancelled.get(op.name, 0) + 1
+                raise
             if info is not None:
                 info.compute = time.perf_counter() - start
             return results
 
-        return await self.workers.run(compute, key)
+        return await self.workers.run(compute, key, timeout)
 
     async def prepare(
         self,

@@ -96,11 +96,23 @@ class Settings(BaseSettings):
     queue_size: int = 256
     #: Seconds a computation may take before 504.
     request_timeout: float = 300.0
+    #: Seconds a computation streamed with ``Accept: text/event-stream`` may take (its
+    #: caller sees progress, and it stops at a chunk boundary when the time is up).
+    stream_timeout: float = Field(default=3600.0, gt=0)
+    #: Bytes of device memory one chunk of a chunked Jacobian or Hessian may need by
+    #: XLA's estimate: larger ones run in chunks sized to fit (see ``chunking``); a
+    #: single basis vector over it is refused (422). Default 512 MiB.
+    chunk_memory_bytes: int = Field(default=512 * 1024**2, ge=1024**2)
     #: Warm jobs whose last run took less than this (seconds) run on the event loop
     #: instead of a device worker thread; 0 sends everything to the workers.
     inline_below: float = 0.001
     #: Most requests merged into one vmapped call (a power of two; 1 turns batching off).
     max_batch: int = 32
+    #: When merged requests may be answered from a batched call: "exact" (default) only
+    #: when its rows are bit-identical to unbatched runs; "rounding" (opt-in, throughput
+    #: over bitwise reproducibility) when they agree to rounding, 256 units of roundoff
+    #: of each result's scale (``request_batching.agree_to_rounding``).
+    batching: Literal["exact", "rounding"] = "exact"
     #: Seconds a queued request may wait for others of its kind before its batch runs
     #: (a request that arrives at an idle worker never waits).
     batch_wait: float = 0.0
