@@ -119,6 +119,9 @@ class ComputeLimits:
     max_seconds: float | None = None
     flops_per_second: float = 1e10
     bytes_per_second: float = 1e10
+    #: bytes one chunk of a chunked Jacobian or Hessian may need (None: the default of
+    #: ``chunking.DEFAULT_CHUNK_MEMORY_BYTES``)
+    chunk_memory_bytes: int | None = None
 
     def seconds(self, est: Estimate) -> float:
         traffic = est.bytes_accessed + ALLOCATION_WEIGHT * est.memory_bytes

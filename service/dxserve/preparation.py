@@ -42,6 +42,8 @@ from . import executable_cache
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
+from .chunking import chunker_for
+from .jobs import Job, JobCancelled
 from .precision import float64_scope
 from .signature import Signature
 
@@ -142,6 +144,8 @@ class Prep:
     limits: ComputeLimits | None = field(default=None, repr=False)
     #: bytes the family's results take at most (what the server's large-result slots count)
     result_bytes: int = 0
+    #: chunked runs of a dense Jacobian or Hessian (see ``chunking``); None: one-shot only
+    chunker: Any = field(default=None, repr=False)
 
     @property
     def report(self) -> dict[str, Any]:
@@ -182,10 +186,23 @@ class Prep:
             exe = self.executables[key] = self._compile(operator, x, tangents, contexts)
         return exe
 
-    def _compile(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> Callable:
+    def head(self, operator: str, results: tuple[str, ...], x: Tree, tangents: tuple | None,
+             contexts: tuple) -> Callable:
+        """An executable of some of ``operator``'s ``results`` only (a chunked run's value
+        and gradient: XLA drops the rest of the program)."""
+        key = (("head", operator, results), jax.config.jax_default_device)
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = self.executables[key] = self._compile(operator, x, tangents, contexts, results)
+        return exe
+
+    def _compile(
+        self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple,
+        only: tuple[str, ...] | None = None,
+    ) -> Callable:
         """Keep only ``operator``'s results (so XLA drops the rest) and compile for these
         inputs; the executable persists across restarts when that cache is configured."""
-        results = OPERATORS[operator].results
+        results = OPERATORS[operator].results if only is None else only
         build = self.build
 
         def run(x, tangents, contexts):
@@ -214,16 +231,40 @@ class Prep:
             seconds, extra={"event": "compile", "operator": operator, "function": function,
                             "backend": self.resolved.to_json(), "seconds": round(seconds, 6)},
         )
+        if only is not None:  # a chunked run's head: small, and run with the chunks
+            return exe
+        if self.chunker is not None and not self.chunker.fits(operator, exe):
+            # too large for one call: runs in chunks, each checked; the work is the same
+            if self.limits is not None:
+                replace(self.limits, max_memory_bytes=None, max_seconds=None).check(exe, operator)
+            return exe
         if self.limits is not None:  # once per executable, before it ever runs
             self.limits.check(exe, operator)
         return exe
 
-    def run(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> tuple:
-        """The results of ``operator``, in ``OPERATORS[operator].results`` order."""
+    def chunked(self, operator: str) -> bool:
+        """Does ``operator`` run in chunks here (see ``chunking``)? Known once its
+        one-shot executable has been compiled."""
+        return self.chunker is not None and self.chunker.size_for(operator) is not None
+
+    def run(
+        self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple,
+        job: Job | None = None,
+    ) -> tuple:
+        """The results of ``operator``, in ``OPERATORS[operator].results`` order.
+
+        ``job``: told the progress of a chunked run, and checked between its chunks
+        (``JobCancelled`` once cancelled)."""
         try:
             with float64_scope():
-                return self.executable(operator, x, tangents, contexts)(x, tangents, contexts)
-        except DxError:
+                exe = self.executable(operator, x, tangents, contexts)
+                chunker = self.chunker
+                if chunker is not None:
+                    size = chunker.size_for(operator)
+                    if size is not None:
+                        return chunker.run(self, operator, x, tangents, contexts, size, job)
+                return exe(x, tangents, contexts)
+        except (DxError, JobCancelled):
             raise
         except Exception as exc:
             # out of memory, or a black-box function failing on these values
@@ -402,9 +443,12 @@ def _prepare(
     if batch_axis is not None:
         build = over_points(build, tangents is not None, compiled)
         y = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((points, *s.shape), s.dtype), y)
+    chunker = chunker_for(
+        family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits
+    )
     prep = Prep(
         operator, f, backend, resolved, signature, y, build,
-        engine, compiled, limits=limits, result_bytes=elements * _itemsize(x),
+        engine, compiled, limits=limits, result_bytes=elements * _itemsize(x), chunker=chunker,
     )
     prep.executable(operator, x, tangents, contexts)
     if cache is not None:

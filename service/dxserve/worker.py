@@ -77,10 +77,11 @@ class DeviceWorker:
         self._thread = threading.Thread(target=self._serve, name=f"dx-{device}", daemon=True)
         self._thread.start()
 
-    async def run(self, job: Callable[[], T]) -> T:
-        """Run ``job()`` on this device's thread; raise 503/504 errors as documented."""
+    async def run(self, job: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``job()`` on this device's thread; raise 503/504 errors as documented.
+        ``timeout``: seconds before 504 (default: the worker's ``timeout``)."""
         loop = asyncio.get_running_loop()
-        return await self._submit(_Job(job, loop, loop.create_future()))
+        return await self._submit(_Job(job, loop, loop.create_future()), timeout)
 
     async def run_grouped(self, group: Hashable, item: Any, run_group: RunGroup) -> Any:
         """Run ``item`` through ``run_group``, merged with queued items of ``group``."""
@@ -88,7 +89,7 @@ class DeviceWorker:
         job = _Job(None, loop, loop.create_future(), group, item, run_group)
         return await self._submit(job)
 
-    async def _submit(self, job: _Job) -> Any:
+    async def _submit(self, job: _Job, timeout: float | None = None) -> Any:
         with self._cond:
             if self.pending >= self.queue_size:
                 raise OverloadedError(
@@ -99,7 +100,8 @@ class DeviceWorker:
             self.pending += 1
             self._queue.append(job)
             self._cond.notify()
-        timer = job.loop.call_later(self.timeout, _expire, job, self.timeout)
+        timeout = self.timeout if timeout is None else timeout
+        timer = job.loop.call_later(timeout, _expire, job, timeout)
         try:
             return await job.future
         finally:
@@ -233,14 +235,17 @@ class Workers:
         idle_enough = not self.batching or worker.pending == 0
         return not self.pinned and idle_enough and self._cost.peek(key, _NEVER) < self.inline_below
 
-    async def run(self, job: Callable[[], T], key: Hashable | None = None) -> T:
-        """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker."""
+    async def run(
+        self, job: Callable[[], T], key: Hashable | None = None, timeout: float | None = None
+    ) -> T:
+        """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker.
+        ``timeout``: seconds before 504 (default: the workers' ``timeout``)."""
         worker = self.pick()
         if key is None:
-            return await worker.run(job)
+            return await worker.run(job, timeout)
         if self._cheap(key, worker):
             return self._timed(job, key)
-        return await worker.run(lambda: self._timed(job, key))
+        return await worker.run(lambda: self._timed(job, key), timeout)
 
     async def run_grouped(
         self, group: Hashable, item: Any, run_group: RunGroup, key: Hashable,

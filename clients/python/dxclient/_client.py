@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import httpx
 
 from . import _models, models
+from . import progress as progress_events
 from ._models import Call, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .backends import Backend
@@ -134,6 +135,14 @@ def _operator_answer(operator: str, response: httpx.Response) -> Any:
     return _models.operator_result(operator, response.headers, response.content)
 
 
+def _streamed_answer(operator: str, data: bytes) -> Any:
+    """The ``result`` event's data (JSON, typed base64 arrays), decoded like an answer."""
+    return _models.operator_result(operator, _JSON_HEADERS, data)
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
 def _prep_answer(request: Call, response: httpx.Response) -> RemotePrep:
     return _models.prep_result(response.content, request)
 
@@ -204,15 +213,28 @@ class _ClientBase(OperatorMethods):
         """Send each call ``plan`` yields; its return value."""
         raise NotImplementedError
 
+    def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+        """Send ``call`` asking for its progress events (``dxclient.progress``); its
+        result, decoded as the plain answer would be."""
+        raise NotImplementedError
+
     # --- operators -------------------------------------------------------------
     def _operator(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
+        progress: Any = None,
     ) -> Any:
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
         if model is not None:
             return model.finish(operator, self._operator(
-                operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis))
+                operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis,
+                progress))
+        if progress is not None and progress is not False:  # streamed: dxclient.progress
+            call = _models.operator_call(
+                operator, f, backend, x, tangents, contexts, prep, self.encoding,
+                batch_axis=batch_axis,
+            )
+            return self._stream(operator, call, progress)
         if prep is not None and prep.request is not None:
             def build(p: RemotePrep) -> Call:
                 return _models.operator_call(
@@ -375,6 +397,20 @@ class Client(_ClientBase):
         except StopIteration as done:
             return done.value
 
+    def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+        reporter = progress_events.Reporter(progress, operator)
+        headers = {**call.headers, "accept": progress_events.ACCEPT}
+        try:  # leaving the block (Ctrl-C too) closes the connection: the server cancels
+            with self.http.stream(call.method, call.path, content=call.body, headers=headers) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _models.raise_for_problem(r.status_code, r.headers, r.content)
+                return progress_events.read_events(
+                    r.iter_lines(), reporter, functools.partial(_streamed_answer, operator)
+                )
+        finally:
+            reporter.close()
+
     def _run_prepared(
         self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
     ) -> Any:
@@ -442,6 +478,22 @@ class AsyncClient(_ClientBase):
                 call = plan.send(await self._run(call, None, _response))
         except StopIteration as done:
             return done.value
+
+    async def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+        reporter = progress_events.Reporter(progress, operator)
+        headers = {**call.headers, "accept": progress_events.ACCEPT}
+        try:  # leaving the block (cancelled too) closes the connection: the server cancels
+            async with self.http.stream(
+                call.method, call.path, content=call.body, headers=headers
+            ) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    _models.raise_for_problem(r.status_code, r.headers, r.content)
+                return await progress_events.aread_events(
+                    r.aiter_lines(), reporter, functools.partial(_streamed_answer, operator)
+                )
+        finally:
+            reporter.close()
 
     async def _run_prepared(
         self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]

@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     priorities, JAX caches, warm-up) is ``runtime.bootstrap``'s, not the app's.
     """
     service = service or Service(settings or Settings())
-    metrics = Metrics(service.cache, service.batcher, service.workers)
+    metrics = Metrics(service.cache, service.batcher, service.workers, service.cancelled)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

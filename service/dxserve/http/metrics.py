@@ -17,7 +17,8 @@ from ..worker import Workers
 
 class Metrics:
     def __init__(
-        self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None
+        self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None,
+        cancelled: dict[str, int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         # process_* (CPU, memory, open files, start time; Linux) and python_info, on this
@@ -31,6 +32,8 @@ class Metrics:
             self.registry.register(_BatchCollector(batcher))
         if workers is not None:
             self.registry.register(_DeviceCollector(workers))
+        if cancelled is not None:
+            self.registry.register(_CancelCollector(cancelled))
 
     def record(self, route: str, status: int, seconds: float) -> None:
         """Count and time one answered request (errors counted by status too)."""
@@ -144,3 +147,21 @@ class _DeviceCollector:
             jobs.add_metric([str(worker.device)], worker.jobs)
             queued.add_metric([str(worker.device)], worker.pending)
         return [jobs, queued]
+
+
+class _CancelCollector:
+    """``dxserve_cancelled_total{operator}``: computations stopped early (client gone,
+    or past the deadline) at a chunk boundary or before they started; read from
+    ``Service.cancelled`` at scrape time."""
+
+    def __init__(self, cancelled: dict[str, int]) -> None:
+        self.cancelled = cancelled
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "dxserve_cancelled", "Computations cancelled before they finished",
+            labels=["operator"],
+        )
+        for operator, n in list(self.cancelled.items()):
+            family.add_metric([operator], n)
+        return [family]

@@ -6,6 +6,8 @@ state of its own.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -21,8 +23,10 @@ from dxclient.errors import (
 from dxclient.operators import OperatorSpec
 
 from ..budget import DECODE_FACTOR, ENCODE_FACTOR, InFlight, Ticket
+from ..jobs import Job, JobCancelled
 from ..service import Action, Service
 from .responses import BodyResponse, PartsResponse
+from .streaming import DisconnectWatch, EventStream, wants_stream
 from .wire import (
     OperatorRequest,
     decode_operator_request,
@@ -183,15 +187,35 @@ class OperatorEndpoint:
         )
 
     async def __call__(self, request: Request) -> Response:
+        accept = wants_stream(request.scope)
+        if accept is not None:  # Accept: text/event-stream (see streaming.py)
+            return await self._stream(request, accept)
+        job = Job()  # a chunked computation stops early if the client goes away
+        watch = DisconnectWatch(request.receive, job)
+        job.listen(asyncio.get_running_loop(), watch)
         try:
             service, req, encoding, size = await compute_request(request, self.op)
             results = await service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=size, batch_axis=req.batch_axis,
+                job=job,
             )
+        except JobCancelled:  # the client has gone: nobody to answer (499, as nginx logs it)
+            return Response(status_code=499)
         finally:
+            watch.close()
             release_ticket(request)
         return await encode(results_to_wire(results, self.op), encoding, budget=service.budget)
+
+    async def _stream(self, request: Request, accept: str) -> Response:
+        try:
+            service, req, _, size = await compute_request(request, self.op)
+        except BaseException:
+            release_ticket(request)
+            raise
+        return EventStream(  # type: ignore[return-value]  # an ASGI response of its own
+            service, self.op, req, size, accept, on_end=lambda: release_ticket(request)
+        )
 
 
 class PrepareEndpoint:

@@ -1,0 +1,248 @@
+"""Chunked execution of dense Jacobians and Hessians: one compiled call per chunk.
+
+A dense Jacobian is n pushforwards of input basis vectors (columns, forward-mode
+engines) or m pullbacks of output basis vectors (rows, reverse mode); a Hessian is
+the outer engine's Jacobian of the inner engine's gradient. The one-shot executable
+vmaps all of them at once, so its temporaries grow with the whole basis: a
+finite-difference Hessian of rosenbrock at n = 1000 would need ~64 GB.
+
+A ``Chunker`` runs the same maths ``size`` basis vectors at a time: one executable
+``chunk(x, contexts, start) -> (size, m | n)`` whose basis block starts at a traced
+offset, so every chunk (the last one padded with zero vectors) runs the same compiled
+program. The blocks are copied into one host array of the result's shape. Each basis
+vector's column or row is computed by the same operations as in the one-shot
+program, so both paths agree to rounding (bit for bit where XLA vectorizes the two batch
+widths alike; tests/test_progress_chunks.py).
+
+When a run is chunked:
+
+* the one-shot executable needs more than the chunk memory budget by XLA's memory
+  analysis (``DXSERVE_CHUNK_MEMORY_BYTES``): the chunk size is the budget over the
+  one-shot's bytes per basis vector, checked (and shrunk) on the compiled chunk;
+* there are ``CHUNK_FROM`` (1024) basis vectors or more: about ``CHUNKS`` (20) chunks;
+* the backend's ``batch_size``, when given, bounds the chunk size.
+
+Otherwise the one-shot executable runs, as before. Whether a caller streams progress
+does not change the plan, so streamed and plain answers are the same bits. Between
+chunks the ``Job`` gets a progress report and is checked for cancellation. Only work
+whose single basis vector does not fit the budget is refused (``BudgetExceededError``,
+422).
+
+Only plain array inputs and outputs of traced functions are chunked (pytree blocks,
+black boxes, sparse engines and batches of points run one-shot).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dxclient.errors import BudgetExceededError
+from dxclient.operators import OPERATORS
+
+from .backends.engine import Engine
+from .budget import ComputeLimits, Estimate, estimate
+from .jobs import Job
+
+#: Default bytes of device memory one chunk may need by XLA's estimate (512 MiB).
+DEFAULT_CHUNK_MEMORY_BYTES = 512 * 1024**2
+#: From this many basis vectors on, a Jacobian or Hessian runs in about ``CHUNKS``
+#: chunks (so its progress moves ~5% at a time and it can be cancelled); fewer run
+#: one-shot unless they do not fit the budget.
+CHUNK_FROM = 1024
+CHUNKS = 20
+_FAMILIES = frozenset({"jacobian", "hessian"})
+
+
+def _is_array(tree: Any) -> bool:
+    return not isinstance(tree, dict | list | tuple) and hasattr(tree, "shape")
+
+
+def chunker_for(
+    family: str, f: Callable, engine: Engine, inner: Engine | None, x: Any, y: Any,
+    compiled: bool, batched: bool, limits: ComputeLimits | None,
+) -> Chunker | None:
+    """A ``Chunker`` for this prep, or None where its operator always runs one-shot."""
+    if family not in _FAMILIES or not compiled or batched:
+        return None
+    if not (_is_array(x) and _is_array(y)) or type(engine).jacobian is not Engine.jacobian:
+        return None  # pytree blocks, or an engine with its own Jacobian (sparse)
+    n = math.prod(x.shape)
+    m = n if family == "hessian" else math.prod(y.shape)
+    if n < 2 or m < 1:
+        return None
+    forward = engine.mode == "forward"
+    budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
+    shape = (*y.shape, *x.shape) if family == "jacobian" else (*x.shape, *x.shape)
+    return Chunker(family, f, engine, inner, n, m, forward, shape, budget, limits)
+
+
+@dataclass(eq=False)
+class Chunker:
+    """Chunked runs of one prep's Jacobian or Hessian (see the module)."""
+
+    family: str
+    f: Callable
+    engine: Engine  # the engine whose basis is chunked (the outer one for a Hessian)
+    inner: Engine | None
+    n: int  # x.size
+    m: int  # f(x).size (x.size for a Hessian)
+    forward: bool  # columns (pushforwards) or rows (pullbacks)
+    shape: tuple  # the result's shape
+    budget: int  # bytes one chunk may need
+    limits: ComputeLimits | None = None
+    #: operator -> the one-shot's estimate, for operators too large to run one-shot
+    oversized: dict[str, Estimate] = field(default_factory=dict)
+    _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.n if self.forward else self.m
+
+    @property
+    def unit(self) -> str:
+        return "columns" if self.forward else "rows"
+
+    # --- deciding ----------------------------------------------------------------
+    def fits(self, operator: str, executable: Any) -> bool:
+        """Does the one-shot ``executable`` fit the chunk budget? If not, ``operator``
+        runs in chunks from now on (its one-shot executable is never run)."""
+        est = estimate(executable)
+        if est is None or est.memory_bytes <= self.budget:
+            return True
+        self.oversized[operator] = est
+        return False
+
+    def size_for(self, operator: str) -> int | None:
+        """Basis vectors per chunk, or None to run the one-shot executable.
+
+        The plan depends on the prep alone, never on whether the caller streams, so a
+        streamed answer is bit for bit the plain one (XLA may round a vmapped batch of
+        another width differently). The smallest of: the memory budget's size (for an
+        operator too large for one call), the backend's ``batch_size``, and
+        ``total / CHUNKS`` once there are ``CHUNK_FROM`` basis vectors or more.
+        """
+        total = self.total
+        sizes = []
+        est = self.oversized.get(operator)
+        if est is not None:  # the budget over the one-shot's bytes per basis vector
+            sizes.append(max(1, int(self.budget // max(1.0, est.memory_bytes / total))))
+        batch = getattr(self.engine, "batch_size", None)
+        if batch:
+            sizes.append(batch)
+        if total >= CHUNK_FROM:
+            sizes.append(-(-total // CHUNKS))
+        if not sizes or min(sizes) >= total:
+            return None
+        return min(sizes)
+
+    # --- running ----------------------------------------------------------------
+    def run(
+        self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int,
+        job: Job | None,
+    ) -> tuple:
+        """``operator``'s results (``OPERATORS[operator].results`` order), chunk by chunk."""
+        exe, size = self._chunk_executable(operator, x, contexts, size)
+        total = self.total
+        results = OPERATORS[operator].results
+        others = tuple(r for r in results if r != self.family)
+        head = prep.head(operator, others, x, tangents, contexts) if others else None
+        if job is not None:
+            job.check()
+            job.start(total, self.unit)
+        out = None
+        for start in range(0, total, size):
+            if job is not None:
+                job.check()
+            block = np.asarray(exe(x, contexts, np.int32(start)))
+            if out is None:
+                out = np.empty((self.m, self.n), block.dtype)
+            stop = min(start + size, total)
+            if self.forward:
+                out[:, start:stop] = block[: stop - start].T
+            else:
+                out[start:stop, :] = block[: stop - start]
+            if job is not None:
+                job.report(stop)
+        assert out is not None
+        values = dict(zip(others, head(x, tangents, contexts), strict=True)) if head else {}
+        values[self.family] = out.reshape(self.shape)
+        return tuple(values[r] for r in results)
+
+    def _chunk_executable(self, operator: str, x: Any, contexts: tuple, size: int) -> tuple:
+        """``(executable, size)`` for chunks of at most ``size``, shrunk until one chunk
+        fits the budget; ``BudgetExceededError`` when not even one basis vector does."""
+        device = jax.config.jax_default_device
+        size = self._sizes.get((device, size), size)
+        while True:
+            key = (device, size)
+            exe = self._executables.get(key)
+            if exe is not None:
+                return exe, size
+            exe = jax.jit(self._chunk_fn(size)).lower(x, contexts, np.int32(0)).compile()
+            est = estimate(exe)
+            if est is not None and est.memory_bytes > self.budget:
+                if size == 1:
+                    raise BudgetExceededError(
+                        f"{operator} runs in chunks of basis vectors, but even one needs an "
+                        f"estimated {est.memory_bytes:,} bytes of device memory, over the "
+                        f"chunk budget of {self.budget:,} (DXSERVE_CHUNK_MEMORY_BYTES)",
+                        field="x", limit="chunk_memory_bytes", estimate=est.memory_bytes,
+                    )
+                smaller = max(1, min(size - 1, int(size * self.budget / est.memory_bytes)))
+                self._sizes[(device, size)] = smaller
+                size = smaller
+                continue
+            if self.limits is not None and est is not None:
+                self._check(operator, exe, est, size)
+            self._executables[key] = exe
+            return exe, size
+
+    def _check(self, operator: str, exe: Any, est: Estimate, size: int) -> None:
+        """Per chunk: the request's memory and time bounds (a chunked run stops at its
+        deadline); in total: the flops bound, over all chunks."""
+        limits = self.limits
+        assert limits is not None
+        limits.check(exe, f"{operator} (one chunk of {size} {self.unit})")
+        chunks = -(-self.total // size)
+        if limits.max_flops is not None and est.flops * chunks > limits.max_flops:
+            raise BudgetExceededError(
+                f"{operator} needs an estimated {est.flops * chunks:,.0f} floating-point "
+                f"operations in {chunks} chunks, over the limit of {limits.max_flops:,.0f} "
+                "(DXSERVE_MAX_REQUEST_FLOPS)",
+                field="x", limit="max_request_flops", estimate=est.flops * chunks,
+            )
+
+    def _chunk_fn(self, size: int) -> Callable:
+        """``chunk(x, contexts, start)``: basis vectors ``start .. start + size`` (zero
+        past the end) pushed forward (``(size, m)``) or pulled back (``(size, n)``)."""
+        f, engine, inner, family = self.f, self.engine, self.inner, self.family
+        forward, n, m = self.forward, self.n, self.m
+
+        def chunk(x, contexts, start):
+            def g(u):
+                return f(u, *contexts)
+
+            target = (lambda u: inner.gradient(g, u)[1]) if family == "hessian" else g
+            width = n if forward else m
+            basis = (jnp.arange(size)[:, None] + start == jnp.arange(width)[None, :])
+            if forward:
+                v = jnp.ravel(x)
+                _, cols = engine.pushforward(
+                    lambda u: target(jnp.reshape(u, x.shape)), v, basis.astype(v.dtype)
+                )
+                return jnp.reshape(cols, (size, m))
+            y = jax.eval_shape(target, x)
+            cot = jnp.reshape(basis.astype(y.dtype), (size, *y.shape))
+            _, rows = engine.pullback(target, x, cot)
+            return jnp.reshape(rows, (size, n))
+
+        return chunk
+

@@ -1,0 +1,206 @@
+"""Progress streams and cancellation of operator requests.
+
+``POST /{operator}`` with ``Accept: text/event-stream`` is answered by an
+``EventStream``: Server-Sent Events while the computation runs, then its answer.
+
+    event: progress
+    data: {"done": 400, "total": 2000, "unit": "columns"}
+
+    event: result
+    data: {"hessian": [[...], ...]}
+
+* ``progress`` after every chunk of a chunked computation (see ``chunking``) and
+  repeated at least every ``HEARTBEAT`` seconds; ``unit`` is "columns", "rows",
+  "points" or "tangents". A computation that runs in one piece sends none.
+* ``: keep-alive`` comments every ``HEARTBEAT`` seconds while there is no progress to
+  tell (compiling, queued), so proxies keep the connection open.
+* one final ``result`` whose data is exactly the route's JSON answer (arrays as lists,
+  or typed base64 with ``Accept: text/event-stream; arrays=b64``), or one ``error``
+  whose data is the problem+json document (its ``status`` the HTTP status the plain
+  request would have had).
+
+Closing the connection cancels the computation at its next chunk boundary
+(``Job.cancel``), as does the stream's own deadline (``DXSERVE_STREAM_TIMEOUT``).
+``DisconnectWatch`` does the same for a plain request, and costs nothing until its
+computation turns out to run in chunks (only then can it stop early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from dxclient import codec
+from dxclient.errors import DeadlineExceededError, DxError
+from dxclient.operators import OperatorSpec
+
+from ..jobs import Job, JobCancelled
+from ..service import Service
+from .problems import problem_document
+from .wire import OperatorRequest, results_to_wire
+
+log = logging.getLogger("dxserve.http")
+
+EVENT_STREAM = "text/event-stream"
+#: Seconds between progress repeats or keep-alive comments on a quiet stream.
+HEARTBEAT = 1.0
+#: Results above this many bytes are encoded off the event loop.
+_LARGE = 256 * 1024
+
+
+def wants_stream(scope: Scope) -> str | None:
+    """The request's ``Accept`` header if it asks for an event stream, else None."""
+    for name, value in scope["headers"]:
+        if name == b"accept":
+            if b"text/event-stream" in value:
+                return value.decode("latin-1")
+            return None
+    return None
+
+
+def event(name: str, data: bytes) -> bytes:
+    """One SSE event; ``data`` is one line of JSON."""
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class EventStream:
+    """An ASGI response: the progress of ``service.call(...)``, then its answer."""
+
+    def __init__(
+        self, service: Service, op: OperatorSpec, req: OperatorRequest, size: int, accept: str,
+        on_end: Any = None,
+    ) -> None:
+        self.service, self.op, self.req, self.size = service, op, req, size
+        self.encoding = "b64" if "arrays=b64" in accept.lower() else "json"
+        self.on_end = on_end  # called once the computation is over (the body's ticket)
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        job = Job(streams=True)
+        job.listen(loop, wake.set)
+        req, service = self.req, self.service
+        task = loop.create_task(service.call(
+            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+            req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
+            job=job, timeout=service.settings.stream_timeout,
+        ))
+        gone = loop.create_task(_disconnected(receive))
+        task.add_done_callback(lambda _: wake.set())
+        gone.add_done_callback(lambda _: wake.set())
+        try:
+            await send({
+                "type": "http.response.start", "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),  # nginx: pass events on at once
+                ],
+            })
+            sent: tuple | None = None
+            last = loop.time()
+            while not task.done():
+                try:
+                    await asyncio.wait_for(wake.wait(), HEARTBEAT)
+                except TimeoutError:
+                    pass
+                wake.clear()
+                if gone.done():  # the client went away: stop the work, say nothing more
+                    job.cancel()
+                    task.cancel()
+                    return
+                now = loop.time()
+                state = (job.done, job.total, job.unit)
+                if job.total is not None and (state != sent or now - last >= HEARTBEAT):
+                    await send(_body(_progress(job)))
+                    sent, last = state, now
+                elif now - last >= HEARTBEAT:
+                    await send(_body(b": keep-alive\n\n"))
+                    last = now
+            if job.total is not None and (job.done, job.total, job.unit) != sent:
+                await send(_body(_progress(job)))  # the last chunk's, before the answer
+            await send(_body(await self._outcome(task)))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+            if not task.done():
+                job.cancel()
+                task.cancel()
+            if self.on_end is not None:
+                self.on_end()
+
+    async def _outcome(self, task: asyncio.Task) -> bytes:
+        """The final ``result`` or ``error`` event of a finished computation."""
+        try:
+            results = task.result()
+        except JobCancelled:  # stopped at its deadline (the deadline's 504 came first)
+            results = None
+            error: DxError = DeadlineExceededError("the computation was cancelled")
+        except DxError as exc:
+            results, error = None, exc
+        except Exception as exc:  # noqa: BLE001 - the stream says so; the server goes on
+            log.exception("operator %s failed in a stream", self.op.name)
+            return event("error", codec.dumps({
+                "type": "about:blank", "title": "Internal Server Error", "status": 500,
+                "detail": f"{type(exc).__name__}: the computation failed unexpectedly",
+            }))
+        if results is None:
+            return event("error", codec.dumps(problem_document(error)))
+        payload = results_to_wire(results, self.op)
+        try:
+            if sum(getattr(v, "nbytes", 0) for v in results.values()) > _LARGE:
+                body, _, _ = await run_in_threadpool(codec.encode_body, payload, self.encoding)
+            else:
+                body, _, _ = codec.encode_body(payload, self.encoding)
+        except DxError as exc:
+            return event("error", codec.dumps(problem_document(exc)))
+        return event("result", body)
+
+
+def _progress(job: Job) -> bytes:
+    data = b'{"done":%d,"total":%d,"unit":"%s"}' % (job.done, job.total, job.unit.encode())
+    return event("progress", data)
+
+
+def _body(data: bytes) -> dict:
+    return {"type": "http.response.body", "body": data, "more_body": True}
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone (the request's body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class DisconnectWatch:
+    """Cancel a plain request's job when its client disconnects.
+
+    ``job.listen(loop, watch)``: called on the event loop when the computation turns
+    chunked (and after each chunk); the first call starts one task waiting for the
+    disconnect. ``close()`` when the call is over. A computation that never runs in
+    chunks never starts the task.
+    """
+
+    __slots__ = ("receive", "job", "task")
+
+    def __init__(self, receive: Receive, job: Job) -> None:
+        self.receive, self.job, self.task = receive, job, None
+
+    def __call__(self) -> None:
+        if self.task is None and not self.job.cancelled:
+            self.task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        await _disconnected(self.receive)
+        self.job.cancel()
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()

@@ -1,0 +1,75 @@
+"""Jobs: progress reports and cancellation between the chunks of a long computation.
+
+A ``Job`` travels with one request from the transport down to the device worker.
+Chunked operators (see ``chunking``) call ``report(done, total, unit)`` after each
+chunk and ``check()`` before each one; ``check`` raises ``JobCancelled`` once
+``cancel()`` was called (the client went away, or the request ran out of time), so
+the worker stops at the next chunk boundary and moves on to the next job.
+
+The worker thread reports; the event loop listens. ``listen(loop, callback)``
+makes every report (and the start of a chunked run) call ``callback()`` on that loop,
+thread-safely; a plain request that never listens pays for none of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+#: What ``done`` and ``total`` count, per chunked operator.
+UNITS = ("columns", "rows", "points", "tangents")
+
+
+class JobCancelled(Exception):  # noqa: N818 - a state, not a failure
+    """The job was cancelled (client gone, or deadline passed): nobody wants its answer."""
+
+
+class Job:
+    """Progress and cancellation of one request's computation (see the module)."""
+
+    __slots__ = ("done", "total", "unit", "cancelled", "streams", "chunked", "_loop", "_notify")
+
+    def __init__(self, streams: bool = False) -> None:
+        #: chunks done, all chunks, and what they count (None until a chunked run starts)
+        self.done = 0
+        self.total: int | None = None
+        self.unit: str | None = None
+        self.cancelled = False
+        #: True when the caller watches progress (a stream): never merged into a batch
+        self.streams = streams
+        #: True once the computation runs in chunks (only then can it stop early)
+        self.chunked = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notify: Callable[[], None] | None = None
+
+    def listen(self, loop: asyncio.AbstractEventLoop, notify: Callable[[], None]) -> None:
+        """Call ``notify()`` on ``loop`` when the run turns chunked and after each report."""
+        self._loop, self._notify = loop, notify
+
+    def start(self, total: int, unit: str) -> None:
+        """The computation runs in chunks over ``total`` ``unit``s (worker thread)."""
+        self.total, self.unit, self.done, self.chunked = total, unit, 0, True
+        self._wake()
+
+    def report(self, done: int) -> None:
+        """``done`` of ``total`` are computed (worker thread)."""
+        self.done = done
+        self._wake()
+
+    def check(self) -> None:
+        """Raise ``JobCancelled`` if the job was cancelled (worker thread, between chunks)."""
+        if self.cancelled:
+            raise JobCancelled("cancelled")
+
+    def cancel(self) -> None:
+        """Stop at the next chunk boundary (any thread)."""
+        self.cancelled = True
+
+    def _wake(self) -> None:
+        loop, notify = self._loop, self._notify
+        if loop is None or notify is None:
+            return
+        try:
+            loop.call_soon_threadsafe(notify)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
