@@ -190,3 +190,25 @@ def test_fast_transport_reuses_connections_and_returns_errors(server) -> None:
         assert sum(len(v) for v in transport._idle.values()) == 1
         r = c.post("/gradient", content=b"{" + b" " * 64, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem")
+
+
+@pytest.mark.parametrize("encoding", ["json", "b64"])
+def test_repeated_inline_calls_send_the_bytes_of_a_full_encoding(encoding: str) -> None:
+    """The client keeps the JSON text around x for repeated calls: every body is the
+    one encoding the whole payload gives."""
+    from dxclient import _models
+    from dxclient.backends import backend_to_json
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(10), np.array([np.nan, np.inf, -np.inf, 1.0]), np.asarray(2.5),
+          np.zeros((0, 3)), rng.standard_normal((3, 4))[:, ::2], np.float32([1.5, -2.0]),
+          np.arange(5, dtype=">i4")]
+    for batch_axis in (None, 0):
+        for x in xs * 2:  # the second pass reuses the kept text
+            call = _models.operator_call("gradient", "rosenbrock", "jax-reverse", x, None, (),
+                                         None, encoding, batch_axis=batch_axis)
+            payload = {"function": "rosenbrock", "backend": backend_to_json("jax-reverse"), "x": x}
+            if batch_axis is not None:
+                payload["batch_axis"] = batch_axis
+            body, ctype, _ = codec.encode_body(payload, encoding)
+            assert call.body == body and call.headers["content-type"] == ctype

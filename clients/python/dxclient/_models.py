@@ -102,6 +102,14 @@ def operator_call(
         call = _REPEATS.call(repeat, x)
         if call is not None:
             return call
+    elif encoding in _INLINE_ENCODINGS:
+        inline = _INLINE_REPEATS.key(
+            operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding
+        )
+        if inline is not None:
+            return _INLINE_REPEATS.call(inline, x, encoding, lambda p: operator_call(
+                operator, f, backend, p, None, (), None, encoding, prepare=prepare,
+                batch_axis=batch_axis))
     op = operator_spec(operator)
     payload: dict[str, Any] = {
         "function": function_name(f),
@@ -174,6 +182,54 @@ class _RepeatCalls:
 
 
 _REPEATS = _RepeatCalls()
+
+_INLINE_ENCODINGS = frozenset(("json", "b64"))
+#: stands in for x while the rest of a JSON body is encoded once (never sent)
+_X_PLACEHOLDER = "\u0000dxclient-x\u0000"
+
+
+class _InlineRepeats:
+    """JSON-encoded ("json", "b64") calls that repeat all but x: the body text around
+    x is kept, and only x is encoded each time (``encode_array``, then ``dumps``: the
+    same bytes ``encode_tree`` would put there, as JSON text concatenates).
+
+    The same kind of call as ``_RepeatCalls`` (x a numpy array; no tangents, contexts
+    or prep); a repeated small call then costs one array's encoding.
+    """
+
+    MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._parts: LRU[tuple, tuple[str, str, bytes, bytes, dict]] = LRU(self.MAX_ENTRIES)
+
+    def key(
+        self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
+        prep: Any, prepare: bool, batch_axis: int | None, encoding: str,
+    ) -> tuple | None:
+        if (
+            type(x) is not np.ndarray or tangents is not None or contexts or prep is not None
+            or type(f) is not str or not isinstance(backend, str | Backend)
+        ):
+            return None
+        return operator, prepare, f, backend, batch_axis, encoding
+
+    def call(self, key: tuple, x: np.ndarray, encoding: str, build: Any) -> Call:
+        """The call for ``x``; ``build(placeholder)`` makes the surrounding text once."""
+        known = self._parts.get(key)
+        if known is None:
+            template = build(_X_PLACEHOLDER)
+            marker = codec.dumps(_X_PLACEHOLDER)
+            head, sep, tail = template.body.partition(marker)
+            if not sep or marker in tail:  # pragma: no cover - a name holding the marker
+                return build(x)
+            known = (template.method, template.path, head, tail, template.headers)
+            self._parts.put(key, known)
+        method, path, head, tail, headers = known
+        part = codec.dumps(codec.ENCODINGS[encoding].encode_array(x, None, "x"))
+        return Call(method, path, b"".join((head, part, tail)), headers)
+
+
+_INLINE_REPEATS = _InlineRepeats()
 
 
 def raise_for_problem(status: int, headers: Any, content: bytes) -> None:
