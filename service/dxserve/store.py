@@ -3,9 +3,11 @@
 Every registered function of a persistent kind (``dxserve.kinds``: "expression",
 "export" or an added kind; server-side "module" functions are never stored) is
 kept under the SHA-256 of its content, with a name -> digest mapping and JSON
-metadata.  :class:`FunctionStore` is the small interface the server talks to, so
-a Redis or object-store backend can be dropped in later; :class:`DirectoryStore`
-is the embedded default.
+metadata.  :class:`FunctionStore` is the small interface the server talks to;
+the backends are chosen by ``stores.open_store`` from ``DXSERVE_STORE``: SQLite (the
+embedded default, shared by a machine's processes) and PostgreSQL live in
+``dxserve.stores``, and :class:`DirectoryStore` here is the older one-process
+directory format (``dir:///path``), still read and imported by the SQLite store.
 
 On-disk layout of a :class:`DirectoryStore` root::
 
