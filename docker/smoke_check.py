@@ -268,8 +268,13 @@ def check_register_and_restart() -> None:
     r = post_json("/functions", SQ)
     check(r.status_code in (200, 201), f"POST /functions registers sq ({r.status_code} {r.text[:200]})")
     check_sq("registered")
-    stored = in_container("ls", "/data/store/names")
-    check("sq.json" in stored.split(), f"sq is on the volume (/data/store/names: {stored.split()})")
+    # the store is SQLite on the volume (/data/store/store.db); ask it with the image's Python
+    stored = in_container(
+        "python", "-c",
+        "import sqlite3; print(*(r[0] for r in sqlite3.connect('/data/store/store.db')"
+        ".execute('SELECT name FROM functions')))",
+    )
+    check("sq" in stored.split(), f"sq is on the volume (/data/store/store.db: {stored.split()})")
 
     start = time.monotonic()
     podman("restart", CONTAINER)
