@@ -108,6 +108,10 @@ class PostgresStore(SqlStore):
         # 53100 disk_full, 53400 configuration_limit_exceeded (e.g. temp_file_limit)
         return getattr(exc, "sqlstate", None) in ("53100",)
 
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        # the server is down, restarting or unreachable; the next call reconnects
+        return isinstance(exc, self._psycopg.OperationalError)
+
     def maybe_changed(self) -> bool:
         if self._hint.is_set():
             self._hint.clear()

@@ -32,6 +32,7 @@ from typing import Any
 from dxclient.errors import (
     FunctionConflictError,
     InvalidArgumentError,
+    OverloadedError,
     PayloadTooLargeError,
     StorageFullError,
 )
@@ -77,9 +78,14 @@ class SqlStore:
     def _sql(self, statement: str) -> str:
         return statement if self._p == "?" else statement.replace("?", self._p)
 
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        """Is this driver error the database being unreachable or busy (try again)?"""
+        return False
+
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Any]:
-        """``_write`` with a full disk reported as a 507 (nothing was committed)."""
+        """``_write`` with a full disk reported as a 507 and an unreachable or busy
+        database as a 503 (nothing was committed in either case)."""
         try:
             with self._write() as cur:
                 yield cur
@@ -89,7 +95,29 @@ class SqlStore:
                     "the function store's database has no space left; nothing was stored: "
                     "retry once the operator has freed space"
                 ) from exc
+            if self._is_unavailable(exc):
+                raise OverloadedError(
+                    f"the function store is unavailable ({exc}); nothing was stored: retry"
+                ) from exc
             raise
+
+    def _query(self, statement: str, params: tuple = (), *, many: bool = False) -> Any:
+        """One read: ``fetchall()`` if ``many`` else ``fetchone()``. Sent once more on a
+        fresh connection if the database was unreachable (a read is safe to repeat),
+        then reported as a 503."""
+        for attempt in (0, 1):
+            try:
+                with self._read() as cur:
+                    cur.execute(self._sql(statement), params)
+                    return cur.fetchall() if many else cur.fetchone()
+            except Exception as exc:
+                if not self._is_unavailable(exc):
+                    raise
+                if attempt:
+                    raise OverloadedError(
+                        f"the function store is unavailable ({exc}); retry"
+                    ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- FunctionStore -----------------------------------------------------------------
     def put(
@@ -181,14 +209,11 @@ class SqlStore:
 
     def get(self, name: str) -> StoredFunction | None:
         """The record with its content, hash-checked (None: absent or corrupt)."""
-        q = self._sql
-        with self._read() as cur:
-            cur.execute(
-                q("SELECT f.name, f.kind, f.digest, f.size, f.metadata, f.created, o.content "
-                  "FROM functions f LEFT JOIN objects o ON o.digest = f.digest WHERE f.name = ?"),
-                (name,),
-            )
-            row = cur.fetchone()
+        row = self._query(
+            "SELECT f.name, f.kind, f.digest, f.size, f.metadata, f.created, o.content "
+            "FROM functions f LEFT JOIN objects o ON o.digest = f.digest WHERE f.name = ?",
+            (name,),
+        )
         if row is None:
             return None
         rec, content = _record(row[:6]), row[6]
@@ -199,16 +224,12 @@ class SqlStore:
 
     def record(self, name: str) -> StoredRecord | None:
         """The name record alone (no content)."""
-        with self._read() as cur:
-            cur.execute(self._sql(f"SELECT {_FIELDS} FROM functions WHERE name = ?"), (name,))
-            row = cur.fetchone()
+        row = self._query(f"SELECT {_FIELDS} FROM functions WHERE name = ?", (name,))
         return _record(row) if row is not None else None
 
     def records(self) -> list[StoredRecord]:
         """Every name record, by name, without content."""
-        with self._read() as cur:
-            cur.execute(f"SELECT {_FIELDS} FROM functions ORDER BY name")
-            rows = cur.fetchall()
+        rows = self._query(f"SELECT {_FIELDS} FROM functions ORDER BY name", many=True)
         return [_record(row) for row in rows]
 
     def delete(self, name: str) -> bool:
@@ -236,14 +257,10 @@ class SqlStore:
     @property
     def used_bytes(self) -> int:
         """Bytes of the distinct objects the names refer to (what the quota bounds)."""
-        with self._read() as cur:
-            cur.execute("SELECT COALESCE(SUM(size), 0) FROM objects")
-            return int(cur.fetchone()[0])
+        return int(self._query("SELECT COALESCE(SUM(size), 0) FROM objects")[0])
 
     def __len__(self) -> int:
-        with self._read() as cur:
-            cur.execute("SELECT COUNT(*) FROM functions")
-            return int(cur.fetchone()[0])
+        return int(self._query("SELECT COUNT(*) FROM functions")[0])
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.record(name) is not None
@@ -260,24 +277,17 @@ class SqlStore:
     # -- change log --------------------------------------------------------------------
     def generation(self) -> int:
         """The newest change's sequence number (0: none yet)."""
-        with self._read() as cur:
-            cur.execute("SELECT COALESCE(MAX(seq), 0) FROM changes")
-            return int(cur.fetchone()[0])
+        return int(self._query("SELECT COALESCE(MAX(seq), 0) FROM changes")[0])
 
     def changes(self, since: int) -> tuple[int, list[str] | None]:
         """``(newest seq, names changed after seq since)``; the names are None when the
         log no longer reaches back to ``since`` (re-read every record then)."""
-        with self._read() as cur:
-            cur.execute(self._sql("SELECT seq, name FROM changes WHERE seq > ? ORDER BY seq"),
-                        (since,))
-            rows = cur.fetchall()
-            if not rows:
-                return since, []
-            if since > 0:
-                cur.execute("SELECT MIN(seq) FROM changes")
-                oldest = int(cur.fetchone()[0])
-                if oldest > since + 1:
-                    return int(rows[-1][0]), None
+        rows = self._query("SELECT seq, name FROM changes WHERE seq > ? ORDER BY seq", (since,),
+                           many=True)
+        if not rows:
+            return since, []
+        if since > 0 and int(self._query("SELECT MIN(seq) FROM changes")[0]) > since + 1:
+            return int(rows[-1][0]), None  # trimmed past since (or a gap): re-read all
         return int(rows[-1][0]), sorted({row[1] for row in rows})
 
     def maybe_changed(self) -> bool:

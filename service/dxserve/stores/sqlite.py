@@ -117,6 +117,10 @@ class SqliteStore(SqlStore):
             isinstance(exc, OSError) and exc.errno in (28, 122)  # ENOSPC, EDQUOT
         )
 
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        # another process held the write lock past busy_timeout
+        return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
     def maybe_changed(self) -> bool:
         with self._mutex:
             version = self._conn.execute("PRAGMA data_version").fetchone()[0]
@@ -132,10 +136,8 @@ class SqliteStore(SqlStore):
     def _migrate_directory(self) -> None:
         if not (self.root / "names").is_dir():
             return
-        with self._read() as cur:
-            cur.execute("SELECT value FROM meta WHERE key = 'directory_migrated'")
-            if cur.fetchone() is not None:
-                return
+        if self._query("SELECT value FROM meta WHERE key = 'directory_migrated'") is not None:
+            return
         from ..store import DirectoryStore
 
         # lock=False: reads only (a directory store still served by an old process is
