@@ -62,6 +62,10 @@ def supervise(settings: Settings, argv: list[str]) -> int:
     if not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - not Linux/BSD/macOS
         print("dxserve: --workers needs SO_REUSEPORT (Linux, BSD, macOS)", file=sys.stderr)
         return 2
+    if settings.store.lower().startswith("dir:"):
+        print("dxserve: --workers needs a shared store (a path: SQLite, or postgresql://); "
+              "a dir:// store belongs to one process", file=sys.stderr)
+        return 2
     port = settings.port or _free_port(settings.host)
     # The port is reserved for the workers: held (bound, never listening) while they start,
     # so a port already in use is reported here, once.
