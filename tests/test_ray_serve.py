@@ -24,7 +24,12 @@ import pytest
 
 from tests.conftest import free_port, start_server, stop_server
 
-pytestmark = pytest.mark.cluster
+pytestmark = [
+    pytest.mark.cluster,
+    # Ray's own config models use pydantic v1-style Field extras
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning"),
+]
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'dxserve[ray]'")
 
