@@ -169,3 +169,14 @@ def test_concurrent_writers_in_two_connections(tmp_path: Path) -> None:
         s.close()
     with sqlite3.connect(tmp_path / "store.db") as db:  # integrity after both
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_worker_settings() -> None:
+    from dxserve.settings import Settings
+
+    assert Settings(worker_devices="0,1").worker_devices == ["0", "1"]
+    assert Settings(worker_devices="0;0;1,2").worker_devices == ["0", "0", "1,2"]  # ";" wins
+    assert Settings(workers=4).workers == 4
+    with pytest.raises(ValueError):
+        Settings(workers=0)
+    assert Settings(store=Path("/tmp/x")).store == "/tmp/x"
