@@ -7,19 +7,20 @@ vmaps all of them at once, so its temporaries grow with the whole basis: a
 finite-difference Hessian of rosenbrock at n = 1000 would need ~64 GB.
 
 A ``Chunker`` runs the same maths ``size`` basis vectors at a time: one executable
-``chunk(x, contexts, start) -> (size, m | n)`` whose basis block starts at a traced
-offset, so every chunk (the last one padded with zero vectors) runs the same compiled
-program. The blocks are copied into one host array of the result's shape. Each basis
-vector's column or row is computed by the same operations as in the one-shot
-program, so both paths agree to rounding (bit for bit where XLA vectorizes the two batch
-widths alike; tests/test_progress_chunks.py).
+``chunk(x, contexts, start, out)`` computes J's columns ``(m, size)`` or rows
+``(size, n)`` for the basis block at a traced offset and writes them into the result
+``out`` in place (a donated buffer: no copy, no host assembly). Every chunk runs the
+one compiled program; a remainder is covered by a last chunk that overlaps its
+predecessor. Each basis vector's column or row is computed by the same operations as
+in the one-shot program, so both paths agree to rounding (bit for bit where XLA
+vectorizes the two batch widths alike; tests/test_progress_chunks.py).
 
 When a run is chunked:
 
 * the one-shot executable needs more than the chunk memory budget by XLA's memory
   analysis (``DXSERVE_CHUNK_MEMORY_BYTES``): the chunk size is the budget over the
   one-shot's bytes per basis vector, checked (and shrunk) on the compiled chunk;
-* there are ``CHUNK_FROM`` (1024) basis vectors or more: about ``CHUNKS`` (20) chunks;
+* there are ``CHUNK_FROM`` (1024) basis vectors or more: about ``CHUNKS`` (10) chunks;
 * the backend's ``batch_size``, when given, bounds the chunk size.
 
 Otherwise the one-shot executable runs, as before. Whether a caller streams progress
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -53,10 +54,11 @@ from .jobs import Job
 #: Default bytes of device memory one chunk may need by XLA's estimate (512 MiB).
 DEFAULT_CHUNK_MEMORY_BYTES = 512 * 1024**2
 #: From this many basis vectors on, a Jacobian or Hessian runs in about ``CHUNKS``
-#: chunks (so its progress moves ~5% at a time and it can be cancelled); fewer run
-#: one-shot unless they do not fit the budget.
+#: chunks (so its progress moves 10% at a time and it can be cancelled); fewer run
+#: one-shot unless they do not fit the budget. Not more: a chunk of a few hundred
+#: basis vectors keeps matrix products as efficient as one call (bench/chunking.py).
 CHUNK_FROM = 1024
-CHUNKS = 20
+CHUNKS = 10
 _FAMILIES = frozenset({"jacobian", "hessian"})
 
 
@@ -101,6 +103,7 @@ class Chunker:
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
+    _first: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -157,23 +160,20 @@ class Chunker:
         if job is not None:
             job.check()
             job.start(total, self.unit)
+        first = self._first[(jax.config.jax_default_device, size)]
         out = None
-        for start in range(0, total, size):
+        for start in _starts(total, size):
             if job is not None:
                 job.check()
-            block = np.asarray(exe(x, contexts, np.int32(start)))
-            if out is None:
-                out = np.empty((self.m, self.n), block.dtype)
-            stop = min(start + size, total)
-            if self.forward:
-                out[:, start:stop] = block[: stop - start].T
+            if out is None:  # the result's buffer, made by the first chunk
+                out = first(x, contexts, np.int32(start))
             else:
-                out[start:stop, :] = block[: stop - start]
+                out = exe(x, contexts, np.int32(start), out)  # written in place (donated)
+            out.block_until_ready()  # one chunk at a time: progress and cancel are real
             if job is not None:
-                job.report(stop)
-        assert out is not None
+                job.report(start + size)
         values = dict(zip(others, head(x, tangents, contexts), strict=True)) if head else {}
-        values[self.family] = out.reshape(self.shape)
+        values[self.family] = np.asarray(out).reshape(self.shape)  # (no copy on CPU)
         return tuple(values[r] for r in results)
 
     def _chunk_executable(self, operator: str, x: Any, contexts: tuple, size: int) -> tuple:
@@ -186,8 +186,14 @@ class Chunker:
             exe = self._executables.get(key)
             if exe is not None:
                 return exe, size
-            exe = jax.jit(self._chunk_fn(size)).lower(x, contexts, np.int32(0)).compile()
+            fn = self._chunk_fn(size)
+            block = jax.eval_shape(self._block_fn(size), x, contexts, np.int32(0))
+            out = jax.ShapeDtypeStruct((self.m, self.n), block.dtype)
+            exe = jax.jit(fn, donate_argnums=3).lower(x, contexts, np.int32(0), out).compile()
             est = estimate(exe)
+            if est is not None:  # the result it writes into is no chunk's: not counted
+                carried = 2 * self.m * self.n * block.dtype.itemsize
+                est = replace(est, memory_bytes=max(0, est.memory_bytes - carried))
             if est is not None and est.memory_bytes > self.budget:
                 if size == 1:
                     raise BudgetExceededError(
@@ -202,6 +208,10 @@ class Chunker:
                 continue
             if self.limits is not None and est is not None:
                 self._check(operator, exe, est, size)
+            # the first chunk makes the result's buffer, written once (no zeros beforehand)
+            self._first[key] = jax.jit(self._chunk_fn(size, first=True)).lower(
+                x, contexts, np.int32(0)
+            ).compile()
             self._executables[key] = exe
             return exe, size
 
@@ -220,9 +230,27 @@ class Chunker:
                 field="x", limit="max_request_flops", estimate=est.flops * chunks,
             )
 
-    def _chunk_fn(self, size: int) -> Callable:
-        """``chunk(x, contexts, start)``: basis vectors ``start .. start + size`` (zero
-        past the end) pushed forward (``(size, m)``) or pulled back (``(size, n)``)."""
+    def _chunk_fn(self, size: int, first: bool = False) -> Callable:
+        """``chunk(x, contexts, start, out)``: ``out`` (the ``(m, n)`` result so far)
+        with the block of basis vectors ``start .. start + size`` written in.
+        ``first``: ``chunk(x, contexts, start)``, into a new zero result."""
+        block_of, forward, shape = self._block_fn(size), self.forward, (self.m, self.n)
+
+        def chunk(x, contexts, start, out=None):
+            block = block_of(x, contexts, start)
+            if out is None:
+                out = jnp.zeros(shape, block.dtype)
+            zero = jnp.zeros((), start.dtype)
+            return jax.lax.dynamic_update_slice(
+                out, block.astype(out.dtype), (zero, start) if forward else (start, zero)
+            )
+
+        return chunk
+
+    def _block_fn(self, size: int) -> Callable:
+        """``block(x, contexts, start)``: basis vectors ``start .. start + size``
+        pushed forward (J's columns, ``(m, size)``) or pulled back (J's rows,
+        ``(size, n)``)."""
         f, engine, inner, family = self.f, self.engine, self.inner, self.family
         forward, n, m = self.forward, self.n, self.m
 
@@ -238,7 +266,7 @@ class Chunker:
                 _, cols = engine.pushforward(
                     lambda u: target(jnp.reshape(u, x.shape)), v, basis.astype(v.dtype)
                 )
-                return jnp.reshape(cols, (size, m))
+                return jnp.reshape(cols, (size, m)).T  # columns of J, as J's own layout
             y = jax.eval_shape(target, x)
             cot = jnp.reshape(basis.astype(y.dtype), (size, *y.shape))
             _, rows = engine.pullback(target, x, cot)
@@ -246,3 +274,13 @@ class Chunker:
 
         return chunk
 
+
+
+def _starts(total: int, size: int) -> list[int]:
+    """Where each chunk of ``size`` starts: every ``size`` and, for a remainder, the
+    last ``size`` (overlapping its predecessor, recomputing the same basis vectors, so
+    every chunk has the one compiled shape and needs no padding)."""
+    starts = list(range(0, total - size + 1, size))
+    if total % size:
+        starts.append(total - size)
+    return starts

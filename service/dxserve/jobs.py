@@ -27,7 +27,9 @@ class JobCancelled(Exception):  # noqa: N818 - a state, not a failure
 class Job:
     """Progress and cancellation of one request's computation (see the module)."""
 
-    __slots__ = ("done", "total", "unit", "cancelled", "streams", "chunked", "_loop", "_notify")
+    __slots__ = (
+        "done", "total", "unit", "cancelled", "streams", "chunked", "reports", "_loop", "_notify"
+    )
 
     def __init__(self, streams: bool = False) -> None:
         #: chunks done, all chunks, and what they count (None until a chunked run starts)
@@ -39,6 +41,8 @@ class Job:
         self.streams = streams
         #: True once the computation runs in chunks (only then can it stop early)
         self.chunked = False
+        #: every ``done`` reported, in order (a stream sends each chunk boundary)
+        self.reports: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._notify: Callable[[], None] | None = None
 
@@ -49,11 +53,13 @@ class Job:
     def start(self, total: int, unit: str) -> None:
         """The computation runs in chunks over ``total`` ``unit``s (worker thread)."""
         self.total, self.unit, self.done, self.chunked = total, unit, 0, True
+        self.reports.append(0)
         self._wake()
 
     def report(self, done: int) -> None:
         """``done`` of ``total`` are computed (worker thread)."""
         self.done = done
+        self.reports.append(done)
         self._wake()
 
     def check(self) -> None:

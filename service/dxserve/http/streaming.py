@@ -102,7 +102,7 @@ class EventStream:
                     (b"x-accel-buffering", b"no"),  # nginx: pass events on at once
                 ],
             })
-            sent: tuple | None = None
+            sent = 0  # reports sent: every chunk boundary gets its event
             last = loop.time()
             while not task.done():
                 try:
@@ -115,15 +115,16 @@ class EventStream:
                     task.cancel()
                     return
                 now = loop.time()
-                state = (job.done, job.total, job.unit)
-                if job.total is not None and (state != sent or now - last >= HEARTBEAT):
-                    await send(_body(_progress(job)))
-                    sent, last = state, now
-                elif now - last >= HEARTBEAT:
-                    await send(_body(b": keep-alive\n\n"))
+                if len(job.reports) > sent:
+                    sent = await _send_reports(send, job, sent)
                     last = now
-            if job.total is not None and (job.done, job.total, job.unit) != sent:
-                await send(_body(_progress(job)))  # the last chunk's, before the answer
+                elif now - last >= HEARTBEAT:  # the latest again, or a comment before any
+                    await send(_body(
+                        _progress(job, job.done) if job.total is not None
+                        else b": keep-alive\n\n"
+                    ))
+                    last = now
+            await _send_reports(send, job, sent)  # the last chunks', before the answer
             await send(_body(await self._outcome(task)))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -162,9 +163,18 @@ class EventStream:
         return event("result", body)
 
 
-def _progress(job: Job) -> bytes:
-    data = b'{"done":%d,"total":%d,"unit":"%s"}' % (job.done, job.total, job.unit.encode())
+def _progress(job: Job, done: int) -> bytes:
+    data = b'{"done":%d,"total":%d,"unit":"%s"}' % (done, job.total, job.unit.encode())
     return event("progress", data)
+
+
+async def _send_reports(send: Send, job: Job, sent: int) -> int:
+    """Send the progress reports after the first ``sent`` in one body message; the
+    number sent now."""
+    reports = job.reports[sent:]  # a copy: the worker may append meanwhile
+    if reports:
+        await send(_body(b"".join(_progress(job, done) for done in reports)))
+    return sent + len(reports)
 
 
 def _body(data: bytes) -> dict:
