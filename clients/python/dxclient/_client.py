@@ -32,12 +32,12 @@ import httpx
 
 from . import _models, models
 from . import progress as progress_events
-from ._models import Call, RemoteFunction, RemotePrep
+from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .backends import Backend
 from .errors import UnknownPreparationError
 from .lru import LRU
-from .transport import AsyncFastTransport, FastTransport
+from .transport import BODY_PARTS, AsyncFastTransport, FastTransport
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -121,6 +121,30 @@ def _export(fn: Callable, example_args: tuple, platforms: Sequence[str], **kw: A
     from .export import export_function  # needs jax: imported only when registering
 
     return export_function(fn, *example_args, platforms=tuple(platforms), **kw)
+
+
+class _AsyncParts:
+    """A ``PartsCall``'s parts as the async iterable httpx's async transports read."""
+
+    def __init__(self, parts: tuple) -> None:
+        self.parts = parts
+
+    async def __aiter__(self) -> Any:
+        for part in self.parts:
+            yield part
+
+
+def _send_args(call: Call, asynchronous: bool = False) -> dict[str, Any]:
+    """``content``, ``headers`` (and for a ``PartsCall`` the ``extensions`` that let
+    ``dxclient.transport`` write its parts without joining them) of ``call``."""
+    if type(call) is PartsCall:
+        return {
+            # any other transport reads the same parts one by one
+            "content": _AsyncParts(call.parts) if asynchronous else call.parts,
+            "headers": {**call.headers, "content-length": str(call.size)},
+            "extensions": {BODY_PARTS: call.parts},
+        }
+    return {"content": call.body, "headers": call.headers}
 
 
 def _get(path: str) -> Call:
@@ -374,8 +398,7 @@ class Client(_ClientBase):
         while True:
             try:
                 response = self.http.request(
-                    call.method, call.path if url is None else url, content=call.body,
-                    headers=call.headers,
+                    call.method, call.path if url is None else url, **_send_args(call)
                 )
             except _TRANSPORT_ERRORS:
                 if attempt >= retries:
@@ -456,8 +479,7 @@ class AsyncClient(_ClientBase):
         while True:
             try:
                 response = await self.http.request(
-                    call.method, call.path if url is None else url, content=call.body,
-                    headers=call.headers,
+                    call.method, call.path if url is None else url, **_send_args(call, True)
                 )
             except _TRANSPORT_ERRORS:
                 if attempt >= retries:

@@ -57,6 +57,33 @@ class Call:
     headers: dict[str, str]
 
 
+class PartsCall(Call):
+    """A call whose body is consecutive bytes-like ``parts`` (a binary header, then the
+    arrays' own memory), so a transport can write them one after another with no joined
+    copy; ``body`` joins them only when read (once). Made only for calls sent at once
+    (never kept, as a prep's request is: its parts would follow later changes to x)."""
+
+    parts: tuple[Any, ...]
+    size: int
+
+    def __init__(self, method: str, path: str, parts: Any, headers: dict[str, str]) -> None:
+        views = tuple(p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts)
+        for name, value in (("method", method), ("path", path), ("headers", headers),
+                            ("parts", views), ("size", sum(len(v) for v in views))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def body(self) -> bytes:  # type: ignore[override]
+        joined = self.__dict__.get("_body")
+        if joined is None:
+            joined = self.__dict__["_body"] = b"".join(self.parts)
+        return joined
+
+
+#: request bodies from this size on are sent as parts (``PartsCall``)
+PARTS_MIN_BYTES = 64 * 1024
+
+
 def function_name(f: RemoteFunction | str) -> str:
     if isinstance(f, RemoteFunction):
         return f.name
@@ -128,12 +155,21 @@ def operator_call(
         payload["prep"] = prep.handle
     if batch_axis is not None:
         payload["batch_axis"] = batch_axis
-    body, content_type, headers = codec.encode_body(payload, encoding)
+    if encoding == "binary" and not prepare:  # sent at once: the arrays' memory as it is
+        parts, content_type, headers = codec.encode_body_parts(payload, encoding)
+        body: Any = parts
+    else:
+        body, content_type, headers = codec.encode_body(payload, encoding)
     headers = {"content-type": content_type, **headers}
     if encoding == "binary":
         headers["accept"] = codec.BINARY_TYPE
     path = f"/prepare/{op.name}" if prepare else f"/{op.name}"
-    call = Call("POST", path, body, headers)
+    if type(body) is list:
+        size = sum(len(memoryview(p).cast("B")) for p in body)
+        call = (PartsCall("POST", path, body, headers) if size >= PARTS_MIN_BYTES
+                else Call("POST", path, b"".join(body), headers))
+    else:
+        call = Call("POST", path, body, headers)
     if repeat is not None:
         _REPEATS.remember(repeat, call)
     return call
@@ -172,12 +208,16 @@ class _RepeatCalls:
         if known is None:
             return None
         data = memoryview(codec.array_bytes(x))
-        body = b"".join((known.body, data, codec.padding(len(data))))
-        return Call(known.method, known.path, body, known.headers)
+        parts = (known.body, data, codec.padding(len(data)))
+        if len(data) >= PARTS_MIN_BYTES and not key[1]:  # key[1]: a prepare call, kept
+            return PartsCall(known.method, known.path, parts, known.headers)
+        return Call(known.method, known.path, b"".join(parts), known.headers)
 
     def remember(self, key: tuple, call: Call) -> None:
         """Keep ``call``'s header (``key`` from ``self.key``)."""
-        header = call.body[: int(call.headers[codec.HEADER_LENGTH])]
+        n = int(call.headers[codec.HEADER_LENGTH])
+        header = call.parts[0] if isinstance(call, PartsCall) else call.body[:n]
+        assert len(header) == n
         self._calls.put(key, Call(call.method, call.path, header, call.headers))
 
 

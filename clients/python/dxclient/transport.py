@@ -47,18 +47,31 @@ _RECV = 64 * 1024
 _NO_BODY_STATUS = frozenset((204, 304))
 
 
-def fast_body(request: httpx.Request, min_bytes: int) -> bytes | None:
-    """The request's body if the request takes the fast path, else None."""
+#: ``request.extensions`` key of a body given as parts (bytes-like, in order): sent as
+#: they are, never joined (``content=`` holds the same parts for httpx's own path)
+BODY_PARTS = "dxclient.body_parts"
+
+
+def fast_body(request: httpx.Request, min_bytes: int) -> list[Any] | None:
+    """The request's body as a list of parts if the request takes the fast path, else
+    None."""
     if request.url.scheme != "http" or request.method == "HEAD":
         return None
-    if not isinstance(request.stream, httpx.ByteStream):  # streamed: httpx's own path
+    parts = request.extensions.get(BODY_PARTS)
+    if parts is not None:
+        size = sum(len(memoryview(p).cast("B")) for p in parts)
+        if str(size) != request.headers.get("content-length"):
+            return None
+    elif isinstance(request.stream, httpx.ByteStream):
+        parts = [request.content]
+        size = len(parts[0])
+    else:  # streamed: httpx's own path
         return None
-    body = request.content
-    if len(body) < min_bytes:
+    if size < min_bytes:
         return None
     if b"event-stream" in request.headers.get("accept", "").encode("latin-1", "replace"):
         return None
-    return body
+    return list(parts)
 
 
 def request_head(request: httpx.Request) -> bytes:
@@ -235,12 +248,12 @@ class FastTransport(httpx.BaseTransport):
         conn.sock.close()
 
     def _exchange(
-        self, sock: socket.socket, request: httpx.Request, body: bytes,
+        self, sock: socket.socket, request: httpx.Request, body: list[Any],
         write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
         try:
             sock.settimeout(write_t)
-            _send_parts(sock, [request_head(request), body])
+            _send_parts(sock, [request_head(request), *body])
             write_error = None
         except TimeoutError as exc:
             raise httpx.WriteTimeout(str(exc) or "write timed out", request=request) from exc
@@ -279,7 +292,7 @@ class FastTransport(httpx.BaseTransport):
 
 def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
     """Write ``parts`` in order with ``sendmsg`` (partial sends resumed)."""
-    views = [memoryview(p) for p in parts if len(p)]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):
@@ -486,17 +499,20 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
 
     async def _exchange(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, request: httpx.Request,
-        body: bytes, write_t: float | None, read_t: float | None,
+        body: list[Any], write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
         write_error = None
         try:
-            # the head alone is small: sent first, then the body as it is (no join)
+            # small parts go together; large ones as they are (no join)
             head = request_head(request)
-            if len(body) < FAST_MIN_BYTES:
-                await _within(loop.sock_sendall(sock, head + body), write_t)
+            views = [memoryview(p).cast("B") for p in body]
+            if sum(len(v) for v in views) < FAST_MIN_BYTES:
+                await _within(loop.sock_sendall(sock, b"".join((head, *views))), write_t)
             else:
                 await _within(loop.sock_sendall(sock, head), write_t)
-                await _within(loop.sock_sendall(sock, body), write_t)
+                for view in views:
+                    if len(view):
+                        await _within(loop.sock_sendall(sock, view), write_t)
         except TimeoutError as exc:
             raise httpx.WriteTimeout("write timed out", request=request) from exc
         except OSError as exc:
