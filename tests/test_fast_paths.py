@@ -212,3 +212,71 @@ def test_repeated_inline_calls_send_the_bytes_of_a_full_encoding(encoding: str) 
                 payload["batch_axis"] = batch_axis
             body, ctype, _ = codec.encode_body(payload, encoding)
             assert call.body == body and call.headers["content-type"] == ctype
+
+
+def _raw_request(x: np.ndarray) -> bytes:
+    body, ctype, headers = codec.encode_body(
+        {"function": "rosenbrock", "backend": {"type": "jax-reverse"}, "x": x}, "binary")
+    head = (f"POST /gradient HTTP/1.1\r\nhost: t\r\ncontent-type: {ctype}\r\n"
+            f"accept: {ctype}\r\n{codec.HEADER_LENGTH}: {headers[codec.HEADER_LENGTH]}\r\n"
+            f"content-length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def _read_answers(sock, count: int) -> list[np.ndarray]:
+    """``count`` HTTP answers from ``sock`` (Content-Length framed), decoded."""
+    buf, out = b"", []
+    while len(out) < count:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(1 << 20)
+            assert chunk, "server closed the connection"
+            buf += chunk
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        assert head.startswith(b"HTTP/1.1 200"), head
+        n = int(fields[b"content-length"])
+        while len(buf) < n:
+            chunk = sock.recv(1 << 20)
+            assert chunk
+            buf += chunk
+        body, buf = buf[:n], buf[n:]
+        obj = codec.decode_response(body, fields[b"content-type"].decode(),
+                                    fields[codec.HEADER_LENGTH.lower().encode()].decode(),
+                                    arrays=("gradient",))
+        out.append(obj["gradient"])
+    return out
+
+
+def test_large_bodies_trickled_and_pipelined_on_one_connection(server) -> None:
+    """A large body sent in small pieces with pauses, then two requests written back to
+    back (the second right behind the first's last body byte) on the same kept-alive
+    connection: each is answered with its own gradient."""
+    import socket as socketlib
+
+    rng = np.random.default_rng(11)
+    xs = [rng.uniform(-1, 1, 50_000) for _ in range(3)]
+    expected = [Client(server.url).gradient("rosenbrock", JaxReverse(), x) for x in xs]
+    with socketlib.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        first = _raw_request(xs[0])
+        for at in range(0, len(first), 97_000):  # trickled
+            sock.sendall(first[at : at + 97_000])
+            time.sleep(0.01)
+        (got,) = _read_answers(sock, 1)
+        _same(got, expected[0])
+        sock.sendall(_raw_request(xs[1]) + _raw_request(xs[2]))  # pipelined
+        for got, want in zip(_read_answers(sock, 2), expected[1:], strict=True):
+            _same(got, want)
+
+
+def test_a_client_gone_mid_body_leaves_the_server_serving(server) -> None:
+    import socket as socketlib
+
+    x = np.random.default_rng(12).uniform(-1, 1, 200_000)
+    request = _raw_request(x)
+    with socketlib.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(request[: len(request) // 2])
+        time.sleep(0.2)
+    with Client(server.url) as client:
+        _same(client.gradient("rosenbrock", JaxReverse(), x),
+              Client(server.url, http=httpx.Client(base_url=server.url)).gradient(
+                  "rosenbrock", JaxReverse(), x))

@@ -258,6 +258,62 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
     return length
 
 
+class _BodySink(asyncio.BufferedProtocol):
+    """Reads the rest of one request body straight into its buffer (``recv_into``).
+
+    While a large body arrives, the connection's transport is switched to this
+    protocol: the event loop reads into ``inbox`` itself, instead of into its own
+    buffer, then a ``bytes`` per read, then the parser's ``bytes`` per body chunk, then
+    the buffer (three copies less per byte). ``get_buffer`` offers only what is left of
+    the body, so nothing past it (a pipelined request) is ever read here. When the last
+    byte is in, the transport goes back to the HTTP protocol with a fresh parser, as
+    the old one would be after this message; a disconnect is passed on to it.
+    """
+
+    def __init__(self, protocol: Any, inbox: bytearray, got: int) -> None:
+        self.protocol, self.view, self.got = protocol, memoryview(inbox), got
+
+    @classmethod
+    def start(cls, protocol: Any, inbox: bytearray, got: int) -> None:
+        transport = protocol.transport
+        if transport.is_closing() or not hasattr(transport, "set_protocol"):
+            return
+        transport.set_protocol(cls(protocol, inbox, got))
+        log.debug("receiving %d body bytes into one buffer", len(inbox) - got)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += nbytes
+        protocol = self.protocol
+        protocol._inbox_got = self.got
+        if self.got < len(self.view):
+            return
+        transport = protocol.transport
+        transport.set_protocol(protocol)
+        import httptools  # uvicorn's parser: the state it would be in after this message
+
+        protocol.parser = httptools.HttpRequestParser(protocol)
+        try:
+            protocol.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # pragma: no cover - httptools < 0.6.3
+            pass
+        protocol.on_message_complete()
+
+    def eof_received(self) -> bool | None:
+        return self.protocol.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.protocol.resume_writing()
+
+
 def _inbox_receive(protocol: Any, cycle: Any, length: int) -> Any:
     """An ASGI ``receive`` for ``cycle`` (a body of ``length`` bytes) that delivers the
     body whole, received into one buffer.
@@ -280,6 +336,8 @@ def _inbox_receive(protocol: Any, cycle: Any, length: int) -> Any:
         inbox[:got] = cycle.body
         cycle.body = bytearray()
         protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, cycle
+        if protocol.cycle is cycle and got < length:  # the rest straight from the socket
+            _BodySink.start(protocol, inbox, got)
         if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
             cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             cycle.waiting_for_100_continue = False
