@@ -177,3 +177,54 @@ def test_pytrees_and_small_problems_stay_one_shot() -> None:
     assert prep.chunker is None
     small = _prepare("hessian", rosenbrock, "jax-forward", np.ones(10))
     assert not small.chunked("hessian")
+
+
+# --- batches: tangents and points -------------------------------------------------
+def _tree_equal(a, b, rtol: float = 1e-12) -> None:
+    import jax
+
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for u, v in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=1e-13)
+
+
+#: a budget that holds a few tangents' or points' work but not a batch of 40
+SMALL_BUDGET = ComputeLimits(chunk_memory_bytes=48 * 1024)
+
+
+@pytest.mark.parametrize(("operator", "backend"), [
+    ("hvp", "jax-forward"), ("gradient_and_hvp", "jax-forward"),
+    ("pushforward", "jax-forward"), ("value_and_pullback", "jax-reverse"),
+])
+def test_tangent_batches_run_in_chunks(operator: str, backend: str) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 200, 40
+    x = rng.normal(size=n)
+    f = rosenbrock if operator in ("hvp", "gradient_and_hvp") else sin_cumsum
+    tangents = tuple(rng.normal(size=n) for _ in range(k))
+    prep = preparation.prepare(operator, f, backend, x, tangents, (), limits=SMALL_BUDGET)
+    assert prep.chunked(operator) and 1 <= prep.chunker.size_for(operator) < k
+    job = Job()
+    chunked = prep.run(operator, x, tangents, (), job)
+    assert (job.unit, job.done, job.total) == ("tangents", k, k)
+    with float64_scope():
+        one = prep.executable(operator, x, tangents, ())(x, tangents, ())
+    _tree_equal(chunked, one)
+    batch = [r for r in chunked if isinstance(r, tuple)]
+    assert batch and len(batch[0]) == k
+
+
+def test_batches_of_points_run_in_chunks() -> None:
+    points = 40
+    x = np.random.default_rng(2).normal(size=(points, 200))
+    prep = preparation.prepare("value_and_gradient", rosenbrock, "jax-reverse", x, None, (),
+                               limits=SMALL_BUDGET, batch_axis=0)
+    assert prep.chunked("value_and_gradient")
+    job = Job()
+    value, grad = prep.run("value_and_gradient", x, None, (), job)
+    assert (job.unit, job.done, job.total) == ("points", points, points)
+    with float64_scope():
+        one = prep.executable("value_and_gradient", x, None, ())(x, None, ())
+    _tree_equal((value, grad), one)
+    assert value.shape == (points,) and grad.shape == (points, 200)

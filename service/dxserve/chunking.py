@@ -29,8 +29,11 @@ chunks the ``Job`` gets a progress report and is checked for cancellation. Only 
 whose single basis vector does not fit the budget is refused (``BudgetExceededError``,
 422).
 
-Only plain array inputs and outputs of traced functions are chunked (pytree blocks,
-black boxes, sparse engines and batches of points run one-shot).
+Only plain array inputs and outputs of traced functions are chunked by basis vectors
+(pytree blocks, black boxes, sparse engines run one-shot). Batches are chunked by a
+``Slicer``, by the same rules: a batch of points (``batch_axis=0``, any operator) by
+points, and the tangents of ``pushforward``, ``pullback`` and ``hvp`` (and their
+``value_and_``/``gradient_and_`` forms) by tangents.
 """
 
 from __future__ import annotations
@@ -284,3 +287,134 @@ def _starts(total: int, size: int) -> list[int]:
     if total % size:
         starts.append(total - size)
     return starts
+
+
+# --- batches: tangents and points -------------------------------------------------
+_TANGENT_FAMILIES = frozenset({"pushforward", "pullback", "hvp"})
+
+
+def slicer_for(
+    family: str, compiled: bool, batched: bool, points: int, tangents: int,
+    limits: ComputeLimits | None,
+) -> Slicer | None:
+    """A ``Slicer`` over the points of a batch (``batch_axis=0``) or, for operators
+    that take tangents, over the tangents; None where there is nothing to slice."""
+    if not compiled:
+        return None
+    budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
+    if batched and points > 1:
+        return Slicer("points", points, budget, limits)
+    if not batched and family in _TANGENT_FAMILIES and tangents > 1:
+        return Slicer("tangents", tangents, budget, limits)
+    return None
+
+
+@dataclass(eq=False)
+class Slicer:
+    """Chunked runs of a batch: the prep's own program on ``size`` points or tangents
+    at a time (one executable for that size; a remainder covered by a last chunk that
+    overlaps its predecessor), the results joined along the batch. Planned as
+    ``Chunker`` plans: past the memory budget, from ``CHUNK_FROM`` items in ``CHUNKS``."""
+
+    unit: str  # "points" or "tangents"
+    total: int
+    budget: int
+    limits: ComputeLimits | None = None
+    oversized: dict[str, Estimate] = field(default_factory=dict)
+    _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
+
+    fits = Chunker.fits
+
+    def size_for(self, operator: str) -> int | None:
+        """Items per chunk, or None to run the one-shot executable."""
+        total, sizes = self.total, []
+        est = self.oversized.get(operator)
+        if est is not None:
+            sizes.append(max(1, int(self.budget // max(1.0, est.memory_bytes / total))))
+        if total >= CHUNK_FROM:
+            sizes.append(-(-total // CHUNKS))
+        if not sizes or min(sizes) >= total:
+            return None
+        return min(sizes)
+
+    def run(
+        self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int,
+        job: Job | None,
+    ) -> tuple:
+        """``operator``'s results, the batch computed ``size`` items at a time."""
+        exe, size = self._executable(prep, operator, x, tangents, contexts, size)
+        op = OPERATORS[operator]
+        if job is not None:
+            job.check()
+            job.start(self.total, self.unit)
+        parts: list[tuple] = []
+        done = 0
+        for start in _starts(self.total, size):
+            if job is not None:
+                job.check()
+            xs, ts = self._slice(x, tangents, start, size)
+            out = jax.block_until_ready(exe(xs, ts, contexts))
+            skip = done - start  # the overlap of a last chunk: computed twice, kept once
+            parts.append(tuple(self._drop(name, v, skip, op) for name, v in
+                               zip(op.results, out, strict=True)))
+            done = start + size
+            if job is not None:
+                job.report(done)
+        return tuple(
+            self._join(name, [p[i] for p in parts], op) for i, name in enumerate(op.results)
+        )
+
+    # --- slicing and joining -------------------------------------------------------
+    def _slice(self, x: Any, tangents: Any, start: int, size: int) -> tuple:
+        if self.unit == "tangents":
+            return x, tuple(tangents[start:start + size])
+        cut = lambda v: v[start:start + size]  # noqa: E731
+        ts = None if tangents is None else jax.tree_util.tree_map(cut, tangents)
+        return jax.tree_util.tree_map(cut, x), ts
+
+    def _drop(self, name: str, value: Any, skip: int, op: Any) -> Any:
+        if skip <= 0:
+            return value
+        if self.unit == "tangents":
+            return tuple(value[skip:]) if name in op.batch_results else value
+        return jax.tree_util.tree_map(lambda v: v[skip:], value)
+
+    def _join(self, name: str, values: list, op: Any) -> Any:
+        if self.unit == "tangents":
+            if name not in op.batch_results:
+                return values[0]  # value, gradient: the same in every chunk
+            return tuple(item for value in values for item in value)
+        return jax.tree_util.tree_map(
+            lambda *vs: np.concatenate([np.asarray(v) for v in vs]), *values
+        )
+
+    def _executable(
+        self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int
+    ) -> tuple:
+        """``(executable, size)`` for chunks of ``size`` items, shrunk until one fits the
+        budget (``BudgetExceededError`` when one item does not)."""
+        device = jax.config.jax_default_device
+        size = self._sizes.get((device, size), size)
+        while True:
+            key = (operator, device, size)
+            exe = self._executables.get(key)
+            if exe is not None:
+                return exe, size
+            xs, ts = self._slice(x, tangents, 0, size)
+            exe = prep._compile(operator, xs, ts, contexts, chunk=True)
+            est = estimate(exe)
+            if est is not None and est.memory_bytes > self.budget:
+                if size == 1:
+                    raise BudgetExceededError(
+                        f"{operator} runs in chunks of {self.unit}, but even one needs an "
+                        f"estimated {est.memory_bytes:,} bytes of device memory, over the "
+                        f"chunk budget of {self.budget:,} (DXSERVE_CHUNK_MEMORY_BYTES)",
+                        field="x", limit="chunk_memory_bytes", estimate=est.memory_bytes,
+                    )
+                smaller = max(1, min(size - 1, int(size * self.budget / est.memory_bytes)))
+                self._sizes[(device, size)] = smaller
+                size = smaller
+                continue
+            self._executables[key] = exe
+            return exe, size

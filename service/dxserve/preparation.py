@@ -42,7 +42,7 @@ from . import executable_cache
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
-from .chunking import chunker_for
+from .chunking import chunker_for, slicer_for
 from .jobs import Job, JobCancelled
 from .precision import float64_scope
 from .signature import Signature
@@ -198,10 +198,11 @@ class Prep:
 
     def _compile(
         self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple,
-        only: tuple[str, ...] | None = None,
+        only: tuple[str, ...] | None = None, chunk: bool = False,
     ) -> Callable:
         """Keep only ``operator``'s results (so XLA drops the rest) and compile for these
-        inputs; the executable persists across restarts when that cache is configured."""
+        inputs; the executable persists across restarts when that cache is configured.
+        ``chunk``: for a chunk of a batch (``chunking.Slicer``), checked as one call."""
         results = OPERATORS[operator].results if only is None else only
         build = self.build
 
@@ -233,7 +234,7 @@ class Prep:
         )
         if only is not None:  # a chunked run's head: small, and run with the chunks
             return exe
-        if self.chunker is not None and not self.chunker.fits(operator, exe):
+        if not chunk and self.chunker is not None and not self.chunker.fits(operator, exe):
             # too large for one call: runs in chunks, each checked; the work is the same
             if self.limits is not None:
                 replace(self.limits, max_memory_bytes=None, max_seconds=None).check(exe, operator)
@@ -445,6 +446,8 @@ def _prepare(
         y = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((points, *s.shape), s.dtype), y)
     chunker = chunker_for(
         family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits
+    ) or slicer_for(
+        family, compiled, batch_axis is not None, points, len(tangents or ()), limits
     )
     prep = Prep(
         operator, f, backend, resolved, signature, y, build,
