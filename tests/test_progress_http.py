@@ -199,6 +199,16 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
     assert wait_for(lambda: cancelled(srv.url) >= 1, 30), srv.output()
     assert _small_gradient_seconds(srv.url) < 1.0
 
+    # Ctrl-C in the client (here: raised by its progress callback) closes the stream too
+    def interrupt(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with Client(srv.url) as client, pytest.raises(KeyboardInterrupt):
+        client.hessian("rosenbrock", "finite-differences", np.asarray(LONG["x"]),
+                       progress=interrupt)
+    assert wait_for(lambda: cancelled(srv.url) >= 2, 30), srv.output()
+    assert _small_gradient_seconds(srv.url) < 1.0
+
 
 def test_closing_a_plain_request_cancels_and_frees_the_worker(make_server) -> None:
     srv = make_server()
