@@ -78,6 +78,18 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     return app
 
 
+#: The 200 answer of an operator route asked for ``Accept: text/event-stream``.
+_EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "string",
+    "description": "Server-Sent Events: `event: progress` with data "
+    '`{"done": k, "total": n, "unit": "columns"|"rows"|"points"|"tangents"}` after each '
+    "chunk (and at least every second), `: keep-alive` comments while there is none, then "
+    "one `event: result` whose data is this route's JSON answer (typed base64 arrays "
+    "with `Accept: text/event-stream; arrays=b64`) or one `event: error` whose data is a "
+    "problem document. Closing the connection cancels the computation.",
+}}}
+
+
 def _add_routes(app: FastAPI) -> None:
     problem_responses = {
         status: {"model": schemas.Problem, "description": desc} for status, desc in _PROBLEMS.items()
@@ -97,7 +109,8 @@ def _add_routes(app: FastAPI) -> None:
         # app.router's add_api_route: FastAPI.add_api_route has no route_class_override.
         app.router.add_api_route(
             f"/{name}", routes.OperatorEndpoint(op), methods=["POST"], tags=["operators"],
-            responses={200: {"model": schemas.RESPONSES[op.name]}, **problem_responses},
+            responses={200: {"model": schemas.RESPONSES[op.name], "content": _EVENT_STREAM},
+                       **problem_responses},
             openapi_extra=body, summary=name,
             route_class_override=OperatorRoute, operation_id=name,
         )
