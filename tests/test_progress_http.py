@@ -174,9 +174,10 @@ def test_client_stream_errors_are_typed(server) -> None:
 
 # --- cancellation -------------------------------------------------------------------
 SMALL = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
-#: a finite-difference Hessian that takes minutes here: ~125 chunks of 8 columns
+#: a finite-difference Hessian that takes over 20 s even on a quiet machine (~30 s;
+#: n = 1000 takes ~19 s): ~240 chunks of 5 columns, each a fraction of a second
 LONG = {"function": "rosenbrock", "backend": "finite-differences",
-        "x": np.linspace(0.1, 1.3, 1000).tolist()}
+        "x": np.linspace(0.1, 1.3, 1200).tolist()}
 
 
 def _small_gradient_seconds(url: str) -> float:
