@@ -228,3 +228,10 @@ def test_batches_of_points_run_in_chunks() -> None:
         one = prep.executable("value_and_gradient", x, None, ())(x, None, ())
     _tree_equal((value, grad), one)
     assert value.shape == (points,) and grad.shape == (points, 200)
+
+
+def test_chunk_from_zero_chunks_only_past_the_budget() -> None:
+    x = np.linspace(-1.0, 1.0, CHUNK_FROM + 26)
+    prep = _prepare("jacobian", sin_cumsum, "jax-forward", x,
+                    limits=ComputeLimits(chunk_from=0))
+    assert prep.chunker is not None and not prep.chunked("jacobian")

@@ -122,6 +122,9 @@ class ComputeLimits:
     #: bytes one chunk of a chunked Jacobian or Hessian may need (None: the default of
     #: ``chunking.DEFAULT_CHUNK_MEMORY_BYTES``)
     chunk_memory_bytes: int | None = None
+    #: basis vectors (or batch items) from which a chunkable operator runs in chunks
+    #: even when it fits (None: ``chunking.CHUNK_FROM``; 0: only past the budget)
+    chunk_from: int | None = None
 
     def seconds(self, est: Estimate) -> float:
         traffic = est.bytes_accessed + ALLOCATION_WEIGHT * est.memory_bytes

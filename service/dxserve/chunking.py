@@ -20,7 +20,8 @@ When a run is chunked:
 * the one-shot executable needs more than the chunk memory budget by XLA's memory
   analysis (``DXSERVE_CHUNK_MEMORY_BYTES``): the chunk size is the budget over the
   one-shot's bytes per basis vector, checked (and shrunk) on the compiled chunk;
-* there are ``CHUNK_FROM`` (1024) basis vectors or more: about ``CHUNKS`` (10) chunks;
+* there are ``CHUNK_FROM`` (1024; ``DXSERVE_CHUNK_FROM``) basis vectors or more: about
+  ``CHUNKS`` (10) chunks, so progress moves and the work can be cancelled;
 * the backend's ``batch_size``, when given, bounds the chunk size.
 
 Otherwise the one-shot executable runs, as before. Whether a caller streams progress
@@ -85,7 +86,9 @@ def chunker_for(
     forward = engine.mode == "forward"
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
     shape = (*y.shape, *x.shape) if family == "jacobian" else (*x.shape, *x.shape)
-    return Chunker(family, f, engine, inner, n, m, forward, shape, budget, limits)
+    return Chunker(
+        family, f, engine, inner, n, m, forward, shape, budget, limits, _chunk_from(limits)
+    )
 
 
 @dataclass(eq=False)
@@ -102,6 +105,7 @@ class Chunker:
     shape: tuple  # the result's shape
     budget: int  # bytes one chunk may need
     limits: ComputeLimits | None = None
+    chunk_from: int = CHUNK_FROM  # basis vectors from which to chunk anyway (0: never)
     #: operator -> the one-shot's estimate, for operators too large to run one-shot
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
@@ -143,7 +147,7 @@ class Chunker:
         batch = getattr(self.engine, "batch_size", None)
         if batch:
             sizes.append(batch)
-        if total >= CHUNK_FROM:
+        if self.chunk_from and total >= self.chunk_from:
             sizes.append(-(-total // CHUNKS))
         if not sizes or min(sizes) >= total:
             return None
@@ -303,10 +307,16 @@ def slicer_for(
         return None
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
     if batched and points > 1:
-        return Slicer("points", points, budget, limits)
+        return Slicer("points", points, budget, limits, _chunk_from(limits))
     if not batched and family in _TANGENT_FAMILIES and tangents > 1:
-        return Slicer("tangents", tangents, budget, limits)
+        return Slicer("tangents", tangents, budget, limits, _chunk_from(limits))
     return None
+
+
+def _chunk_from(limits: ComputeLimits | None) -> int:
+    """Items from which work runs in ``CHUNKS`` chunks (0: only past the budget)."""
+    value = getattr(limits, "chunk_from", None)
+    return CHUNK_FROM if value is None else value
 
 
 @dataclass(eq=False)
@@ -320,6 +330,7 @@ class Slicer:
     total: int
     budget: int
     limits: ComputeLimits | None = None
+    chunk_from: int = CHUNK_FROM
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
@@ -332,7 +343,7 @@ class Slicer:
         est = self.oversized.get(operator)
         if est is not None:
             sizes.append(max(1, int(self.budget // max(1.0, est.memory_bytes / total))))
-        if total >= CHUNK_FROM:
+        if self.chunk_from and total >= self.chunk_from:
             sizes.append(-(-total // CHUNKS))
         if not sizes or min(sizes) >= total:
             return None

@@ -119,6 +119,7 @@ class Service:
             settings.max_request_memory_bytes or None, settings.max_request_flops or None,
             settings.request_timeout, settings.assumed_flops_per_second,
             settings.assumed_bytes_per_second, chunk_memory_bytes=settings.chunk_memory_bytes,
+            chunk_from=settings.chunk_from,
         )
         #: operator -> computations stopped early (client gone or past the deadline)
         self.cancelled: dict[str, int] = {}
