@@ -105,8 +105,7 @@ class Settings(BaseSettings):
     chunk_memory_bytes: int = Field(default=512 * 1024**2, ge=1024**2)
     #: From this many basis vectors (or batch items) on, a chunkable operator runs in
     #: about 10 chunks even when it fits the budget, so it reports progress and can be
-    #: cancelled (costs up to ~1.2x on cheap work, see bench/chunking.py); 0: chunk only
-    #: past the budget.
+    #: cancelled (what that costs: bench/chunking.py); 0: chunk only past the budget.
     chunk_from: int = Field(default=1024, ge=0)
     #: Warm jobs whose last run took less than this (seconds) run on the event loop
     #: instead of a device worker thread; 0 sends everything to the workers.
