@@ -24,7 +24,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 "$PY" -c "import jax; d = jax.devices(); print('devices:', d); assert d[0].platform == 'gpu', 'no GPU visible to JAX'"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" bench/hvp.py --save hvp-gpu.md
-"$PY" bench/latency.py --save latency-gpu.md
+"$PY" bench/latency.py --quick --save latency-gpu.md
+"$PY" bench/profile_wire.py --rounds 5 --save profile-wire-gpu.md
 "$PY" bench/batching_bits.py | tee bench/results/batching-bits-gpu.md
 "$PY" bench/cold_start.py --save cold-start-gpu.md
 "$PY" bench/health_latency.py --n 4000 --save health-latency-gpu.md
@@ -32,6 +33,8 @@ if command -v wrk >/dev/null; then
   "$PY" bench/throughput.py --save throughput-gpu.md
   # a function with real work per request, where merging requests should pay on a GPU
   "$PY" bench/throughput.py --n 1000000 --save throughput-n1e6-gpu.md
+  # opt-in rounding batching vs exact vs off, 32 clients (issue 16)
+  "$PY" bench/batching_rounding.py --seconds 2 --rounds 3 --save batching-rounding-gpu.md
 else
   echo "wrk not installed: throughput table skipped (apt-get install wrk)"
 fi
