@@ -13,7 +13,7 @@ body is at least ``min_bytes`` like this:
   framed by the connection's close read to the end);
 * connections are kept alive and reused per host and port, as httpx does (an idle one
   that became readable, i.e. the server closed it, or that idled past
-  ``keepalive_expiry`` seconds, is dropped, never reused).
+  ``KEEPALIVE_EXPIRY`` seconds, is dropped, never reused).
 
 Everything else goes to ``fallback`` (httpx's own transport): https, small bodies,
 streamed bodies, HEAD, and requests that accept ``text/event-stream``. A body the
@@ -40,7 +40,10 @@ import httpx
 
 #: request bodies from this size on take the fast path
 FAST_MIN_BYTES = 64 * 1024
-KEEPALIVE_EXPIRY = 5.0
+#: seconds an idle connection is kept: under the server's own keep-alive timeout (uvicorn's
+#: and dxserve's default is 5 s, counted from a little earlier than ours), so a connection
+#: is not reused just as the server closes it
+KEEPALIVE_EXPIRY = 4.0
 MAX_IDLE_PER_HOST = 16
 MAX_HEAD_BYTES = 64 * 1024
 _RECV = 64 * 1024
