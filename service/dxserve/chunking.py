@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -110,7 +110,7 @@ class Chunker:
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
-    _first: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    dtype: np.dtype = field(default=np.dtype(np.float64), repr=False)  # the result's
 
     @property
     def total(self) -> int:
@@ -167,20 +167,23 @@ class Chunker:
         if job is not None:
             job.check()
             job.start(total, self.unit)
-        first = self._first[(jax.config.jax_default_device, size)]
-        out = None
+        # on the device once, not once per chunk (a large context would be copied each time)
+        x, contexts = jax.device_put((x, contexts), jax.config.jax_default_device)
+        # Blocks land in one host array that is never zeroed: each chunk writes its own
+        # columns or rows once, as the one-shot program writes its result once.
+        out = np.empty((self.m, self.n), self.dtype)
         for start in _starts(total, size):
             if job is not None:
                 job.check()
-            if out is None:  # the result's buffer, made by the first chunk
-                out = first(x, contexts, np.int32(start))
+            block = np.asarray(exe(x, contexts, np.int32(start)))  # waits for the chunk
+            if self.forward:
+                out[:, start:start + size] = block
             else:
-                out = exe(x, contexts, np.int32(start), out)  # written in place (donated)
-            out.block_until_ready()  # one chunk at a time: progress and cancel are real
+                out[start:start + size] = block
             if job is not None:
                 job.report(start + size)
         values = dict(zip(others, head(x, tangents, contexts), strict=True)) if head else {}
-        values[self.family] = np.asarray(out).reshape(self.shape)  # (no copy on CPU)
+        values[self.family] = out.reshape(self.shape)
         return tuple(values[r] for r in results)
 
     def _chunk_executable(self, operator: str, x: Any, contexts: tuple, size: int) -> tuple:
@@ -193,14 +196,10 @@ class Chunker:
             exe = self._executables.get(key)
             if exe is not None:
                 return exe, size
-            fn = self._chunk_fn(size)
-            block = jax.eval_shape(self._block_fn(size), x, contexts, np.int32(0))
-            out = jax.ShapeDtypeStruct((self.m, self.n), block.dtype)
-            exe = jax.jit(fn, donate_argnums=3).lower(x, contexts, np.int32(0), out).compile()
+            fn = self._block_fn(size)
+            exe = jax.jit(fn).lower(x, contexts, np.int32(0)).compile()
+            self.dtype = np.dtype(jax.eval_shape(fn, x, contexts, np.int32(0)).dtype)
             est = estimate(exe)
-            if est is not None:  # the result it writes into is no chunk's: not counted
-                carried = 2 * self.m * self.n * block.dtype.itemsize
-                est = replace(est, memory_bytes=max(0, est.memory_bytes - carried))
             if est is not None and est.memory_bytes > self.budget:
                 if size == 1:
                     raise BudgetExceededError(
@@ -215,10 +214,6 @@ class Chunker:
                 continue
             if self.limits is not None and est is not None:
                 self._check(operator, exe, est, size)
-            # the first chunk makes the result's buffer, written once (no zeros beforehand)
-            self._first[key] = jax.jit(self._chunk_fn(size, first=True)).lower(
-                x, contexts, np.int32(0)
-            ).compile()
             self._executables[key] = exe
             return exe, size
 
@@ -236,23 +231,6 @@ class Chunker:
                 "(DXSERVE_MAX_REQUEST_FLOPS)",
                 field="x", limit="max_request_flops", estimate=est.flops * chunks,
             )
-
-    def _chunk_fn(self, size: int, first: bool = False) -> Callable:
-        """``chunk(x, contexts, start, out)``: ``out`` (the ``(m, n)`` result so far)
-        with the block of basis vectors ``start .. start + size`` written in.
-        ``first``: ``chunk(x, contexts, start)``, into a new zero result."""
-        block_of, forward, shape = self._block_fn(size), self.forward, (self.m, self.n)
-
-        def chunk(x, contexts, start, out=None):
-            block = block_of(x, contexts, start)
-            if out is None:
-                out = jnp.zeros(shape, block.dtype)
-            zero = jnp.zeros((), start.dtype)
-            return jax.lax.dynamic_update_slice(
-                out, block.astype(out.dtype), (zero, start) if forward else (start, zero)
-            )
-
-        return chunk
 
     def _block_fn(self, size: int) -> Callable:
         """``block(x, contexts, start)``: basis vectors ``start .. start + size``
@@ -361,6 +339,7 @@ class Slicer:
             job.start(self.total, self.unit)
         parts: list[tuple] = []
         done = 0
+        contexts = jax.device_put(contexts, jax.config.jax_default_device)
         for start in _starts(self.total, size):
             if job is not None:
                 job.check()
