@@ -8,6 +8,7 @@ candidate each round) and reports medians and ratios.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import statistics
@@ -46,12 +47,16 @@ def interleaved(
     *,
     min_sample_seconds: float = 0.0,
     budget_seconds: float | None = None,
+    shuffle: bool = False,
 ) -> dict[str, list[float]]:
     """Time every candidate once per round, round robin; returns seconds per call.
 
     Each candidate is warmed up (one call) before timing. ``min_sample_seconds``
     batches fast calls so timer and loop overhead vanish; ``budget_seconds``
-    stops early (after at least 3 rounds) when the rounds run long.
+    stops early (after at least 3 rounds) when the rounds run long. ``shuffle``: a
+    new random order each round (seeded), so no candidate always follows the same
+    neighbour (a rotation keeps neighbours: one that leaves XLA's threads spinning or
+    frees a lot of memory would always tax the next).
     """
     names = list(candidates)
     inner = {}
@@ -60,8 +65,11 @@ def interleaved(
         inner[name] = calibrate(candidates[name], min_sample_seconds) if min_sample_seconds else 1
     times: dict[str, list[float]] = {name: [] for name in names}
     started = time.perf_counter()
+    rng = random.Random(0)
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
+        if shuffle:
+            rng.shuffle(order)
         for name in order:
             times[name].append(sample(candidates[name], inner[name]))
         if budget_seconds is not None and r >= 2 and time.perf_counter() - started > budget_seconds:
