@@ -32,7 +32,7 @@ $(CLUSTER_STAMP): $(STAMP)
 	touch $(CLUSTER_STAMP)
 
 test-cluster: $(CLUSTER_STAMP)
-	DXSERVE_REQUIRE_POSTGRES=1 $(PY) -m pytest -q -m "cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	DXSERVE_REQUIRE_POSTGRES=1 DXSERVE_REQUIRE_RAY=1 $(PY) -m pytest -q -m "cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # Build docker/Dockerfile with podman (no Docker daemon needed) and smoke-test the running
 # container from the host: shared/oci/build-and-run.sh builds, starts and waits for /health,

@@ -135,6 +135,9 @@ def check_image() -> None:
         "('pytest', 'hypothesis', 'ruff', 'pip_audit') if u.find_spec(m)))",
     )
     check(py_tools == "", f"no test tools installed ({py_tools or 'none found'})")
+    driver = in_container("python", "-c", "import psycopg; print(psycopg.__version__)")
+    check(bool(re.fullmatch(r"3\.\d+\.\d+.*", driver)),
+          f"the PostgreSQL driver for a postgresql:// store is installed (psycopg {driver})")
     sources = in_container("sh", "-c", "ls -d /tests /app/tests /tmp/src /tmp/deps 2>/dev/null")
     check(sources == "", "no tests or build leftovers in the image")
 
