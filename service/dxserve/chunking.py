@@ -190,32 +190,24 @@ class Chunker:
         """``(executable, size)`` for chunks of at most ``size``, shrunk until one chunk
         fits the budget; ``BudgetExceededError`` when not even one basis vector does."""
         device = jax.config.jax_default_device
-        size = self._sizes.get((device, size), size)
-        while True:
-            key = (device, size)
-            exe = self._executables.get(key)
-            if exe is not None:
-                return exe, size
-            fn = self._block_fn(size)
-            exe = jax.jit(fn).lower(x, contexts, np.int32(0)).compile()
-            self.dtype = np.dtype(jax.eval_shape(fn, x, contexts, np.int32(0)).dtype)
-            est = estimate(exe)
-            if est is not None and est.memory_bytes > self.budget:
-                if size == 1:
-                    raise BudgetExceededError(
-                        f"{operator} runs in chunks of basis vectors, but even one needs an "
-                        f"estimated {est.memory_bytes:,} bytes of device memory, over the "
-                        f"chunk budget of {self.budget:,} (DXSERVE_CHUNK_MEMORY_BYTES)",
-                        field="x", limit="chunk_memory_bytes", estimate=est.memory_bytes,
-                    )
-                smaller = max(1, min(size - 1, int(size * self.budget / est.memory_bytes)))
-                self._sizes[(device, size)] = smaller
-                size = smaller
-                continue
-            if self.limits is not None and est is not None:
-                self._check(operator, exe, est, size)
-            self._executables[key] = exe
+        size = _remembered(self._sizes, device, size)
+        exe = self._executables.get((device, size))
+        if exe is not None:
             return exe, size
+
+        def compile_at(size: int) -> Any:
+            fn = self._block_fn(size)
+            self.dtype = np.dtype(jax.eval_shape(fn, x, contexts, np.int32(0)).dtype)
+            return jax.jit(fn).lower(x, contexts, np.int32(0)).compile()
+
+        exe, est, size = _compile_fitting(
+            compile_at, size, self.budget, self._sizes, device,
+            f"{operator} runs in chunks of basis vectors",
+        )
+        if self.limits is not None and est is not None:
+            self._check(operator, exe, est, size)
+        self._executables[(device, size)] = exe
+        return exe, size
 
     def _check(self, operator: str, exe: Any, est: Estimate, size: int) -> None:
         """Per chunk: the request's memory and time bounds (a chunked run stops at its
@@ -385,26 +377,49 @@ class Slicer:
         """``(executable, size)`` for chunks of ``size`` items, shrunk until one fits the
         budget (``BudgetExceededError`` when one item does not)."""
         device = jax.config.jax_default_device
-        size = self._sizes.get((device, size), size)
-        while True:
-            key = (operator, device, size)
-            exe = self._executables.get(key)
-            if exe is not None:
-                return exe, size
-            xs, ts = self._slice(x, tangents, 0, size)
-            exe = prep._compile(operator, xs, ts, contexts, chunk=True)
-            est = estimate(exe)
-            if est is not None and est.memory_bytes > self.budget:
-                if size == 1:
-                    raise BudgetExceededError(
-                        f"{operator} runs in chunks of {self.unit}, but even one needs an "
-                        f"estimated {est.memory_bytes:,} bytes of device memory, over the "
-                        f"chunk budget of {self.budget:,} (DXSERVE_CHUNK_MEMORY_BYTES)",
-                        field="x", limit="chunk_memory_bytes", estimate=est.memory_bytes,
-                    )
-                smaller = max(1, min(size - 1, int(size * self.budget / est.memory_bytes)))
-                self._sizes[(device, size)] = smaller
-                size = smaller
-                continue
-            self._executables[key] = exe
+        size = _remembered(self._sizes, device, size)
+        exe = self._executables.get((operator, device, size))
+        if exe is not None:
             return exe, size
+
+        def compile_at(size: int) -> Any:
+            xs, ts = self._slice(x, tangents, 0, size)
+            return prep._compile(operator, xs, ts, contexts, chunk=True)
+
+        exe, _, size = _compile_fitting(
+            compile_at, size, self.budget, self._sizes, device,
+            f"{operator} runs in chunks of {self.unit}",
+        )
+        self._executables[(operator, device, size)] = exe
+        return exe, size
+
+
+def _remembered(sizes: dict, device: Any, size: int) -> int:
+    """``size`` after every shrink remembered for ``device`` (see ``_compile_fitting``)."""
+    while (device, size) in sizes:
+        size = sizes[(device, size)]
+    return size
+
+
+def _compile_fitting(
+    compile_at: Callable[[int], Any], size: int, budget: int, sizes: dict, device: Any,
+    what: str,
+) -> tuple[Any, Estimate | None, int]:
+    """``(executable, estimate, size)``: ``compile_at(size)``, with ``size`` shrunk until
+    XLA's estimate of one chunk fits ``budget`` (each shrink remembered in ``sizes``);
+    ``BudgetExceededError`` when not even a chunk of one fits (``what`` says of what)."""
+    while True:
+        exe = compile_at(size)
+        est = estimate(exe)
+        if est is None or est.memory_bytes <= budget:
+            return exe, est, size
+        if size == 1:
+            raise BudgetExceededError(
+                f"{what}, but even one needs an estimated {est.memory_bytes:,} bytes of "
+                f"device memory, over the chunk budget of {budget:,} "
+                "(DXSERVE_CHUNK_MEMORY_BYTES)",
+                field="x", limit="chunk_memory_bytes", estimate=est.memory_bytes,
+            )
+        smaller = max(1, min(size - 1, int(size * budget / est.memory_bytes)))
+        sizes[(device, size)] = smaller
+        size = smaller

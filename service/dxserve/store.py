@@ -187,6 +187,68 @@ def validate_name(name: object) -> str:
     return name
 
 
+def clean_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """A deep, JSON-only copy of ``metadata`` the caller cannot mutate later."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidArgumentError("metadata must be an object", field="metadata")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"metadata is not JSON-serializable: {e}", field="metadata"
+        ) from e
+
+
+def checked_put(
+    name: str, kind: str, content: Any, metadata: dict[str, Any] | None,
+    quota_bytes: int | None,
+) -> tuple[bytes, dict[str, Any], str]:
+    """``(content, metadata, digest)`` of a ``put``, its arguments checked as every store
+    checks them (name, kind, bytes, JSON metadata, not larger than the whole quota)."""
+    validate_name(name)
+    kinds = stored_names()
+    if kind not in kinds:
+        raise InvalidArgumentError(f"kind must be one of {sorted(kinds)}, got {kind!r}", field="kind")
+    if not isinstance(content, bytes | bytearray | memoryview):
+        raise InvalidArgumentError("content must be bytes", field="content")
+    content = bytes(content)
+    metadata = clean_metadata(metadata)
+    if quota_bytes is not None and len(content) > quota_bytes:
+        raise PayloadTooLargeError(
+            f"{kind} of {len(content)} bytes is larger than the store's whole quota of "
+            f"{quota_bytes} bytes",
+            field="body",
+        )
+    return content, metadata, content_digest(content)
+
+
+def conflict(old: StoredRecord) -> FunctionConflictError:
+    """The 409 for re-binding ``old.name`` to other content without ``replace``."""
+    return FunctionConflictError(
+        f"function {old.name!r} is already registered with different content "
+        f"({old.kind}, {old.digest}); pass replace=true to overwrite",
+        field="name",
+    )
+
+
+def store_full(used: int, quota: int, needed: int) -> StorageFullError:
+    """The 507 for a put that would pass the store's quota."""
+    return StorageFullError(
+        f"the function store is full: {used} of {quota} bytes used, and this needs "
+        f"{needed} more; delete or replace functions (DXSERVE_STORE_QUOTA_BYTES sets the quota)",
+        field="body",
+    )
+
+
+def with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
+    """``rec`` with its content, holding a private copy of its metadata."""
+    return StoredFunction(
+        rec.name, rec.kind, rec.digest, content, copy.deepcopy(rec.metadata), rec.created
+    )
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -318,37 +380,16 @@ class DirectoryStore:
         *,
         replace: bool = False,
     ) -> tuple[StoredFunction, bool]:
-        validate_name(name)
-        kinds = stored_names()
-        if kind not in kinds:
-            raise InvalidArgumentError(
-                f"kind must be one of {sorted(kinds)}, got {kind!r}", field="kind"
-            )
-        if not isinstance(content, bytes | bytearray | memoryview):
-            raise InvalidArgumentError("content must be bytes", field="content")
-        content = bytes(content)
-        metadata = self._clean_metadata(metadata)
-        digest = content_digest(content)
+        content, metadata, digest = checked_put(name, kind, content, metadata, self.quota_bytes)
         size = len(content)
-        if self.quota_bytes is not None and size > self.quota_bytes:
-            raise PayloadTooLargeError(
-                f"{kind} of {size} bytes is larger than the store's whole quota of "
-                f"{self.quota_bytes} bytes",
-                field="body",
-            )
-
         with self._mutex:
             old = self._index.get(name)
             same = old is not None and old.digest == digest and old.kind == kind
             if same and not replace:
                 self._write_object(digest, content)  # heals a corrupt object, else a no-op
-                return self._with_content(old, content), False
+                return with_content(old, content), False
             if old is not None and not same and not replace:
-                raise FunctionConflictError(
-                    f"function {name!r} is already registered with different content "
-                    f"({old.kind}, {old.digest}); pass replace=true to overwrite",
-                    field="name",
-                )
+                raise conflict(old)
             self._check_quota(digest, size, old)
             created = old.created if same else _now()
             record = StoredRecord(name, kind, digest, size, metadata, created)
@@ -358,7 +399,7 @@ class DirectoryStore:
             self._ref(digest, size)
             if old is not None:
                 self._unref(old.digest)
-            return self._with_content(record, content), not same
+            return with_content(record, content), not same
 
     def get(self, name: str) -> StoredFunction | None:
         """The record with its content, read from disk and hash-checked (None: absent).
@@ -382,7 +423,7 @@ class DirectoryStore:
                     self._drop(rec)
                 return None
             if content_digest(content) == rec.digest:
-                return self._with_content(rec, content)
+                return with_content(rec, content)
             with self._mutex:
                 if self._index.get(name) is not rec:
                     continue
@@ -440,29 +481,9 @@ class DirectoryStore:
 
     # -- internals ---------------------------------------------------------
     @staticmethod
-    def _clean_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
-        if metadata is None:
-            return {}
-        if not isinstance(metadata, dict):
-            raise InvalidArgumentError("metadata must be an object", field="metadata")
-        try:
-            # Round-trip: a deep, JSON-only copy the caller cannot mutate later.
-            return json.loads(json.dumps(metadata, allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(
-                f"metadata is not JSON-serializable: {e}", field="metadata"
-            ) from e
-
-    @staticmethod
     def _copy(rec: StoredRecord) -> StoredRecord:
         # Records are frozen but metadata is a dict: hand out private copies.
         return dataclasses.replace(rec, metadata=copy.deepcopy(rec.metadata))
-
-    @staticmethod
-    def _with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
-        return StoredFunction(
-            rec.name, rec.kind, rec.digest, content, copy.deepcopy(rec.metadata), rec.created
-        )
 
     def _check_quota(self, digest: str, size: int, old: StoredRecord | None) -> None:
         """Raise StorageFullError if binding a name to ``digest`` would pass the quota."""
@@ -472,14 +493,8 @@ class DirectoryStore:
         freed = 0
         if old is not None and old.digest != digest and self._refs.get(old.digest) == 1:
             freed = self._sizes.get(old.digest, 0)
-        after = self._used + added - freed
-        if after > self.quota_bytes:
-            raise StorageFullError(
-                f"the function store is full: {self._used} of {self.quota_bytes} bytes used, "
-                f"and this needs {added - freed} more; delete or replace functions "
-                "(DXSERVE_STORE_QUOTA_BYTES sets the quota)",
-                field="body",
-            )
+        if self._used + added - freed > self.quota_bytes:
+            raise store_full(self._used, self.quota_bytes, added - freed)
 
     def _ref(self, digest: str, size: int) -> None:
         count = self._refs.get(digest, 0)

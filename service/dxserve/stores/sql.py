@@ -22,7 +22,6 @@ behind than that gets ``None`` and re-reads every record.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import threading
@@ -30,15 +29,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from dxclient.errors import (
-    FunctionConflictError,
-    InvalidArgumentError,
     OverloadedError,
-    PayloadTooLargeError,
     StorageFullError,
 )
 
-from ..kinds import stored_names
-from ..store import StoredFunction, StoredRecord, _now, content_digest, validate_name
+from ..store import (
+    StoredFunction,
+    StoredRecord,
+    _now,
+    checked_put,
+    conflict,
+    content_digest,
+    store_full,
+    with_content,
+)
 
 log = logging.getLogger("dxserve.store")
 
@@ -131,24 +135,8 @@ class SqlStore:
     ) -> tuple[StoredFunction, bool]:
         """Bind ``name`` to ``content``: the rules of ``DirectoryStore.put``, committed
         (durably, see the backend) before it returns."""
-        validate_name(name)
-        kinds = stored_names()
-        if kind not in kinds:
-            raise InvalidArgumentError(
-                f"kind must be one of {sorted(kinds)}, got {kind!r}", field="kind"
-            )
-        if not isinstance(content, bytes | bytearray | memoryview):
-            raise InvalidArgumentError("content must be bytes", field="content")
-        content = bytes(content)
-        metadata = _clean_metadata(metadata)
-        digest = content_digest(content)
+        content, metadata, digest = checked_put(name, kind, content, metadata, self.quota_bytes)
         size = len(content)
-        if self.quota_bytes is not None and size > self.quota_bytes:
-            raise PayloadTooLargeError(
-                f"{kind} of {size} bytes is larger than the store's whole quota of "
-                f"{self.quota_bytes} bytes",
-                field="body",
-            )
         q = self._sql
         with self._writing() as cur:
             cur.execute(q(f"SELECT {_FIELDS} FROM functions WHERE name = ?"), (name,))
@@ -163,13 +151,9 @@ class SqlStore:
                         q("INSERT INTO objects (digest, content, size) VALUES (?, ?, ?)"),
                         (digest, content, size),
                     )
-                return _with_content(old, content), False
+                return with_content(old, content), False
             if old is not None and not same and not replace:
-                raise FunctionConflictError(
-                    f"function {name!r} is already registered with different content "
-                    f"({old.kind}, {old.digest}); pass replace=true to overwrite",
-                    field="name",
-                )
+                raise conflict(old)
             frees_old = old is not None and old.digest != digest and self._refs(cur, old.digest) == 1
             if self.quota_bytes is not None:
                 cur.execute("SELECT COALESCE(SUM(size), 0) FROM objects")
@@ -177,12 +161,7 @@ class SqlStore:
                 added = 0 if have_object else size
                 freed = old.size if frees_old else 0
                 if used + added - freed > self.quota_bytes:
-                    raise StorageFullError(
-                        f"the function store is full: {used} of {self.quota_bytes} bytes used, "
-                        f"and this needs {added - freed} more; delete or replace functions "
-                        "(DXSERVE_STORE_QUOTA_BYTES sets the quota)",
-                        field="body",
-                    )
+                    raise store_full(used, self.quota_bytes, added - freed)
             created = old.created if same else _now()
             record = StoredRecord(name, kind, digest, size, metadata, created)
             if not have_object:
@@ -205,7 +184,7 @@ class SqlStore:
             if frees_old:
                 cur.execute(q("DELETE FROM objects WHERE digest = ?"), (old.digest,))
             self._log_change(cur, name)
-        return _with_content(record, content), not same
+        return with_content(record, content), not same
 
     def get(self, name: str) -> StoredFunction | None:
         """The record with its content, hash-checked (None: absent or corrupt)."""
@@ -220,7 +199,7 @@ class SqlStore:
         if content is None or content_digest(bytes(content)) != rec.digest:
             log.warning("store: %r: its object is missing or fails its hash check", name)
             return None
-        return _with_content(rec, bytes(content))
+        return with_content(rec, bytes(content))
 
     def record(self, name: str) -> StoredRecord | None:
         """The name record alone (no content)."""
@@ -311,22 +290,3 @@ def _record(row: Any) -> StoredRecord:
     name, kind, digest, size, metadata, created = row
     meta = json.loads(metadata) if isinstance(metadata, str) else dict(metadata)
     return StoredRecord(name, kind, digest, int(size), meta, created)
-
-
-def _with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
-    return StoredFunction(
-        rec.name, rec.kind, rec.digest, content, copy.deepcopy(rec.metadata), rec.created
-    )
-
-
-def _clean_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise InvalidArgumentError("metadata must be an object", field="metadata")
-    try:
-        return json.loads(json.dumps(metadata, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(
-            f"metadata is not JSON-serializable: {e}", field="metadata"
-        ) from e
