@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from dxclient import codec
+from dxclient.encodings import binary
 from dxclient.errors import (
     MalformedRequestError,
     OverloadedError,
@@ -103,7 +103,8 @@ async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorR
     content_type, accept, length, declared = wire_headers(request.scope)
     service = service_of(request)
     settings = service.settings
-    if content_type is not None and codec.BINARY_TYPE in content_type.lower():
+    binary_body = content_type is not None and codec.BINARY_TYPE in content_type.lower()
+    if binary_body:
         limit, factor = settings.max_body_bytes, DECODE_FACTOR["binary"]
     else:  # JSON holds ~16x its size while decoding: a lower limit of its own
         limit = min(settings.max_body_bytes, settings.max_json_body_bytes)
@@ -120,48 +121,16 @@ async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorR
                 raise
     body = await read_body(request, limit, declared, ticket, factor)
     encoding = response_encoding(content_type, accept, body)
-    if len(body) > LARGE_BYTES and not _views_only(content_type, length):
+    # a binary body with a small header decodes to views of itself: no work to hand off
+    if len(body) > LARGE_BYTES and not (
+        binary_body and binary.decodes_as_views(length)
+    ):
         parsed = await run_in_threadpool(decode_operator_request, body, content_type, length, op)
     else:
         parsed = decode_operator_request(body, content_type, length, op)
     if ticket is not None:
         ticket.hold(len(body))  # decoded: the inputs take about the body's size
     return parsed, encoding, len(body)
-
-
-#: A binary body whose JSON header is at most this long is decoded on the event loop:
-#: its arrays become views of the body, so the work is the header's, not the arrays'.
-_INLINE_HEADER_BYTES = 64 * 1024
-
-
-def _views_only(content_type: str | None, header_length: str | None) -> bool:
-    """Is decoding this body only a small header plus views of its buffers?"""
-    return (
-        content_type is not None and codec.BINARY_TYPE in content_type.lower()
-        and header_length is not None and header_length.isdigit()
-        and int(header_length) <= _INLINE_HEADER_BYTES
-    )
-
-
-def _native_arrays(tree: object, leaves: int = 64) -> bool:
-    """Does the binary encoding of ``tree`` only take views (a few C-contiguous,
-    little-endian arrays, nothing to copy or byte-swap)?"""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list | tuple):
-            stack.extend(node)
-        elif isinstance(node, np.ndarray):
-            leaves -= 1
-            if leaves < 0 or not node.flags.c_contiguous or node.dtype.byteorder == ">":
-                return False
-        elif hasattr(node, "__array__"):
-            return False  # a device array: its copy to the host is real work
-        if len(stack) > 256:
-            return False
-    return True
 
 
 async def compute_request(
@@ -194,7 +163,7 @@ async def encode(
             held = nbytes * (1 + ENCODE_FACTOR.get(encoding, 3))
             budget.force(held)
         try:
-            if encoding == "binary" and _native_arrays(payload):  # views: nothing to copy
+            if encoding == "binary" and binary.encodes_as_views(payload):  # no copies
                 parts, media, headers = codec.encode_body_parts(payload, encoding)
             else:
                 parts, media, headers = await run_in_threadpool(

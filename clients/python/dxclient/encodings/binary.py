@@ -34,6 +34,7 @@ from .common import (
     loads,
     prod,
     typed_header,
+    wire_ready,
 )
 
 BINARY_TYPE = "application/vnd.dxserve.binary"
@@ -270,6 +271,40 @@ class _Buffers:
 
 
 _PADDING = [bytes(k) for k in range(ALIGN)]
+
+#: How far ``encodes_as_views``/``decodes_as_views`` look before calling a body big work.
+VIEWS_MAX_LEAVES = 64
+VIEWS_MAX_HEADER_BYTES = 64 * 1024
+
+
+def encodes_as_views(tree: Any) -> bool:
+    """Is encoding ``tree`` only a small header plus views of its arrays (a few numpy
+    arrays already C-contiguous and little-endian: nothing to copy or byte-swap)?"""
+    leaves, stack = VIEWS_MAX_LEAVES, [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+        elif isinstance(node, np.ndarray):
+            leaves -= 1
+            if leaves < 0 or not wire_ready(node):
+                return False
+        elif hasattr(node, "__array__"):
+            return False  # a device array: its copy to the host is real work
+        if len(stack) > 4 * VIEWS_MAX_LEAVES:
+            return False
+    return True
+
+
+def decodes_as_views(header_length: str | None) -> bool:
+    """Is decoding a binary body with this header length only a small header plus
+    views of its buffers?"""
+    return (
+        header_length is not None and header_length.isdigit()
+        and int(header_length) <= VIEWS_MAX_HEADER_BYTES
+    )
 
 
 def array_bytes(a: np.ndarray) -> np.ndarray:

@@ -273,8 +273,15 @@ def prod(shape: tuple[int, ...]) -> int:
     return n
 
 
+def wire_ready(a: np.ndarray) -> bool:
+    """Are ``a``'s bytes already what the wire carries (C-contiguous, little-endian)?"""
+    return a.flags.c_contiguous and a.dtype.byteorder != ">"
+
+
 def le_contig(a: np.ndarray) -> np.ndarray:
     """C-contiguous little-endian copy-if-needed of ``a``."""
+    if wire_ready(a):
+        return a
     a = np.ascontiguousarray(a)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
