@@ -8,8 +8,8 @@ In process, float64. Each case is prepared once (tracing and compiling excluded)
 one-shot candidate runs the prep's one-shot executable (all n basis vectors in one
 vmapped call) and copies the result to numpy as the server does; the chunked candidate
 runs what the server runs from n = 1024 on (``dxserve.chunking``: ~10 compiled calls
-of n/10 basis vectors, the blocks copied into one numpy array), with a ``Job`` taking
-progress reports as a stream would. Interleaved rounds; medians and their ratio. The
+of n/10 basis vectors, the blocks copied into one numpy array, each block buffer
+donated to the next chunk), with a ``Job`` taking progress reports as a stream would. Interleaved rounds; medians and their ratio. The
 results are compared too (max relative difference).
 """
 
@@ -92,18 +92,14 @@ def main() -> int:
         f"{args.rounds} interleaved rounds; `.venv/bin/python bench/chunking.py --n {args.n}`.")
     out()
     out("How the chunked path keeps up: the inputs go to the device once per run (a "
-        "context such as W is not copied again for each chunk), and each chunk's block is "
+        "context such as W is not copied again for each chunk); each chunk's block is "
         "copied once into a result array that is never zeroed, so the result is written "
-        "once, as the one-shot program writes its own. Chunks of a few hundred basis "
-        "vectors keep matrix products as efficient as one large one, and the smaller "
-        "working set of a chunk can make the chunked path the faster one.")
+        "once, as the one-shot program writes its own; and each block buffer is donated "
+        "back to the next chunk, so the device allocator reuses one buffer instead of "
+        "handing out (and page-faulting) fresh memory ten times. Chunks of a few hundred "
+        "basis vectors keep matrix products as efficient as one large one, and the "
+        "smaller working set of a chunk can make the chunked path the faster one.")
     out()
-    out("Where it is still slower (a Hessian like rosenbrock's, whose columns cost almost "
-        "nothing), the difference is the first touch of the freshly allocated host result "
-        "(for n = 3000, 72 MB of new pages). Run with glibc keeping freed memory "
-        "(MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296) the same "
-        "case measured 0.40x and the worst case 0.84x; dxserve keeps malloc's defaults "
-        "so that memory goes back to the system after a large answer.")
     path = out.save(args.out)
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -79,6 +79,11 @@ def estimate(executable: Any) -> Estimate | None:
                 "host_generated_code_size_in_bytes",
             )
         )
+        # a donated argument and the output it becomes share one buffer
+        size -= sum(
+            int(getattr(memory, name, 0) or 0)
+            for name in ("alias_size_in_bytes", "host_alias_size_in_bytes")
+        )
     cost = cost or {}
     trips = _longest_loop(executable)
     flops = (_number(cost.get("flops")) + _number(cost.get("transcendentals"))) * trips

@@ -7,11 +7,12 @@ vmaps all of them at once, so its temporaries grow with the whole basis: a
 finite-difference Hessian of rosenbrock at n = 1000 would need ~64 GB.
 
 A ``Chunker`` runs the same maths ``size`` basis vectors at a time: one executable
-``chunk(x, contexts, start, out)`` computes J's columns ``(m, size)`` or rows
-``(size, n)`` for the basis block at a traced offset and writes them into the result
-``out`` in place (a donated buffer: no copy, no host assembly). Every chunk runs the
-one compiled program; a remainder is covered by a last chunk that overlaps its
-predecessor. Each basis vector's column or row is computed by the same operations as
+``chunk(x, contexts, start, previous)`` computes J's columns ``(m, size)`` or rows
+``(size, n)`` for the basis block at a traced offset. Each block is copied once into
+one host result that is never zeroed; the block buffer itself is donated back to the
+next chunk (``previous``), so the device allocator hands out the same memory every
+chunk instead of fresh pages. Every chunk runs the one compiled program; a remainder
+is covered by a last chunk that overlaps its predecessor. Each basis vector's column or row is computed by the same operations as
 in the one-shot program, so both paths agree to rounding (bit for bit where XLA
 vectorizes the two batch widths alike; tests/test_progress_chunks.py).
 
@@ -172,16 +173,19 @@ class Chunker:
         # Blocks land in one host array that is never zeroed: each chunk writes its own
         # columns or rows once, as the one-shot program writes its result once.
         out = np.empty((self.m, self.n), self.dtype)
+        block = jnp.empty(self._block_shape(size), self.dtype)
         for start in _starts(total, size):
             if job is not None:
                 job.check()
-            block = np.asarray(exe(x, contexts, np.int32(start)))  # waits for the chunk
+            block = exe(x, contexts, np.int32(start), block)  # the last block, donated
+            # np.asarray waits for the chunk; its view is gone before the next donation
             if self.forward:
-                out[:, start:start + size] = block
+                out[:, start:start + size] = np.asarray(block)
             else:
-                out[start:start + size] = block
+                out[start:start + size] = np.asarray(block)
             if job is not None:
                 job.report(start + size)
+        del block
         values = dict(zip(others, head(x, tangents, contexts), strict=True)) if head else {}
         values[self.family] = out.reshape(self.shape)
         return tuple(values[r] for r in results)
@@ -197,8 +201,13 @@ class Chunker:
 
         def compile_at(size: int) -> Any:
             fn = self._block_fn(size)
-            self.dtype = np.dtype(jax.eval_shape(fn, x, contexts, np.int32(0)).dtype)
-            return jax.jit(fn).lower(x, contexts, np.int32(0)).compile()
+            block = jax.eval_shape(fn, x, contexts, np.int32(0))
+            self.dtype = np.dtype(block.dtype)
+            donating = jax.jit(
+                lambda x, contexts, start, previous: fn(x, contexts, start),
+                donate_argnums=3,
+            )
+            return donating.lower(x, contexts, np.int32(0), block).compile()
 
         exe, est, size = _compile_fitting(
             compile_at, size, self.budget, self._sizes, device,
@@ -223,6 +232,9 @@ class Chunker:
                 "(DXSERVE_MAX_REQUEST_FLOPS)",
                 field="x", limit="max_request_flops", estimate=est.flops * chunks,
             )
+
+    def _block_shape(self, size: int) -> tuple[int, int]:
+        return (self.m, size) if self.forward else (size, self.n)
 
     def _block_fn(self, size: int) -> Callable:
         """``block(x, contexts, start)``: basis vectors ``start .. start + size``
