@@ -22,8 +22,9 @@ allocated, what uvicorn holds already (up to 64 KiB) is copied in, and every lat
 the socket delivers is copied there once; reading is no longer paused every 64 KiB to
 hand the application a chunk (uvicorn's flow control), and the application gets the
 whole body as one message when the last byte is in. The buffer is a new ``bytearray``
-per request, owned by that request alone: arrays decoded from it as views can never see
-the bytes of a later request. Larger declared lengths are left to the application,
+per request (for a binary body, a 64-byte aligned memoryview of one, so its arrays can
+be used by the device as they are), owned by that request alone: arrays decoded from it
+as views can never see the bytes of a later request. Larger declared lengths are left to the application,
 which refuses them (413) before reading.
 
 A request that runs out of time is answered 408 (problem+json) if no response has
@@ -40,7 +41,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from dxclient.codec import dumps
+import numpy as np
+
+from dxclient.codec import BINARY_TYPE, dumps
 from dxclient.errors import (
     DxError,
     MalformedRequestError,
@@ -51,6 +54,8 @@ from dxclient.errors import (
 from .problems import PROBLEM_TYPE, problem_document
 
 log = logging.getLogger("dxserve.http")
+
+_BINARY_TYPE = BINARY_TYPE.encode("latin-1")
 
 # what the parser of one connection is doing
 _HEAD, _BODY, _APP, _IDLE = "head", "body", "app", "idle"
@@ -154,7 +159,8 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             length = _declared_length(self.headers)
             if limits.inbox_min_bytes <= length <= limits.max_body_bytes:
                 # read by run_asgi when the task first runs, after this callback
-                cycle.receive = _inbox_receive(self, cycle, length)
+                binary = _is_binary(self.headers)
+                cycle.receive = _inbox_receive(self, cycle, length, binary)
 
         def on_body(self, body: bytes) -> None:
             inbox = self._inbox
@@ -314,7 +320,21 @@ class _BodySink(asyncio.BufferedProtocol):
         self.protocol.resume_writing()
 
 
-def _inbox_receive(protocol: Any, cycle: Any, length: int) -> Any:
+def aligned_buffer(size: int, align: int = 64) -> memoryview:
+    """A writable ``size``-byte buffer whose first byte is ``align``-byte aligned."""
+    raw = bytearray(size + align - 1)
+    start = -np.frombuffer(raw, np.uint8).ctypes.data % align
+    return memoryview(raw)[start:start + size]
+
+
+def _is_binary(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request's Content-Type is the binary framing."""
+    return any(
+        name == b"content-type" and _BINARY_TYPE in value.lower() for name, value in headers
+    )
+
+
+def _inbox_receive(protocol: Any, cycle: Any, length: int, binary: bool = False) -> Any:
     """An ASGI ``receive`` for ``cycle`` (a body of ``length`` bytes) that delivers the
     body whole, received into one buffer.
 
@@ -331,7 +351,9 @@ def _inbox_receive(protocol: Any, cycle: Any, length: int) -> Any:
         if delivered or not cycle.more_body or cycle.disconnected or cycle.response_complete:
             return await own_receive(cycle)  # in already (or gone): uvicorn's way
         delivered = True
-        inbox = bytearray(length)
+        # a binary body's arrays sit at 64-byte offsets in it: in a 64-byte aligned
+        # buffer, the device can use their bytes as they are instead of copying them
+        inbox = aligned_buffer(length) if binary else bytearray(length)
         got = len(cycle.body)
         inbox[:got] = cycle.body
         cycle.body = bytearray()

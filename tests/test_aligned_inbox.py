@@ -1,0 +1,103 @@
+"""Large binary bodies arrive 64-byte aligned, so the device can use their arrays as
+they are (on the CPU, ``jax.device_put`` aliases them instead of copying).
+
+Over a real socket, through uvicorn with dxserve's bounded protocol: a probe app
+reports the type and alignment of the body it receives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+import uvicorn
+from conftest import free_port
+
+from dxclient import codec
+from dxserve.http.connections import ConnectionLimits, aligned_buffer, bounded_protocol
+from dxserve.precision import float64_scope
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 100_000, 800_469])
+def test_aligned_buffer_is_aligned_writable_and_exact(size: int) -> None:
+    buf = aligned_buffer(size)
+    assert len(buf) == size and not buf.readonly
+    assert np.frombuffer(buf, np.uint8).ctypes.data % 64 == 0 or size == 0
+    buf[:] = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    assert bytes(buf[:3]) == bytes(range(min(size, 3)))
+
+
+def test_arrays_decoded_from_an_aligned_body_are_used_without_a_copy() -> None:
+    x = np.random.default_rng(0).standard_normal(100_000)
+    body, headers = _binary_request(x)
+    inbox = aligned_buffer(len(body))
+    inbox[:] = body
+    decoded = codec.decode_body(inbox, codec.BINARY_TYPE, headers[codec.HEADER_LENGTH])["x"]
+    assert decoded.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(decoded, x)
+    with float64_scope():
+        on_device = jax.device_put(decoded)
+    if jax.default_backend() == "cpu":
+        assert on_device.unsafe_buffer_pointer() == decoded.ctypes.data  # aliased
+
+
+def _binary_request(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    body, media, headers = codec.encode_body({"x": x}, "binary")
+    return body, {**headers, "content-type": media}
+
+
+@pytest.fixture(scope="module")
+def probe_url():
+    """uvicorn with the bounded protocol, serving an app that describes its body."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        message = await receive()
+        body = message["body"]
+        view = memoryview(body)
+        report = (
+            f"{type(body).__name__} {len(view)} "
+            f"{np.frombuffer(view, np.uint8).ctypes.data % 64 if len(view) else 0} "
+            f"{bytes(view[:8]).hex()}"
+        ).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(report)).encode())]})
+        await send({"type": "http.response.body", "body": report})
+
+    port = free_port()
+    protocol = bounded_protocol(ConnectionLimits())
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "probe server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_large_binary_bodies_arrive_aligned(probe_url: str) -> None:
+    x = np.random.default_rng(1).standard_normal(100_000)
+    body, headers = _binary_request(x)
+    with httpx.Client() as http:  # plain httpx: the body arrives in many socket reads
+        kind, size, offset, head = http.post(probe_url, content=body, headers=headers).text.split()
+    assert (kind, int(size), int(offset), head) == ("memoryview", len(body), 0, body[:8].hex())
+
+
+def test_large_json_bodies_stay_bytes_like(probe_url: str) -> None:
+    """JSON bodies are searched and sliced as bytes (``response_encoding``): never a
+    memoryview."""
+    body = b'{"x": [' + b"1.5, " * 200_000 + b"2.0]}"
+    with httpx.Client() as http:
+        kind, size, _, head = http.post(
+            probe_url, content=body, headers={"content-type": "application/json"}
+        ).text.split()
+    assert kind in ("bytearray", "bytes") and (int(size), head) == (len(body), body[:8].hex())
