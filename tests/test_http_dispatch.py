@@ -1,9 +1,9 @@
 """The operator hot path (``dxserve.http.routes``) answers exactly like the routed path.
 
-``OperatorDispatch`` sends ``POST /{operator}`` straight to the handler, inside the
-metrics and server-error middlewares; these tests pin what it must keep: problem
-documents for handled and unexpected errors, the metrics labels, the 405 of other
-methods, and the clients' cached operator URLs.
+``OperatorApp`` sends ``POST /{operator}`` straight to the handler, inside the
+metrics and server-error middlewares and outside FastAPI's own stack; these tests pin
+what it must keep: problem documents for handled and unexpected errors, the metrics
+labels, the 405 of other methods, and the clients' cached operator URLs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from dxclient import Client, JaxReverse
 from dxserve.http import create_app
-from dxserve.http.dispatch import OperatorDispatch, OperatorRoute
+from dxserve.http.dispatch import OperatorApp, OperatorRoute
 from dxserve.settings import Settings
 
 PROBLEM = "application/problem+json"
@@ -46,11 +46,26 @@ def _count(text: str, route: str, status: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_operator_routes_are_dispatched(app: Any) -> None:
-    app.build_middleware_stack()  # what Starlette does at the first request
+def test_operator_posts_skip_fastapis_stack(app: Any, http: TestClient) -> None:
+    assert isinstance(app, OperatorApp)
     ops = [r for r in app.router.routes if isinstance(r, OperatorRoute)]
     assert {"/gradient", "/prepare/gradient"} <= {r.path for r in ops}
-    assert any(m.cls is OperatorDispatch for m in app.user_middleware)
+    seen: list[str] = []
+    stack = app.middleware_stack
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(f"{scope.get('method')} {scope.get('path')}")
+        await stack(scope, receive, send)
+
+    app.middleware_stack = counting
+    try:
+        ok = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
+        assert ok.status_code == 200 and ok.json()["gradient"] == [-400.0, 200.0]
+        assert "x-request-id" in ok.headers and "server-timing" in ok.headers
+        assert http.get("/health").status_code == 200
+    finally:
+        app.middleware_stack = stack
+    assert seen == ["GET /health"]  # the POST went by the operator stack alone
 
 
 def test_answers_and_metrics(http: TestClient) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.responses import Response
 
 from dxclient import codec
@@ -26,7 +27,7 @@ from .. import __version__, observe
 from ..service import Service
 from ..settings import Settings
 from . import problems, routes, schemas
-from .dispatch import OperatorDispatch, OperatorRoute
+from .dispatch import OperatorApp, OperatorRoute
 from .metrics import Metrics
 
 _PROBLEMS = {
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
         yield
         service.close()
 
-    app = FastAPI(
+    app = OperatorApp(
         title="dxserve",
         version=__version__,
         summary="Differentiation as a service: DifferentiationInterface-style derivatives over JAX",
@@ -63,8 +64,6 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     app.state.metrics = metrics
     problems.install(app)
     _add_routes(app)
-    # Innermost, so the metrics (and any other) middleware still see every request.
-    app.add_middleware(OperatorDispatch, api=app)
     # Outermost, around Starlette's ServerErrorMiddleware too, so that an unexpected
     # error's 500 is counted, timed and given its request id like any answer.
     build_stack = app.build_middleware_stack
@@ -73,7 +72,13 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     def build_middleware_stack() -> Any:
         return _MetricsMiddleware(build_stack(), metrics, app, log_requests)
 
+    def operator_stack(endpoints: Any) -> Any:
+        errors = app.exception_handlers.get(500) or app.exception_handlers.get(Exception)
+        inner = ServerErrorMiddleware(endpoints, handler=errors, debug=app.debug)
+        return _MetricsMiddleware(inner, metrics, app, log_requests)
+
     app.build_middleware_stack = build_middleware_stack  # type: ignore[method-assign]
+    app.operator_stack = operator_stack
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

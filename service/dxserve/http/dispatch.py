@@ -1,21 +1,22 @@
 """The operator endpoints' hot path: served without FastAPI's per-request machinery.
 
 The operator handlers take the raw ``Request`` and parse and validate the body
-themselves (``wire``), so what FastAPI does around an ``APIRoute`` per request
-(dependency solving, exit stacks, a regex scan over every route) has nothing to do
-for them, and on a small gradient that machinery costs about as much as the
-computation.
+themselves (``wire``), so what FastAPI and Starlette do around an ``APIRoute`` per
+request (telemetry checks, a body-limit and an exit-stack layer, dependency solving, a
+regex scan over every route) has nothing to do for them, and on a small gradient that
+machinery costs about as much as the computation.
 
 ``OperatorRoute`` stays an ``APIRoute``, so the OpenAPI document and every other
 request (a GET on an operator path answers 405 through the router) are unchanged.
-``OperatorDispatch`` is the innermost user middleware: it sends a POST to an
-``OperatorRoute`` path straight to the route's endpoint, inside every other
-middleware, through Starlette's own ``ExceptionMiddleware`` with the app's
-handlers, so answers, problem documents and metrics are those of any route.
+``OperatorApp`` is the FastAPI app with one shortcut: a POST to an ``OperatorRoute``
+path goes to ``operator_stack`` (built by ``create_app``: the metrics middleware,
+Starlette's ``ServerErrorMiddleware`` and ``OperatorEndpoints``) instead of FastAPI's
+whole stack, so answers, problem documents and metrics are those of any route.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,7 +38,7 @@ class OperatorRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
-        if self.param_convertors:  # matches() and OperatorDispatch compare paths literally
+        if self.param_convertors:  # matches() and OperatorApp compare paths literally
             raise ValueError(f"OperatorRoute needs a fixed path, got {path!r}")
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
@@ -49,29 +50,18 @@ class OperatorRoute(APIRoute):
         return (Match.FULL if scope["method"] in self.methods else Match.PARTIAL), child
 
 
-class OperatorDispatch:
-    """Pure ASGI: ``POST`` to an ``OperatorRoute`` path -> its endpoint, directly.
+class OperatorEndpoints:
+    """Pure ASGI: a POST to an ``OperatorRoute`` path -> its endpoint, through
+    Starlette's own ``ExceptionMiddleware`` with the app's handlers (500/Exception
+    belong to ``ServerErrorMiddleware``, further out, as Starlette splits them)."""
 
-    Add it before any other middleware (``add_middleware`` puts later ones outside).
-    Routes are read when Starlette builds the middleware stack, at the first request
-    (or lifespan start-up), so every route registered by then is served.
-    """
-
-    def __init__(self, app: ASGIApp, api: FastAPI) -> None:
-        self.app = app
+    def __init__(self, api: FastAPI) -> None:
         self.routes = {r.path: r for r in api.router.routes if isinstance(r, OperatorRoute)}
-        # 500/Exception belong to ServerErrorMiddleware, further out, so an unexpected
-        # error propagates to it as from any route (Starlette splits them the same way).
         handlers = {k: h for k, h in api.exception_handlers.items() if k not in (500, Exception)}
         self.endpoints = ExceptionMiddleware(self._endpoint, handlers=handlers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.routes.get(route_path(scope))
-        if route is None:
-            await self.app(scope, receive, send)
-            return
+        route = self.routes[route_path(scope)]
         scope["endpoint"], scope["path_params"], scope["route"] = route.endpoint, {}, route
         await self.endpoints(scope, receive, send)
 
@@ -79,3 +69,30 @@ class OperatorDispatch:
     async def _endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         response = await scope["endpoint"](Request(scope, receive, send))
         await response(scope, receive, send)
+
+
+class OperatorApp(FastAPI):
+    """A FastAPI app whose operator POSTs skip FastAPI's stack for ``operator_stack``.
+
+    ``operator_stack(endpoints)`` wraps an ``OperatorEndpoints`` in the middleware every
+    answer needs (set by ``create_app``); it is built at the first request, when every
+    route is registered, as Starlette builds its own stack. Until it is set, every
+    request takes FastAPI's way.
+    """
+
+    operator_stack: Callable[[ASGIApp], ASGIApp] | None = None
+    _operators: tuple[ASGIApp, frozenset[str]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.operator_stack:
+            if self.root_path:
+                scope["root_path"] = self.root_path
+            if self._operators is None:
+                endpoints = OperatorEndpoints(self)
+                self._operators = (self.operator_stack(endpoints), frozenset(endpoints.routes))
+            stack, paths = self._operators
+            if route_path(scope) in paths:
+                scope["app"] = self
+                await stack(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
