@@ -120,7 +120,8 @@ def test_json_logs_parse_as_json_lines(make_server) -> None:
         client.register_expression("cubes", "jnp.sum(x ** 3)")
         with pytest.raises(UnknownFunctionError):
             client.gradient("missing", "auto", np.array(X))
-    httpx.get(srv.url + "/health", headers={"x-request-id": "abc-123"})
+    health = httpx.get(srv.url + "/health", headers={"x-request-id": "abc-123"})
+    assert "server" not in health.headers and "date" in health.headers  # no stack banner
     deadline = time.monotonic() + 10
     while True:
         lines = [line for line in srv.log.read_text().splitlines() if line.strip()]

@@ -224,6 +224,9 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
         "timeout_keep_alive": settings.keep_alive_timeout,
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "backlog": settings.backlog,
+        # no "server: uvicorn" on every answer: it names the stack to scanners and is one
+        # header more for every client to parse
+        "server_header": False,
     }
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from starlette.middleware.exceptions import ExceptionMiddleware
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -51,24 +51,37 @@ class OperatorRoute(APIRoute):
 
 
 class OperatorEndpoints:
-    """Pure ASGI: a POST to an ``OperatorRoute`` path -> its endpoint, through
-    Starlette's own ``ExceptionMiddleware`` with the app's handlers (500/Exception
-    belong to ``ServerErrorMiddleware``, further out, as Starlette splits them)."""
+    """Pure ASGI: a POST to an ``OperatorRoute`` path -> its endpoint. An exception the
+    endpoint raises goes to the app's handler for its class (the lookup Starlette's
+    ``ExceptionMiddleware`` makes, without its send wrapper); 500/Exception belong to
+    ``ServerErrorMiddleware``, further out, as Starlette splits them."""
 
     def __init__(self, api: FastAPI) -> None:
         self.routes = {r.path: r for r in api.router.routes if isinstance(r, OperatorRoute)}
-        handlers = {k: h for k, h in api.exception_handlers.items() if k not in (500, Exception)}
-        self.endpoints = ExceptionMiddleware(self._endpoint, handlers=handlers)
+        self.handlers = {
+            k: h for k, h in api.exception_handlers.items() if k not in (500, Exception)
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes[route_path(scope)]
         scope["endpoint"], scope["path_params"], scope["route"] = route.endpoint, {}, route
-        await self.endpoints(scope, receive, send)
-
-    @staticmethod
-    async def _endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-        response = await scope["endpoint"](Request(scope, receive, send))
+        request = Request(scope, receive, send)
+        try:
+            response = await route.endpoint(request)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if handler is None:
+                raise
+            response = await handler(request, exc)
         await response(scope, receive, send)
+
+    def _handler(self, exc: Exception) -> Any:
+        if isinstance(exc, HTTPException) and exc.status_code in self.handlers:
+            return self.handlers[exc.status_code]
+        for cls in type(exc).__mro__:
+            if cls in self.handlers:
+                return self.handlers[cls]
+        return None
 
 
 class OperatorApp(FastAPI):
