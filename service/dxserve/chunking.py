@@ -140,19 +140,10 @@ class Chunker:
         operator too large for one call), the backend's ``batch_size``, and
         ``total / CHUNKS`` once there are ``CHUNK_FROM`` basis vectors or more.
         """
-        total = self.total
-        sizes = []
-        est = self.oversized.get(operator)
-        if est is not None:  # the budget over the one-shot's bytes per basis vector
-            sizes.append(max(1, int(self.budget // max(1.0, est.memory_bytes / total))))
-        batch = getattr(self.engine, "batch_size", None)
-        if batch:
-            sizes.append(batch)
-        if self.chunk_from and total >= self.chunk_from:
-            sizes.append(-(-total // CHUNKS))
-        if not sizes or min(sizes) >= total:
-            return None
-        return min(sizes)
+        return _plan(
+            self.total, self.budget, self.oversized.get(operator), self.chunk_from,
+            getattr(self.engine, "batch_size", None),
+        )
 
     # --- running ----------------------------------------------------------------
     def run(
@@ -265,6 +256,25 @@ class Chunker:
 
 
 
+def _plan(
+    total: int, budget: int, oversized: Estimate | None, chunk_from: int,
+    batch_size: int | None = None,
+) -> int | None:
+    """Items per chunk, or None to run one-shot: the smallest of the budget over the
+    one-shot's bytes per item (when the one-shot is ``oversized``), ``batch_size``, and
+    ``total / CHUNKS`` from ``chunk_from`` items on."""
+    sizes = []
+    if oversized is not None:
+        sizes.append(max(1, int(budget // max(1.0, oversized.memory_bytes / total))))
+    if batch_size:
+        sizes.append(batch_size)
+    if chunk_from and total >= chunk_from:
+        sizes.append(-(-total // CHUNKS))
+    if not sizes or min(sizes) >= total:
+        return None
+    return min(sizes)
+
+
 def _starts(total: int, size: int) -> list[int]:
     """Where each chunk of ``size`` starts: every ``size`` and, for a remainder, the
     last ``size`` (overlapping its predecessor, recomputing the same basis vectors, so
@@ -321,15 +331,7 @@ class Slicer:
 
     def size_for(self, operator: str) -> int | None:
         """Items per chunk, or None to run the one-shot executable."""
-        total, sizes = self.total, []
-        est = self.oversized.get(operator)
-        if est is not None:
-            sizes.append(max(1, int(self.budget // max(1.0, est.memory_bytes / total))))
-        if self.chunk_from and total >= self.chunk_from:
-            sizes.append(-(-total // CHUNKS))
-        if not sizes or min(sizes) >= total:
-            return None
-        return min(sizes)
+        return _plan(self.total, self.budget, self.oversized.get(operator), self.chunk_from)
 
     def run(
         self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int,
