@@ -12,9 +12,10 @@ A ``Chunker`` runs the same maths ``size`` basis vectors at a time: one executab
 one host result that is never zeroed; the block buffer itself is donated back to the
 next chunk (``previous``), so the device allocator hands out the same memory every
 chunk instead of fresh pages. Every chunk runs the one compiled program; a remainder
-is covered by a last chunk that overlaps its predecessor. Each basis vector's column or row is computed by the same operations as
-in the one-shot program, so both paths agree to rounding (bit for bit where XLA
-vectorizes the two batch widths alike; tests/test_progress_chunks.py).
+is covered by a last chunk that overlaps its predecessor. Each basis vector's column or
+row is computed by the same operations as in the one-shot program, so both paths agree
+to rounding (bit for bit where XLA vectorizes the two batch widths alike;
+tests/test_progress_chunks.py).
 
 When a run is chunked:
 
@@ -111,7 +112,6 @@ class Chunker:
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
-    dtype: np.dtype = field(default=np.dtype(np.float64), repr=False)  # the result's
 
     @property
     def total(self) -> int:
@@ -163,8 +163,9 @@ class Chunker:
         x, contexts = jax.device_put((x, contexts), jax.config.jax_default_device)
         # Blocks land in one host array that is never zeroed: each chunk writes its own
         # columns or rows once, as the one-shot program writes its result once.
-        out = np.empty((self.m, self.n), self.dtype)
-        block = jnp.empty(self._block_shape(size), self.dtype)
+        one = exe.out_info  # the shape and dtype of one chunk's block
+        out = np.empty((self.m, self.n), one.dtype)
+        block = jnp.empty(one.shape, one.dtype)
         for start in _starts(total, size):
             if job is not None:
                 job.check()
@@ -193,7 +194,6 @@ class Chunker:
         def compile_at(size: int) -> Any:
             fn = self._block_fn(size)
             block = jax.eval_shape(fn, x, contexts, np.int32(0))
-            self.dtype = np.dtype(block.dtype)
             donating = jax.jit(
                 lambda x, contexts, start, previous: fn(x, contexts, start),
                 donate_argnums=3,
@@ -223,9 +223,6 @@ class Chunker:
                 "(DXSERVE_MAX_REQUEST_FLOPS)",
                 field="x", limit="max_request_flops", estimate=est.flops * chunks,
             )
-
-    def _block_shape(self, size: int) -> tuple[int, int]:
-        return (self.m, size) if self.forward else (size, self.n)
 
     def _block_fn(self, size: int) -> Callable:
         """``block(x, contexts, start)``: basis vectors ``start .. start + size``

@@ -24,8 +24,8 @@ hand the application a chunk (uvicorn's flow control), and the application gets 
 whole body as one message when the last byte is in. The buffer is a new ``bytearray``
 per request (for a binary body, a 64-byte aligned memoryview of one, so its arrays can
 be used by the device as they are), owned by that request alone: arrays decoded from it
-as views can never see the bytes of a later request. Larger declared lengths are left to the application,
-which refuses them (413) before reading.
+as views can never see the bytes of a later request. Larger declared lengths are left
+to the application, which refuses them (413) before reading.
 
 A request that runs out of time is answered 408 (problem+json) if no response has
 started, and its connection is closed. No read timer runs while the application works

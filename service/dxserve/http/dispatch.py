@@ -51,7 +51,8 @@ class OperatorRoute(APIRoute):
 
 
 class OperatorEndpoints:
-    """Pure ASGI: a POST to an ``OperatorRoute`` path -> its endpoint. An exception the
+    """Pure ASGI: a POST to an ``OperatorRoute`` path (``scope["route"]``) -> its
+    endpoint. An exception the
     endpoint raises goes to the app's handler for its class (the lookup Starlette's
     ``ExceptionMiddleware`` makes, without its send wrapper); 500/Exception belong to
     ``ServerErrorMiddleware``, further out, as Starlette splits them."""
@@ -63,8 +64,7 @@ class OperatorEndpoints:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes[route_path(scope)]
-        scope["endpoint"], scope["path_params"], scope["route"] = route.endpoint, {}, route
+        route = scope["route"]  # looked up once, by OperatorApp
         request = Request(scope, receive, send)
         try:
             response = await route.endpoint(request)
@@ -94,7 +94,7 @@ class OperatorApp(FastAPI):
     """
 
     operator_stack: Callable[[ASGIApp], ASGIApp] | None = None
-    _operators: tuple[ASGIApp, frozenset[str]] | None = None
+    _operators: tuple[ASGIApp, dict[str, OperatorRoute]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self.operator_stack:
@@ -102,10 +102,12 @@ class OperatorApp(FastAPI):
                 scope["root_path"] = self.root_path
             if self._operators is None:
                 endpoints = OperatorEndpoints(self)
-                self._operators = (self.operator_stack(endpoints), frozenset(endpoints.routes))
-            stack, paths = self._operators
-            if route_path(scope) in paths:
-                scope["app"] = self
+                self._operators = (self.operator_stack(endpoints), endpoints.routes)
+            stack, routes = self._operators
+            route = routes.get(route_path(scope))
+            if route is not None:
+                scope["app"], scope["route"] = self, route
+                scope["endpoint"], scope["path_params"] = route.endpoint, {}
                 await stack(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
