@@ -147,6 +147,18 @@ def _send_args(call: Call, asynchronous: bool = False) -> dict[str, Any]:
     return {"content": call.body, "headers": call.headers}
 
 
+#: what a response that has been read streams from here on
+_READ = httpx.ByteStream(b"")
+
+
+def _unbind(response: httpx.Response) -> None:
+    """Drop httpx's wrapper around the stream of ``response``, which has been read: the
+    wrapper refers back to the response, and that cycle keeps the body alive until the
+    garbage collector runs. Without it a large answer's buffer is free as soon as the
+    caller lets go of what was decoded from it (and ``dxclient.transport`` reuses it)."""
+    response.stream = _READ
+
+
 def _get(path: str) -> Call:
     return Call("GET", path, b"", {})
 
@@ -409,6 +421,7 @@ class Client(_ClientBase):
                 break
             time.sleep(delay or 0.0)
             attempt += 1
+        _unbind(response)
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
 
@@ -490,6 +503,7 @@ class AsyncClient(_ClientBase):
                 break
             await asyncio.sleep(delay or 0.0)
             attempt += 1
+        _unbind(response)
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
 

@@ -21,7 +21,10 @@ server answers early (413) while it is still being sent is handled as httpcore d
 the answer is read and returned.
 
 The answer's ``content`` is a ``bytearray`` (bytes-like; ``dxclient``'s decoders make
-read-only views of it). Timeouts apply per socket operation, as in httpx; errors are
+read-only views of it). A large answer is read into a buffer the transport has used
+before once nothing refers to it any more (``AnswerBuffers``): memory the process
+touched already takes the bytes without a page fault per 4 KiB, which for an 800 KB
+answer costs more than moving it through the kernel. Timeouts apply per socket operation, as in httpx; errors are
 httpx's (``ConnectError``, ``ConnectTimeout``, ``WriteError``, ``WriteTimeout``,
 ``ReadError``, ``ReadTimeout``, ``RemoteProtocolError``), so retry rules built on them
 hold for both paths.
@@ -32,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
+import sys
+import sysconfig
 import threading
 import time
 from typing import Any
@@ -150,13 +155,77 @@ def _response(request: httpx.Request, head: _Head, body: Any) -> httpx.Response:
 
 
 class _Conn:
-    """A socket and what has been read past the last answer (nothing, for reuse)."""
+    """A socket, and the buffer its answers' heads are read into (kept with it, so a
+    kept-alive connection reads into memory it has touched already)."""
 
-    __slots__ = ("idle_since", "sock")
+    __slots__ = ("buf", "idle_since", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.buf = bytearray(_RECV)
         self.idle_since = 0.0
+
+
+def _scan(kept: list[bytearray], size: int, free: int) -> bytearray | None:
+    """The first buffer of ``size`` bytes in ``kept`` that only ``kept`` refers to
+    (``free``: its reference count then, as counted here)."""
+    for buf in kept:
+        if len(buf) == size and sys.getrefcount(buf) == free:
+            return buf
+    return None
+
+
+def _free_refcount() -> int | None:
+    """What ``_scan`` counts for a buffer that only its list holds, measured by ``_scan``
+    itself; None where reference counts can't tell (not CPython, or free-threaded)."""
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    for count in range(1, 8):
+        if _scan([bytearray(1)], 1, count) is not None:
+            return count
+    return None
+
+
+class AnswerBuffers:
+    """The buffers large answers are read into, kept for reuse.
+
+    A kept buffer is handed out again only when nothing outside this pool refers to
+    it: the answer, its ``content`` and every array decoded from it are gone. So
+    a loop of same-sized calls reads each answer into the same memory, and an answer
+    a caller keeps is never written over. Buffers from ``min_bytes`` on are kept, at
+    most ``max_count`` of them and ``max_bytes`` in all (the oldest are let go first);
+    smaller and larger answers get fresh memory, as they would without a pool.
+    """
+
+    def __init__(
+        self, min_bytes: int = 128 * 1024, max_bytes: int = 64 * 2**20, max_count: int = 8
+    ) -> None:
+        self.min_bytes, self.max_bytes, self.max_count = min_bytes, max_bytes, max_count
+        self._kept: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        """A ``bytearray`` of ``size`` bytes (its old contents, if reused: the caller
+        fills all of it)."""
+        if _FREE is None or not self.min_bytes <= size <= self.max_bytes:
+            return bytearray(size)
+        with self._lock:
+            buf = _scan(self._kept, size, _FREE)
+            if buf is not None:
+                return buf
+            buf = bytearray(size)
+            self._kept.append(buf)
+            held = sum(map(len, self._kept))
+            while len(self._kept) > self.max_count or held > self.max_bytes:
+                held -= len(self._kept.pop(0))
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept = []
+
+
+_FREE = _free_refcount()
 
 
 def _stale(conn: _Conn, now: float) -> bool:
@@ -202,6 +271,7 @@ class FastTransport(httpx.BaseTransport):
     ) -> None:
         self.fallback = fallback if fallback is not None else httpx.HTTPTransport()
         self.min_bytes = min_bytes
+        self.buffers = AnswerBuffers()
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._lock = threading.Lock()
 
@@ -213,7 +283,7 @@ class FastTransport(httpx.BaseTransport):
         connect_t, write_t, read_t = _timeouts(request)
         conn = self._checkout(key, connect_t, request)
         try:
-            head, data, keep = self._exchange(conn.sock, request, body, write_t, read_t)
+            head, data, keep = self._exchange(conn, request, body, write_t, read_t)
         except BaseException:
             conn.sock.close()
             raise
@@ -251,9 +321,10 @@ class FastTransport(httpx.BaseTransport):
         conn.sock.close()
 
     def _exchange(
-        self, sock: socket.socket, request: httpx.Request, body: list[Any],
+        self, conn: _Conn, request: httpx.Request, body: list[Any],
         write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
+        sock = conn.sock
         try:
             sock.settimeout(write_t)
             _send_parts(sock, [request_head(request), *body])
@@ -264,7 +335,7 @@ class FastTransport(httpx.BaseTransport):
             write_error = exc
         try:
             sock.settimeout(read_t)
-            reader = _SyncReader(sock)
+            reader = _SyncReader(conn, self.buffers)
             head = reader.head(request.method)
             data = reader.body(head)
         except TimeoutError as exc:
@@ -290,6 +361,7 @@ class FastTransport(httpx.BaseTransport):
         for conns in idle.values():
             for conn in conns:
                 conn.sock.close()
+        self.buffers.clear()
         self.fallback.close()
 
 
@@ -306,10 +378,14 @@ def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
 
 
 class _ReaderBase:
-    """The bytes read past the head (``buf[start:end]``) and the framing logic."""
+    """The bytes read past the head (``buf[start:end]``, ``buf`` the connection's) and
+    the framing logic; a Content-Length body goes into a buffer from ``buffers``."""
 
-    def __init__(self) -> None:
-        self.buf = bytearray(_RECV)
+    def __init__(self, conn: _Conn, buffers: AnswerBuffers) -> None:
+        if len(conn.buf) < _RECV:  # cut down by a compaction in the last answer
+            conn.buf.extend(bytes(_RECV - len(conn.buf)))
+        self.buf = conn.buf
+        self.buffers = buffers
         self.start = self.end = 0
 
     @property
@@ -338,9 +414,9 @@ class _ReaderBase:
 
 
 class _SyncReader(_ReaderBase):
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__()
-        self.sock = sock
+    def __init__(self, conn: _Conn, buffers: AnswerBuffers) -> None:
+        super().__init__(conn, buffers)
+        self.sock = conn.sock
 
     def _fill(self) -> None:
         """Read more into ``buf`` (grown if full)."""
@@ -393,7 +469,7 @@ class _SyncReader(_ReaderBase):
 
     def body(self, head: _Head) -> Any:
         if head.length is not None:
-            out = bytearray(head.length)
+            out = self.buffers.take(head.length)
             if head.length:
                 self.into(memoryview(out))
             return out
@@ -442,6 +518,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
     ) -> None:
         self.fallback = fallback if fallback is not None else httpx.AsyncHTTPTransport()
         self.min_bytes = min_bytes
+        self.buffers = AnswerBuffers()
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -456,7 +533,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
         connect_t, write_t, read_t = _timeouts(request)
         conn = await self._checkout(loop, key, connect_t, request)
         try:
-            head, data, keep = await self._exchange(loop, conn.sock, request, body, write_t, read_t)
+            head, data, keep = await self._exchange(loop, conn, request, body, write_t, read_t)
         except BaseException:
             conn.sock.close()
             raise
@@ -501,9 +578,10 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
         return _Conn(sock)
 
     async def _exchange(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, request: httpx.Request,
+        self, loop: asyncio.AbstractEventLoop, conn: _Conn, request: httpx.Request,
         body: list[Any], write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
+        sock = conn.sock
         write_error = None
         try:
             # small parts go together; large ones as they are (no join)
@@ -520,7 +598,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
             raise httpx.WriteTimeout("write timed out", request=request) from exc
         except OSError as exc:
             write_error = exc
-        reader = _AsyncReader(loop, sock, read_t)
+        reader = _AsyncReader(loop, conn, self.buffers, read_t)
         try:
             head = await reader.head(request.method)
             data = await reader.body(head)
@@ -544,13 +622,17 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
         for conns in idle.values():
             for conn in conns:
                 conn.sock.close()
+        self.buffers.clear()
         await self.fallback.aclose()
 
 
 class _AsyncReader(_ReaderBase):
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float | None) -> None:
-        super().__init__()
-        self.loop, self.sock, self.timeout = loop, sock, timeout
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, conn: _Conn, buffers: AnswerBuffers,
+        timeout: float | None,
+    ) -> None:
+        super().__init__(conn, buffers)
+        self.loop, self.sock, self.timeout = loop, conn.sock, timeout
 
     async def _recv_into(self, view: memoryview) -> int:
         return await _within(self.loop.sock_recv_into(self.sock, view), self.timeout)
@@ -598,7 +680,7 @@ class _AsyncReader(_ReaderBase):
 
     async def body(self, head: _Head) -> Any:
         if head.length is not None:
-            out = bytearray(head.length)
+            out = self.buffers.take(head.length)
             if head.length:
                 await self.into(memoryview(out))
             return out
