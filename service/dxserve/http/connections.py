@@ -321,9 +321,12 @@ class _BodySink(asyncio.BufferedProtocol):
 
 
 def aligned_buffer(size: int, align: int = 64) -> memoryview:
-    """A writable ``size``-byte buffer whose first byte is ``align``-byte aligned."""
-    raw = bytearray(size + align - 1)
-    start = -np.frombuffer(raw, np.uint8).ctypes.data % align
+    """A writable ``size``-byte buffer whose first byte is ``align``-byte aligned.
+
+    Not zeroed (a body is received into all of it before it is read): a ``bytearray``
+    would write every byte once more, 8 MB at n = 10^6."""
+    raw = np.empty(size + align - 1, np.uint8)
+    start = -raw.ctypes.data % align
     return memoryview(raw)[start:start + size]
 
 
