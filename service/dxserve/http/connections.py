@@ -156,6 +156,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             cycle = self.cycle
             if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
                 return
+            cycle.transport = _HeadWithBody(self.transport, self.loop)
             length = _declared_length(self.headers)
             if limits.inbox_min_bytes <= length <= limits.max_body_bytes:
                 # read by run_asgi when the task first runs, after this callback
@@ -249,6 +250,49 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self.transport.close()
 
     return BoundedHttpToolsProtocol
+
+
+class _HeadWithBody:
+    """The transport one request's answer is written through: the answer's head (the
+    first write) is held back and goes out with the first part of its body, in one
+    send. A small answer is then one segment, read by the client in one wake-up, not
+    two. A head whose body does not follow within the same turn of the event loop (an
+    event stream's, say) goes out at the end of that turn."""
+
+    __slots__ = ("_held", "_loop", "_started", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._started = False
+
+    def write(self, data: bytes) -> None:
+        if not self._started:
+            self._started = True
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        else:
+            self._held = None
+            self._transport.writelines((held, data))
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
