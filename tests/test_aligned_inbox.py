@@ -7,15 +7,11 @@ reports the type and alignment of the body it receives.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import jax
 import numpy as np
 import pytest
-import uvicorn
-from conftest import free_port
+from conftest import uvicorn_in_thread
 
 from dxclient import codec
 from dxserve.http.connections import ConnectionLimits, aligned_buffer, bounded_protocol
@@ -69,19 +65,8 @@ def probe_url():
                     "headers": [(b"content-length", str(len(report)).encode())]})
         await send({"type": "http.response.body", "body": report})
 
-    port = free_port()
-    protocol = bounded_protocol(ConnectionLimits())
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "probe server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(app, http=bounded_protocol(ConnectionLimits()), log_level="warning") as url:
+        yield url
 
 
 def test_large_binary_bodies_arrive_aligned(probe_url: str) -> None:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
-from conftest import free_port
+from conftest import uvicorn_in_thread
 
 from dxserve.http.connections import ConnectionLimits, _HeadWithBody, bounded_protocol
 
@@ -117,19 +115,8 @@ async def _app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def url():
-    port = free_port()
-    config = uvicorn.Config(_app, host="127.0.0.1", port=port,
-                            http=bounded_protocol(ConnectionLimits()), log_level="critical")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(_app, http=bounded_protocol(ConnectionLimits()), log_level="critical") as url:
+        yield url
 
 
 def test_answers_arrive_whole_over_a_kept_alive_connection(url: str) -> None:
