@@ -24,10 +24,10 @@ The answer's ``content`` is a ``bytearray`` (bytes-like; ``dxclient``'s decoders
 read-only views of it). A large answer is read into a buffer the transport has used
 before once nothing refers to it any more (``AnswerBuffers``): memory the process
 touched already takes the bytes without a page fault per 4 KiB, which for an 800 KB
-answer costs more than moving it through the kernel. Timeouts apply per socket operation, as in httpx; errors are
-httpx's (``ConnectError``, ``ConnectTimeout``, ``WriteError``, ``WriteTimeout``,
-``ReadError``, ``ReadTimeout``, ``RemoteProtocolError``), so retry rules built on them
-hold for both paths.
+answer costs more than moving it through the kernel. Timeouts apply per socket
+operation, as in httpx; errors are httpx's (``ConnectError``, ``ConnectTimeout``,
+``WriteError``, ``WriteTimeout``, ``ReadError``, ``ReadTimeout``,
+``RemoteProtocolError``), so retry rules built on them hold for both paths.
 """
 
 from __future__ import annotations
@@ -382,9 +382,7 @@ class _ReaderBase:
     the framing logic; a Content-Length body goes into a buffer from ``buffers``."""
 
     def __init__(self, conn: _Conn, buffers: AnswerBuffers) -> None:
-        if len(conn.buf) < _RECV:  # cut down by a compaction in the last answer
-            conn.buf.extend(bytes(_RECV - len(conn.buf)))
-        self.buf = conn.buf
+        self.buf = conn.buf  # grown by ``_fill`` when full (a compaction may shrink it)
         self.buffers = buffers
         self.start = self.end = 0
 
