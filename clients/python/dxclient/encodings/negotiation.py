@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from ..errors import UnsupportedMediaTypeError
 from .base import MEDIA_TYPES, Encoding
 from .binary import BINARY_TYPE
@@ -9,6 +11,9 @@ from .common import JSON_TYPE, MARKER
 
 _BUILT_IN_MEDIA = frozenset((JSON_TYPE, BINARY_TYPE))
 _MARKER_KEY = b'"' + MARKER.encode() + b'"'
+#: what follows a typed array's key when its value is a string (base64): matched in
+#: place, so a large body is not copied to look at its next few bytes
+_OPENS_STRING = re.compile(rb'[ :\t\r\n]*"')
 
 
 def decoder_for(content_type: str | None) -> Encoding:
@@ -60,6 +65,6 @@ def response_encoding(content_type: str | None, accept: str | None, body: bytes)
         if encoding is not None and encoding.media_type.lower() not in _BUILT_IN_MEDIA:
             return encoding.name
     at = body.find(_MARKER_KEY)
-    if at >= 0 and body[at + len(_MARKER_KEY) :].lstrip(b" :\t\r\n")[:1] == b'"':
+    if at >= 0 and _OPENS_STRING.match(body, at + len(_MARKER_KEY)):
         return "b64"
     return "json"
