@@ -59,8 +59,8 @@ class Call:
 
 class PartsCall(Call):
     """A call whose body is consecutive bytes-like ``parts`` (a binary header, then the
-    arrays' own memory), so a transport can write them one after another with no joined
-    copy; ``body`` joins them only when read (once). Made only for calls sent at once
+    arrays' own memory; or JSON text around base64 strings), so a transport can write
+    them one after another with no joined copy; ``body`` joins them only when read (once). Made only for calls sent at once
     (never kept, as a prep's request is: its parts would follow later changes to x)."""
 
     parts: tuple[Any, ...]
@@ -82,6 +82,8 @@ class PartsCall(Call):
 
 #: request bodies from this size on are sent as parts (``PartsCall``)
 PARTS_MIN_BYTES = 64 * 1024
+#: encodings whose large arrays are parts of their own in ``codec.encode_body_parts``
+_PARTS_ENCODINGS = frozenset(("binary", "b64"))
 
 
 def function_name(f: RemoteFunction | str) -> str:
@@ -155,7 +157,8 @@ def operator_call(
         payload["prep"] = prep.handle
     if batch_axis is not None:
         payload["batch_axis"] = batch_axis
-    if encoding == "binary" and not prepare:  # sent at once: the arrays' memory as it is
+    if encoding in _PARTS_ENCODINGS and not prepare:
+        # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)
         body: Any = parts
     else:
@@ -265,8 +268,10 @@ class _InlineRepeats:
             known = (template.method, template.path, head, tail, template.headers)
             self._parts.put(key, known)
         method, path, head, tail, headers = known
-        part = codec.dumps(codec.ENCODINGS[encoding].encode_array(x, None, "x"))
-        return Call(method, path, b"".join((head, part, tail)), headers)
+        wire = codec.ENCODINGS[encoding].encode_array(x, None, "x")
+        if x.nbytes >= PARTS_MIN_BYTES and encoding in _PARTS_ENCODINGS and not key[1]:
+            return PartsCall(method, path, (head, *codec.dumps_parts(wire), tail), headers)
+        return Call(method, path, b"".join((head, codec.dumps(wire), tail)), headers)
 
 
 _INLINE_REPEATS = _InlineRepeats()

@@ -45,6 +45,7 @@ from .encodings.common import (
     dumps_parts,
     encode_tree,
     loads,
+    parsed_bytes,
 )
 from .encodings.json_lists import to_tree
 from .encodings.negotiation import decoder_for, response_encoding
@@ -76,6 +77,7 @@ __all__ = [
     "from_tree",
     "loads",
     "padding",
+    "parsed_bytes",
     "register_encoding",
     "response_encoding",
     "to_tree",

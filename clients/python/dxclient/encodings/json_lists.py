@@ -157,6 +157,8 @@ def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
             f"{BINARY_TYPE} with {HEADER_LENGTH} needed)",
             field=field,
         )
+    if type(data) is memoryview:  # base64 left unparsed in a large body (``loads_body``)
+        return from_b64(data, dt, shape, field)
     if isinstance(data, str) and not (shape == () and dt.kind == "f" and data in SPELLINGS):
         return from_b64(data, dt, shape, field)
     # JSON data

@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import MalformedRequestError
-from .common import JSON_TYPE, MARKER, JsonBody, check_dtype, le_contig, prod
+from .common import (
+    JSON_TYPE,
+    LIFT_MIN_CHARS,
+    MARKER,
+    JsonBody,
+    RawString,
+    check_dtype,
+    le_contig,
+    prod,
+)
 
 try:
     import pybase64
@@ -33,8 +42,18 @@ def b64_text(raw: Any) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def b64_bytes(data: str) -> bytes:
-    """Strict standard base64 -> bytes; ``binascii.Error`` for anything else."""
+def b64_json(raw: Any) -> Any:
+    """Base64 of a bytes-like object as a JSON string value: a ``RawString`` of the
+    base64 bytes for a long one (written into a body without being copied or scanned),
+    else the ``str``."""
+    if len(raw) < LIFT_MIN_CHARS:
+        return b64_text(raw)
+    return RawString(pybase64.b64encode(raw) if pybase64 is not None else base64.b64encode(raw))
+
+
+def b64_bytes(data: str | memoryview) -> bytes:
+    """Strict standard base64 (text, or its ASCII bytes) -> bytes; ``binascii.Error``
+    for anything else."""
     if pybase64 is not None:
         return pybase64.b64decode(data, validate=True)
     return base64.b64decode(data, validate=True)
@@ -50,12 +69,14 @@ class TypedB64(JsonBody):
         """An array -> its typed object with base64 of its little-endian C-order bytes."""
         name = check_dtype(a, field)
         raw = memoryview(le_contig(a).reshape(-1).view(np.uint8))
-        data = b64_text(raw)
-        return {MARKER: data, "dtype": name, "shape": list(a.shape)}
+        return {MARKER: b64_json(raw), "dtype": name, "shape": list(a.shape)}
 
 
-def from_b64(data: str, dt: np.dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
-    """A typed object's base64 data -> a read-only array view of the decoded bytes."""
+def from_b64(
+    data: str | memoryview, dt: np.dtype, shape: tuple[int, ...], field: str
+) -> np.ndarray:
+    """A typed object's base64 data (a ``str``, or a view of its characters in the body)
+    -> a read-only array view of the decoded bytes."""
     nbytes = prod(shape) * dt.itemsize
     expected_len = 4 * ((nbytes + 2) // 3)
     if len(data) != expected_len:
