@@ -52,6 +52,8 @@ KEEPALIVE_EXPIRY = 4.0
 MAX_IDLE_PER_HOST = 16
 MAX_HEAD_BYTES = 64 * 1024
 _RECV = 64 * 1024
+#: the async reader watches the socket itself for the rest of a body this large
+_WATCHED_MIN = 256 * 1024
 _NO_BODY_STATUS = frozenset((204, 304))
 
 
@@ -502,8 +504,9 @@ class _SyncReader(_ReaderBase):
 
 class AsyncFastTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=AsyncFastTransport())``: the fast path on asyncio
-    (``loop.sock_sendall``, ``loop.sock_recv_into``); other event loops (trio) use the
-    fallback.
+    (``loop.sock_sendall``, ``loop.sock_recv_into``; the rest of a large answer read
+    with the socket watched once, ``_AsyncReader._watched_into``); other event loops
+    (trio) use the fallback.
 
     Here every plain-HTTP request with a byte body takes it by default (``min_bytes``
     0), not only large ones: httpx's async stack (anyio, httpcore) costs ~0.3 ms more
@@ -655,11 +658,69 @@ class _AsyncReader(_ReaderBase):
         part = self._take(min(len(view), self.end - self.start))
         view[: len(part)] = part
         got = len(part)
+        if len(view) - got >= _WATCHED_MIN:
+            got = await self._watched_into(view, got)
         while got < len(view):
             n = await self._recv_into(view[got:])
             if not n:
                 raise EOFError(f"server disconnected after {got} of {len(view)} body bytes")
             got += n
+
+    async def _watched_into(self, view: memoryview, got: int) -> int:
+        """Fill ``view[got:]`` with the socket watched once for the whole read: each time
+        it turns readable, read until it would block. (``sock_recv_into`` per read
+        registers the socket, makes a future and a timeout scope, ~50 times for an
+        8 MB answer.) The read timeout still counts from the last bytes that came.
+        Returns how far ``view`` is filled: all of it, or ``got`` where this event
+        loop cannot watch sockets (the caller reads on)."""
+        loop, sock, fd = self.loop, self.sock, self.sock.fileno()
+        done: asyncio.Future = loop.create_future()
+        state = [got, loop.time()]  # bytes in, time of the last ones
+
+        def finish(exc: BaseException | None) -> None:
+            if done.done():
+                return
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+        def readable() -> None:
+            try:
+                while state[0] < len(view):
+                    n = sock.recv_into(view[state[0]:])
+                    if not n:
+                        raise EOFError(
+                            f"server disconnected after {state[0]} of {len(view)} body bytes")
+                    state[0] += n
+                    state[1] = loop.time()
+            except (BlockingIOError, InterruptedError):
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting read
+                finish(exc)
+                return
+            finish(None)
+
+        def watchdog() -> None:
+            idle = loop.time() - state[1]
+            if idle >= self.timeout:
+                finish(TimeoutError(f"no body bytes for {self.timeout:g} s"))
+            else:
+                timer[0] = loop.call_later(self.timeout - idle, watchdog)
+
+        try:
+            loop.add_reader(fd, readable)
+        except NotImplementedError:  # e.g. the proactor loop on Windows
+            return got
+        timer = [loop.call_later(self.timeout, watchdog) if self.timeout is not None else None]
+        try:
+            readable()  # what is in already
+            await done
+        finally:
+            loop.remove_reader(fd)
+            if timer[0] is not None:
+                timer[0].cancel()
+        return state[0]
 
     async def line(self) -> bytes:
         while True:
