@@ -131,3 +131,44 @@ def test_client_resolves_operator_urls_like_httpx(app: Any) -> None:
                 client.gradient("f", JaxReverse(), np.zeros(2))
             assert seen[-1] == str(http.build_request("POST", "/gradient").url)
     assert seen == ["http://one/sub/gradient"] * 2 + ["http://two:81/gradient"] * 2
+
+
+def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> None:
+    """JSON requests that repeat all but x reuse their validated fields; x (any shape)
+    is validated every time, and a field of another type is never taken for one seen."""
+    import json as _json
+
+    from dxserve.http import wire
+
+    url = server.url + "/gradient"
+    head = {"content-type": "application/json"}
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(url, content=_json.dumps(body), headers=head, timeout=60)
+
+    frame = {"function": "sum_of_squares", "backend": {"type": "jax-reverse"}}
+    for x in ([1.0, 2.0], [3.0, -1.0, 0.5], [[1.0, 2.0], [0.0, -4.0]], 2.5):
+        r = post({**frame, "x": x})
+        assert r.status_code == 200, r.text
+        assert np.array_equal(np.asarray(r.json()["gradient"]), 2 * np.asarray(x))
+    # the same fields with a bad x, or with fields of other types, are still refused
+    assert post({**frame, "x": [1.0, "a"]}).status_code == 400
+    assert post({**frame, "x": [1.0], "batch_axis": 0}).status_code == 200
+    r = post({**frame, "x": [[1.0], [2.0]], "batch_axis": False})
+    assert r.status_code == 422 and r.json()["field"] == "batch_axis"
+    r = post({"function": 7, "backend": frame["backend"], "x": [1.0]})
+    assert r.status_code == 422 and r.json()["field"] == "function"
+    deep: dict = {"type": "jax-reverse"}
+    for _ in range(300):
+        deep = {"type": "second-order", "outer": deep}
+    r = post({"function": "sum_of_squares", "backend": deep, "x": [1.0]})
+    assert 400 <= r.status_code < 500
+    r = post({**frame, "x": [1.0, 2.0], "contexts": [[1.0]]})  # not a frame: parsed in full
+    assert 400 <= r.status_code < 500
+    from dxclient.operators import OPERATORS
+
+    gradient = OPERATORS["gradient"]
+    zero = wire._json_frame({**frame, "x": [1.0], "batch_axis": 0}, gradient)
+    assert zero is not None
+    assert wire._json_frame({**frame, "x": [1.0], "batch_axis": False}, gradient) != zero
+    assert wire._json_frame({**frame, "x": [1.0], "tangents": [[1.0]]}, gradient) is None

@@ -17,6 +17,7 @@ from dxclient.backends import Backend, backend_from_json
 from dxclient.encodings.common import mark_sequences
 from dxclient.encodings.negotiation import response_encoding as response_encoding
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
+from dxclient.lru import LRU
 from dxclient.operators import OperatorSpec
 
 from ..signature import Signature
@@ -69,23 +70,67 @@ def decode_operator_request(
         repeat = layout.memo.get(op.name)
         if repeat is not None:
             return repeat.request(obj)
+        frame = None
+    else:
+        frame = _json_frame(obj, op)
+        if frame is not None:
+            repeat = _JSON_FRAMES.get(frame)
+            if repeat is not None:
+                return repeat.request(obj)
     req = parse_operator_request(obj, op)
     if layout is not None and _all_binary(obj):
         layout.memo[op.name] = _Repeat(req)
+    elif frame is not None:
+        _JSON_FRAMES.put(frame, _Repeat(req, with_signature=False))
     return req
 
 
-class _Repeat:
-    """What a binary header says about a request, checked once: all but the arrays."""
+#: JSON requests whose fields besides x were validated already, by those fields
+_JSON_FRAMES: LRU[tuple, _Repeat] = LRU(256)
+_FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))
 
-    def __init__(self, req: OperatorRequest) -> None:
+
+def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
+    """What a JSON request says besides x, as a key, when that is all it holds (no
+    tangents or contexts) and each field is a plain value; else None. Types are part
+    of the key: ``false`` must not pass for a ``0`` seen before."""
+    if not _FRAME_FIELDS.issuperset(obj) or "x" not in obj:
+        return None
+    function, backend = obj.get("function"), obj.get("backend", "auto")
+    prep, batch_axis = obj.get("prep"), obj.get("batch_axis")
+    if type(backend) is dict:
+        try:
+            backend = codec.dumps(backend)
+        except (TypeError, ValueError):  # nested past orjson's limit, say: parsed in full
+            return None
+    plain = (str, type(None), int, bytes)
+    if not all(type(v) in plain for v in (function, backend, prep, batch_axis)):
+        return None
+    return (op.name, tuple(obj), function, type(backend), backend, prep,
+            type(batch_axis), batch_axis)
+
+
+class _Repeat:
+    """What a binary header (or a JSON request's fields besides x) says about a
+    request, checked once: all but the arrays. A JSON x may change shape from one
+    request to the next, so its signature is left to be found (``with_signature``)."""
+
+    def __init__(self, req: OperatorRequest, with_signature: bool = True) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
         self.batch_axis = req.batch_axis
-        self.signature = Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
+        self.signature = (
+            Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
+            if with_signature else None
+        )
 
     def request(self, obj: dict) -> OperatorRequest:
         """The request for a body with this header (``obj``: its decoded JSON)."""
+        if self.signature is None:  # JSON: x as sent, validated here
+            return OperatorRequest(
+                self.function, self.backend, codec.to_tree(obj["x"], "x"), None, (),
+                self.prep, None, self.batch_axis,
+            )
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
