@@ -60,8 +60,9 @@ class Call:
 class PartsCall(Call):
     """A call whose body is consecutive bytes-like ``parts`` (a binary header, then the
     arrays' own memory; or JSON text around base64 strings), so a transport can write
-    them one after another with no joined copy; ``body`` joins them only when read (once). Made only for calls sent at once
-    (never kept, as a prep's request is: its parts would follow later changes to x)."""
+    them one after another with no joined copy; ``body`` joins them only when read
+    (once). Made only for calls sent at once (never kept, as a prep's request is: its
+    parts would follow later changes to x)."""
 
     parts: tuple[Any, ...]
     size: int

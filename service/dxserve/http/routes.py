@@ -172,7 +172,7 @@ async def encode(
         try:
             if (
                 encoding == "binary" and binary.encodes_as_views(payload)  # no copies
-                or encoding == "b64" and nbytes <= B64_INLINE_BYTES * 3 // 4
+                or encoding == "b64" and nbytes <= B64_INLINE_BYTES * 3 // 4  # 4/3 in text
             ):
                 parts, media, headers = codec.encode_body_parts(payload, encoding)
             else:
