@@ -263,3 +263,62 @@ def test_the_server_decodes_base64_bodies_on_the_event_loop_only_when_quick() ->
     assert not routes._decodes_quickly(mixed, False, None)  # most of it is JSON to parse
     huge = b'{"x": {"__ndarray__": "' + b"A" * (routes.B64_INLINE_BYTES + 4) + b'"}}'
     assert not routes._decodes_quickly(huge, False, None)
+
+
+# --- fuzzed bodies ---------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SPACE = st.sampled_from(["", " ", "\t", "\n ", "\r\n"])
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    """JSON text with typed base64 arrays (long and short), other values around them,
+    the whitespace other writers use, and now and then an escape or a look-alike."""
+    members = []
+    for i in range(draw(st.integers(1, 6))):
+        kind = "long" if i == 0 else draw(st.sampled_from(["long", "short", "list", "nested", "text"]))
+        if kind in ("long", "short"):
+            size = draw(st.integers(3100, 9000) if kind == "long" else st.integers(0, 40))
+            text = base64.b64encode(draw(st.binary(min_size=size, max_size=size))).decode()
+            if draw(st.integers(0, 9)) == 0:
+                text = text.replace("/", "\\/")  # an escape: the whole body is parsed
+            if draw(st.integers(0, 19)) == 0:
+                text = "\\u0000" + str(draw(st.integers(0, 3)))  # a look-alike placeholder
+            value = (f'{{"__ndarray__"{draw(_SPACE)}:{draw(_SPACE)}"{text}",'
+                     f'"dtype":"uint8","shape":[{size}]}}')
+        elif kind == "list":
+            value = json.dumps(draw(st.lists(st.floats(allow_nan=False), max_size=50)))
+        elif kind == "nested":
+            value = json.dumps({"__tuple__": [draw(st.lists(st.integers(), max_size=5))]})
+        else:
+            value = json.dumps(draw(st.text(max_size=30)))
+        members.append(f'"k{i}"{draw(_SPACE)}:{draw(_SPACE)}{value}')
+    text = "{" + ",".join(members)
+    # mostly past the size from which strings are lifted, now and then just short of it
+    padding = max(0, common.LIFT_MIN_BODY - len(text)) + draw(st.integers(-2, 100))
+    return (text + " " * max(0, padding) + "}").encode()
+
+
+def _as_text(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _as_text(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_as_text(v) for v in tree]
+    return tree.tobytes().decode("ascii") if type(tree) is memoryview else tree
+
+
+@settings(max_examples=150, deadline=None)
+@given(_bodies())
+def test_lifting_parses_any_body_as_a_whole_parse_does(body: bytes) -> None:
+    try:
+        want = common.loads(body)
+    except MalformedRequestError as err:
+        with pytest.raises(MalformedRequestError) as got:
+            common.loads_body(body)
+        assert str(got.value) == str(err)
+        return
+    assert _as_text(common.loads_body(body)) == want
+    assert _as_text(common.loads_body(bytearray(body))) == want
