@@ -172,3 +172,4 @@ def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> No
     assert zero is not None
     assert wire._json_frame({**frame, "x": [1.0], "batch_axis": False}, gradient) != zero
     assert wire._json_frame({**frame, "x": [1.0], "tangents": [[1.0]]}, gradient) is None
+    assert wire._json_frame({**frame, "x": [1.0], "function": "f" * 5000}, gradient) is None

@@ -88,6 +88,7 @@ def decode_operator_request(
 #: JSON requests whose fields besides x were validated already, by those fields
 _JSON_FRAMES: LRU[tuple, _Repeat] = LRU(256)
 _FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))
+_MAX_FRAME_CHARS = 2048
 
 
 def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
@@ -106,6 +107,9 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
     plain = (str, type(None), int, bytes)
     if not all(type(v) in plain for v in (function, backend, prep, batch_axis)):
         return None
+    texts = (v for v in (function, backend, prep) if type(v) in (str, bytes))
+    if sum(map(len, texts)) > _MAX_FRAME_CHARS:
+        return None  # a memo of 256 frames stays small whatever names are sent
     return (op.name, tuple(obj), function, type(backend), backend, prep,
             type(batch_axis), batch_axis)
 
