@@ -102,7 +102,7 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
     if type(backend) is dict:
         try:
             backend = codec.dumps(backend)
-        except (TypeError, ValueError):  # nested past orjson's limit, say: parsed in full
+        except (TypeError, ValueError, RecursionError):  # too deep, say: parsed in full
             return None
     plain = (str, type(None), int, bytes)
     if not all(type(v) in plain for v in (function, backend, prep, batch_axis)):
