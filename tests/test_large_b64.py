@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dxclient import Client, _models, codec
 from dxclient.encodings import common
@@ -266,9 +268,6 @@ def test_the_server_decodes_base64_bodies_on_the_event_loop_only_when_quick() ->
 
 
 # --- fuzzed bodies ---------------------------------------------------------------------
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 _SPACE = st.sampled_from(["", " ", "\t", "\n ", "\r\n"])
 

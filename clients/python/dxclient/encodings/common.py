@@ -204,7 +204,7 @@ LIFT_PROBE_BYTES = 64 * 1024
 #: a typed array's key and the quote opening its string value (JSON's four whitespace
 #: characters allowed around the colon). Inside a JSON string every quote is escaped, so
 #: this only ever matches a real ``__ndarray__`` key.
-_STRING_ARRAY = re.compile(rb'"__ndarray__"[ \t\n\r]*:[ \t\n\r]*"')
+STRING_ARRAY = re.compile(rb'"__ndarray__"[ \t\n\r]*:[ \t\n\r]*"')
 #: a lifted string's placeholder parses to a NUL (written as its JSON escape) and the
 #: string's index among those lifted. A sender may write such a value too; ``_restore``
 #: then finds an index twice, or one missing, and the body is parsed whole.
@@ -256,7 +256,7 @@ def _long_strings(data: bytes | bytearray) -> list[tuple[int, int]] | None:
     past ``LIFT_PROBE_BYTES``, when one holds an escape, or past ``LIFT_MAX_KEYS``
     typed-array strings."""
     spans: list[tuple[int, int]] = []
-    match = _STRING_ARRAY.search(data, 0, LIFT_PROBE_BYTES)
+    match = STRING_ARRAY.search(data, 0, LIFT_PROBE_BYTES)
     for _ in range(LIFT_MAX_KEYS):
         if match is None:
             return spans
@@ -268,7 +268,7 @@ def _long_strings(data: bytes | bytearray) -> list[tuple[int, int]] | None:
             if data.find(b"\\", start, end) >= 0:
                 return None
             spans.append((start, end))
-        match = _STRING_ARRAY.search(data, end + 1)
+        match = STRING_ARRAY.search(data, end + 1)
     return None if match is not None else spans
 
 

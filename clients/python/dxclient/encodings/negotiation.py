@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 from ..errors import UnsupportedMediaTypeError
 from .base import MEDIA_TYPES, Encoding
 from .binary import BINARY_TYPE
-from .common import JSON_TYPE, MARKER
+from .common import JSON_TYPE, MARKER, STRING_ARRAY
 
 _BUILT_IN_MEDIA = frozenset((JSON_TYPE, BINARY_TYPE))
 _MARKER_KEY = b'"' + MARKER.encode() + b'"'
-#: what follows a typed array's key when its value is a string (base64): matched in
-#: place, so a large body is not copied to look at its next few bytes
-_OPENS_STRING = re.compile(rb'[ :\t\r\n]*"')
 
 
 def decoder_for(content_type: str | None) -> Encoding:
@@ -64,7 +59,7 @@ def response_encoding(content_type: str | None, accept: str | None, body: bytes)
         encoding = MEDIA_TYPES.get(content_type.split(";", 1)[0].strip().lower())
         if encoding is not None and encoding.media_type.lower() not in _BUILT_IN_MEDIA:
             return encoding.name
-    at = body.find(_MARKER_KEY)
-    if at >= 0 and _OPENS_STRING.match(body, at + len(_MARKER_KEY)):
+    at = body.find(_MARKER_KEY)  # the first typed array: is its data a string?
+    if at >= 0 and STRING_ARRAY.match(body, at):
         return "b64"
     return "json"
