@@ -51,7 +51,7 @@ class OperatorRequest:
     tangents: tuple | None
     contexts: tuple
     prep: str | None
-    #: the inputs' ``Signature`` when already known (a repeated binary header), else None
+    #: the inputs' ``Signature`` when already known (a repeated request), else None
     signature: Signature | None = None
     #: 0: x and the tangents lead with an axis of points; None: one point
     batch_axis: int | None = None
@@ -93,8 +93,9 @@ _MAX_FRAME_CHARS = 2048
 
 def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
     """What a JSON request says besides x, as a key, when that is all it holds (no
-    tangents or contexts) and each field is a plain value; else None. Types are part
-    of the key: ``false`` must not pass for a ``0`` seen before."""
+    tangents or contexts) and each field has the type a valid request gives it; else
+    None (parsed in full, so an error names its field as usual). Only exact types pass:
+    ``false`` must not pass for a ``0`` seen before."""
     if not _FRAME_FIELDS.issuperset(obj) or "x" not in obj:
         return None
     function, backend = obj.get("function"), obj.get("backend", "auto")
@@ -104,20 +105,23 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
             backend = codec.dumps(backend)
         except (TypeError, ValueError, RecursionError):  # too deep, say: parsed in full
             return None
-    plain = (str, type(None), int, bytes)
-    if not all(type(v) in plain for v in (function, backend, prep, batch_axis)):
+    elif type(backend) is not str:
         return None
-    texts = (v for v in (function, backend, prep) if type(v) in (str, bytes))
-    if sum(map(len, texts)) > _MAX_FRAME_CHARS:
+    if (
+        type(function) is not str
+        or (prep is not None and type(prep) is not str)
+        or (batch_axis is not None and type(batch_axis) is not int)
+    ):
+        return None
+    if len(function) + len(backend) + (len(prep) if prep else 0) > _MAX_FRAME_CHARS:
         return None  # a memo of 256 frames stays small whatever names are sent
-    return (op.name, tuple(obj), function, type(backend), backend, prep,
-            type(batch_axis), batch_axis)
+    return op.name, tuple(obj), function, backend, prep, batch_axis
 
 
 class _Repeat:
     """What a binary header (or a JSON request's fields besides x) says about a
     request, checked once: all but the arrays. A JSON x may change shape from one
-    request to the next, so its signature is left to be found (``with_signature``)."""
+    request to the next: its signature is kept for the last shape and dtype seen."""
 
     def __init__(self, req: OperatorRequest, with_signature: bool = True) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
@@ -127,19 +131,33 @@ class _Repeat:
             Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
             if with_signature else None
         )
+        #: JSON: ``(shape, dtype, Signature)`` of the last array x, or None
+        self.last_x: tuple | None = None
 
     def request(self, obj: dict) -> OperatorRequest:
         """The request for a body with this header (``obj``: its decoded JSON)."""
         if self.signature is None:  # JSON: x as sent, validated here
+            x = codec.to_tree(obj["x"], "x")
             return OperatorRequest(
-                self.function, self.backend, codec.to_tree(obj["x"], "x"), None, (),
-                self.prep, None, self.batch_axis,
+                self.function, self.backend, x, None, (), self.prep, self._signature_of(x),
+                self.batch_axis,
             )
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
             self.prep, self.signature, self.batch_axis,
         )
+
+    def _signature_of(self, x: Any) -> Signature | None:
+        """A JSON x's signature when it is one array (None for a pytree: found later)."""
+        if type(x) is not np.ndarray:
+            return None
+        last = self.last_x  # one read: another thread may replace it meanwhile
+        if last is not None and last[0] == x.shape and last[1] is x.dtype:
+            return last[2]
+        signature = Signature.of(x, None, (), self.batch_axis)
+        self.last_x = (x.shape, x.dtype, signature)
+        return signature
 
 
 def _all_binary(obj: dict) -> bool:

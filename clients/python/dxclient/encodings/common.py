@@ -553,7 +553,10 @@ def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
                     f"key {key!r} cannot be sent (keys starting with '__' are reserved)",
                     field=join(field, str(key)),
                 )
-            out[key] = encode_tree(v, encoding, buffers, join(field, key))
+            if type(v) is np.ndarray:  # the common case: a result or an input array
+                out[key] = encoding.encode_array(v, buffers, join(field, key))
+            else:
+                out[key] = encode_tree(v, encoding, buffers, join(field, key))
         return out
     if isinstance(tree, list | tuple):
         return [encode_tree(v, encoding, buffers, f"{field}[{i}]") for i, v in enumerate(tree)]

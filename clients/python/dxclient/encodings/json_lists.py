@@ -14,6 +14,7 @@ of a binary body through.
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -65,10 +66,20 @@ class JsonLists(JsonBody):
         return {MARKER: data, "dtype": name, "shape": shape}
 
 
+#: up to this length, a 1-d float64 array is checked for finite values as a list
+_SMALL_FLOATS = 64
+
+
 def _json_floats(a: np.ndarray) -> Any:
     """float64 array -> JSON-able data (ndarray for orjson, else nested lists)."""
     if a.ndim == 0:
         return json_float(float(a))
+    if a.ndim == 1 and len(a) <= _SMALL_FLOATS:
+        # a finite sum means finite values (one that overflows is checked below): a
+        # quicker test than np.isfinite for a few numbers, and the same JSON
+        data = a.tolist()
+        if isfinite(sum(data)):
+            return data
     if np.isfinite(a).all():
         return np.ascontiguousarray(a) if common.orjson is not None else a.tolist()
     obj = a.astype(object)
@@ -97,6 +108,8 @@ def to_tree(
     Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
     like ``"x[2][1]"`` or ``"contexts[0].w"``.
     """
+    if type(value) is list and default_dtype is np.float64:  # the common case, directly
+        return _data_to_array(value, field, F64, max_depth)
     return _to_tree(value, field, np.dtype(default_dtype), max_depth, 0)
 
 
@@ -237,7 +250,7 @@ def _data_to_array(
     if _leaf_types(value, ndim) <= _FAST_TYPES[kind]:
         try:
             if kind == "f":
-                if ndim == 1:  # fromiter is the quickest list -> float64 conversion
+                if ndim == 1 and len(value) >= _FROMITER_MIN:
                     a = np.fromiter(value, dtype=np.float64, count=len(value))
                 else:
                     a = np.array(value, dtype=np.float64)
@@ -273,6 +286,9 @@ def _cast_int(a: Any, dt: np.dtype, field: str) -> np.ndarray:
     except OverflowError:
         raise MalformedRequestError(f"integer out of range for {dt.name}", field=field) from None
 
+
+#: from this length on, fromiter turns a flat list into float64 quicker than np.array
+_FROMITER_MIN = 100
 
 _FAST_TYPES = {
     "f": frozenset((float, int)),
