@@ -408,6 +408,32 @@ def test_small_bodies_literally() -> None:
     )
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 63, 64, 65, 100])
+@pytest.mark.parametrize("fill", ["finite", "nan", "inf", "-inf", "overflowing sum", "tiny"])
+def test_float_lists_spell_non_finite_values_at_every_length(n: int, fill: str) -> None:
+    """Short 1-d arrays take a quicker finiteness test than long ones; both write the
+    same JSON as spelling each value by hand, on either side of the length bound."""
+    a = np.sin(np.arange(n, dtype=np.float64)) * 1e3
+    if n:
+        a[n // 2] = {
+            "finite": a[n // 2], "nan": np.nan, "inf": np.inf, "-inf": -np.inf,
+            "overflowing sum": 1.5e308, "tiny": 5e-324,
+        }[fill]
+        if fill == "overflowing sum":
+            a[0] = 1.7e308  # finite values whose sum is not
+    spelled = [
+        "NaN" if math.isnan(v) else "Infinity" if v == math.inf
+        else "-Infinity" if v == -math.inf else v
+        for v in a.tolist()
+    ]
+    import orjson
+
+    body, _, _ = codec.encode_body({"x": a}, "json")
+    assert body == orjson.dumps({"x": spelled})
+    back = codec.to_tree(codec.loads(body)["x"], "x")
+    assert back.dtype == np.float64 and back.tobytes() == a.tobytes()
+
+
 # Content negotiation: for each request Content-Type, the answer's encoding for each
 # Accept in ACCEPTS (space-separated groups), one letter per body in NEGOTIATION_BODIES:
 # j = "json" (lists), b = "b64", B = "binary".

@@ -151,6 +151,16 @@ def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> No
         r = post({**frame, "x": x})
         assert r.status_code == 200, r.text
         assert np.array_equal(np.asarray(r.json()["gradient"]), 2 * np.asarray(x))
+    # one shape in another dtype, then back: the signature kept for x is not reused
+    typed = {"__ndarray__": [1.0, 2.0], "dtype": "float32", "shape": [2]}
+    for x, dtype in ((typed, "float32"), ([1.0, 2.0], None), (typed, "float32")):
+        r = post({**frame, "x": x})
+        assert r.status_code == 200, r.text
+        got = r.json()["gradient"]
+        if dtype is None:
+            assert got == [2.0, 4.0]
+        else:
+            assert (got["dtype"], got["__ndarray__"]) == (dtype, [2.0, 4.0])
     # the same fields with a bad x, or with fields of other types, are still refused
     assert post({**frame, "x": [1.0, "a"]}).status_code == 400
     assert post({**frame, "x": [1.0], "batch_axis": 0}).status_code == 200
