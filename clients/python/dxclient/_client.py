@@ -32,6 +32,7 @@ import httpx
 
 from . import _models, models
 from . import progress as progress_events
+from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .backends import Backend
@@ -400,7 +401,7 @@ class _ClientBase(OperatorMethods):
 class Client(_ClientBase):
     """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
 
-    _HTTP = httpx.Client
+    _HTTP = HttpClient
     _FAST_TRANSPORT = FastTransport
     http: httpx.Client
 
@@ -480,7 +481,7 @@ class Client(_ClientBase):
 class AsyncClient(_ClientBase):
     """Asynchronous client: the same methods as ``Client``, awaited."""
 
-    _HTTP = httpx.AsyncClient
+    _HTTP = AsyncHttpClient
     _FAST_TRANSPORT = AsyncFastTransport
     http: httpx.AsyncClient
 
