@@ -14,6 +14,7 @@ import pytest
 from conftest import uvicorn_in_thread
 
 from dxclient import codec
+from dxserve.http import connections
 from dxserve.http.connections import ConnectionLimits, aligned_buffer, bounded_protocol
 from dxserve.precision import float64_scope
 
@@ -86,3 +87,29 @@ def test_large_json_bodies_stay_bytes_like(probe_url: str) -> None:
             probe_url, content=body, headers={"content-type": "application/json"}
         ).text.split()
     assert kind in ("bytearray", "bytes") and (int(size), head) == (len(body), body[:8].hex())
+
+
+def test_a_large_body_is_read_into_its_own_buffer_after_a_short_first_read(
+    probe_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event loop reads a request's head (and what follows it) at most
+    ``READ_BYTES`` at a time; the rest of a large body goes straight into the body's
+    buffer. Small requests before and after it on the same connection are read whole."""
+    reads: list[tuple[bool, int]] = []  # (into a body's buffer, bytes)
+    original = connections._Reader.buffer_updated
+
+    def recorded(self: connections._Reader, nbytes: int) -> None:
+        reads.append((self.view is not None, nbytes))
+        original(self, nbytes)
+
+    monkeypatch.setattr(connections._Reader, "buffer_updated", recorded)
+    x = np.random.default_rng(2).standard_normal(100_000)
+    body, headers = _binary_request(x)
+    with httpx.Client() as http:
+        for content in (b"small", body, b"small again"):
+            kind, size, _, head = http.post(probe_url, content=content, headers=headers).text.split()
+            assert (int(size), head) == (len(content), content[:8].hex())
+    assert reads, "the bounded protocol reads through its _Reader"
+    assert all(n <= connections.READ_BYTES for into_body, n in reads if not into_body)
+    # at most two reads (uvicorn stops reading past 64 KiB) come before the app takes it
+    assert sum(n for into_body, n in reads if into_body) >= len(body) - 2 * connections.READ_BYTES

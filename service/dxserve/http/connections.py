@@ -14,14 +14,17 @@ uvicorn's httptools protocol with those bounds:
 * once the headers are in, the whole body must arrive within ``body_timeout`` seconds;
 * past ``max_connections`` open connections, a new one is answered 503 and closed at once.
 
-A request whose ``Content-Length`` is at least ``inbox_min_bytes`` (and at most
+The event loop reads each connection through a ``_Reader`` in front of the protocol,
+at most 64 KiB at a time (uvloop's own reads take 256 KiB): the head of a large request
+is parsed, and its application started, while the body is still arriving. A request
+whose ``Content-Length`` is at least ``inbox_min_bytes`` (and at most
 ``max_body_bytes``) is received into one buffer of exactly that size: when the
 application first asks for the body (after its limits and in-flight budget accepted
 the declared length: nothing is allocated for a body it refuses unread), the buffer is
-allocated, what uvicorn holds already (up to 64 KiB) is copied in, and every later chunk
-the socket delivers is copied there once; reading is no longer paused every 64 KiB to
-hand the application a chunk (uvicorn's flow control), and the application gets the
-whole body as one message when the last byte is in. The buffer is a new ``bytearray``
+allocated, what uvicorn holds already is copied in, and the event loop reads the rest
+of the body straight into it; reading is no longer paused every 64 KiB to hand the
+application a chunk (uvicorn's flow control), and the application gets the whole body
+as one message when the last byte is in. The buffer is a new ``bytearray``
 per request (for a binary body, a 64-byte aligned memoryview of one, so its arrays can
 be used by the device as they are), owned by that request alone: arrays decoded from it
 as views can never see the bytes of a later request. Larger declared lengths are left
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +79,21 @@ class ConnectionLimits:
     max_body_bytes: int = 256 * 1024 * 1024
 
 
+#: the most one read takes outside a large body: 64 KiB, as much as uvicorn holds of
+#: a body before it stops reading, so smaller bodies still come in one read
+READ_BYTES = 64 * 1024
+_READS = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's read buffer: each read is copied out before the next one, and an
+    event loop runs in one thread."""
+    view = getattr(_READS, "view", None)
+    if view is None:
+        view = _READS.view = memoryview(bytearray(READ_BYTES))
+    return view
+
+
 def raw_problem(status: int, reason: str, error: DxError, *headers: str) -> bytes:
     """A complete ``Connection: close`` HTTP/1.1 response carrying ``error``'s problem
     document, for answers written by the protocol itself (no application involved)."""
@@ -102,6 +121,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._reader: _Reader | None = None
+            if hasattr(transport, "set_protocol"):  # the event loop reads through it
+                self._reader = _Reader(self)
+                transport.set_protocol(self._reader)
             self._timer: asyncio.TimerHandle | None = None
             self._phase = _HEAD
             self._header_bytes = 0
@@ -308,40 +331,49 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
     return length
 
 
-class _BodySink(asyncio.BufferedProtocol):
-    """Reads the rest of one request body straight into its buffer (``recv_into``).
+class _Reader(asyncio.BufferedProtocol):
+    """What the event loop reads one connection into, in front of its HTTP protocol.
 
-    While a large body arrives, the connection's transport is switched to this
-    protocol: the event loop reads into ``inbox`` itself, instead of into its own
-    buffer, then a ``bytes`` per read, then the parser's ``bytes`` per body chunk, then
-    the buffer (three copies less per byte). ``get_buffer`` offers only what is left of
-    the body, so nothing past it (a pipelined request) is ever read here. When the last
-    byte is in, the transport goes back to the HTTP protocol with a fresh parser, as
-    the old one would be after this message; a disconnect is passed on to it.
+    * A request's head (and a small body) is read at most ``READ_BYTES`` at a time into
+      the thread's read buffer and handed on to the protocol's ``data_received`` as one
+      ``bytes`` per read, as the event loop would (uvloop reads 256 KiB at a time). A
+      large body's first read then holds little more than its head, so the application
+      starts, and takes the body, while the rest is still arriving.
+    * While a large body arrives (``receive_into``), the event loop reads into the
+      body's own buffer itself, instead of into its own buffer, then a ``bytes`` per
+      read, then the parser's ``bytes`` per body chunk, then the buffer (three copies
+      less per byte). ``get_buffer`` offers only what is left of the body, so nothing
+      past it (a pipelined request) is read there. When the last byte is in, the
+      protocol gets a fresh parser, as the old one would be after this message.
+
+    A disconnect, the end of input and write flow control are passed on as they come.
     """
 
-    def __init__(self, protocol: Any, inbox: bytearray, got: int) -> None:
-        self.protocol, self.view, self.got = protocol, memoryview(inbox), got
+    def __init__(self, protocol: Any) -> None:
+        self.protocol = protocol
+        self.view: memoryview | None = None  # the body being received, if any
+        self.got = 0
 
-    @classmethod
-    def start(cls, protocol: Any, inbox: bytearray, got: int) -> None:
-        transport = protocol.transport
-        if transport.is_closing() or not hasattr(transport, "set_protocol"):
-            return
-        transport.set_protocol(cls(protocol, inbox, got))
+    def receive_into(self, inbox: Any, got: int) -> None:
+        """Read the rest of the current body into ``inbox`` (``got`` bytes are in)."""
+        self.view, self.got = memoryview(inbox), got
         log.debug("receiving %d body bytes into one buffer", len(inbox) - got)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.view is None:
+            return _read_buffer()
         return self.view[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.got += nbytes
         protocol = self.protocol
+        if self.view is None:
+            protocol.data_received(bytes(_read_buffer()[:nbytes]))
+            return
+        self.got += nbytes
         protocol._inbox_got = self.got
         if self.got < len(self.view):
             return
-        transport = protocol.transport
-        transport.set_protocol(protocol)
+        self.view = None
         import httptools  # uvicorn's parser: the state it would be in after this message
 
         protocol.parser = httptools.HttpRequestParser(protocol)
@@ -405,8 +437,12 @@ def _inbox_receive(protocol: Any, cycle: Any, length: int, binary: bool = False)
         inbox[:got] = cycle.body
         cycle.body = bytearray()
         protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, cycle
-        if protocol.cycle is cycle and got < length:  # the rest straight from the socket
-            _BodySink.start(protocol, inbox, got)
+        reader = protocol._reader
+        if (  # the rest straight from the socket
+            protocol.cycle is cycle and got < length and reader is not None
+            and not protocol.transport.is_closing()
+        ):
+            reader.receive_into(inbox, got)
         if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
             cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             cycle.waiting_for_100_continue = False
