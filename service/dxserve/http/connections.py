@@ -351,6 +351,7 @@ class _Reader(asyncio.BufferedProtocol):
 
     def __init__(self, protocol: Any) -> None:
         self.protocol = protocol
+        self.reads = _read_buffer()  # made in the event loop's thread, as it is used
         self.view: memoryview | None = None  # the body being received, if any
         self.got = 0
 
@@ -360,14 +361,13 @@ class _Reader(asyncio.BufferedProtocol):
         log.debug("receiving %d body bytes into one buffer", len(inbox) - got)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.view is None:
-            return _read_buffer()
-        return self.view[self.got :]
+        view = self.view
+        return self.reads if view is None else view[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
         protocol = self.protocol
         if self.view is None:
-            protocol.data_received(bytes(_read_buffer()[:nbytes]))
+            protocol.data_received(self.reads[:nbytes].tobytes())
             return
         self.got += nbytes
         protocol._inbox_got = self.got
