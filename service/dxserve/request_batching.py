@@ -163,12 +163,12 @@ class Batcher:
     # --- running ------------------------------------------------------------
     def run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
         """One result (or the exception it raised) per request in ``group``."""
+        if len(group) == 1:  # the prep's own run (in a float64 scope of its own)
+            return [_alone(prep, operator, group[0])]
         with float64_scope():  # batched executables trace and run as the prep's own do
             return self._run_group(prep, operator, group)
 
     def _run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
-        if len(group) == 1:
-            return [_alone(prep, operator, group[0])]
         plan = self.plan(prep, operator, group[0])
         size = bucket(len(group))
         slot = (size, jax.config.jax_default_device)  # executables are bound to a device

@@ -220,7 +220,8 @@ class Workers:
         """The least-loaded worker. With ``holds(device)`` (is the job's executable
         compiled there?), a worker whose device holds it wins unless another is less
         loaded; that device then compiles its own copy, once."""
-        least = min(self.workers, key=lambda w: w.pending)
+        workers = self.workers
+        least = workers[0] if len(workers) == 1 else min(workers, key=lambda w: w.pending)
         if holds is None or not self.pinned:
             return least
         holding = [w for w in self.workers if holds(w.device)]

@@ -320,19 +320,21 @@ def _request_id(headers: list) -> str:
 def _server_timing(info: observe.RequestInfo, start: float, now: float) -> bytes:
     """``total`` (ms, to the answer's start), and the split of a service call: decode
     (to its start), queue and compute (when measured apart), encode (after it)."""
-    total = f"total;dur={(now - start) * 1e3:.3f}"
+    total = (now - start) * 1e3
     if not info.call_start:
-        return total.encode("ascii")
-    parts = [total, f"decode;dur={(info.call_start - start) * 1e3:.3f}"]
-    if info.call_end:
-        call = info.call_end - info.call_start
-        if info.compute is not None:
-            parts.append(f"queue;dur={max(call - info.compute, 0.0) * 1e3:.3f}")
-            parts.append(f"compute;dur={info.compute * 1e3:.3f}")
-        else:  # a merged batch: waiting and computing not timed apart
-            parts.append(f"compute;dur={call * 1e3:.3f}")
-        parts.append(f"encode;dur={(now - info.call_end) * 1e3:.3f}")
-    return ", ".join(parts).encode("ascii")
+        return b"total;dur=%.3f" % total
+    decode = (info.call_start - start) * 1e3
+    if not info.call_end:
+        return b"total;dur=%.3f, decode;dur=%.3f" % (total, decode)
+    call, encode = info.call_end - info.call_start, (now - info.call_end) * 1e3
+    if info.compute is None:  # a merged batch: waiting and computing not timed apart
+        return b"total;dur=%.3f, decode;dur=%.3f, compute;dur=%.3f, encode;dur=%.3f" % (
+            total, decode, call * 1e3, encode)
+    queue = max(call - info.compute, 0.0) * 1e3
+    return (
+        b"total;dur=%.3f, decode;dur=%.3f, queue;dur=%.3f, compute;dur=%.3f, encode;dur=%.3f"
+        % (total, decode, queue, info.compute * 1e3, encode)
+    )
 
 
 def _log_request(

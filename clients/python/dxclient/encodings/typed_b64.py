@@ -27,6 +27,7 @@ from .common import (
     check_dtype,
     le_contig,
     prod,
+    wire_ready,
 )
 
 try:
@@ -68,7 +69,10 @@ class TypedB64(JsonBody):
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
         """An array -> its typed object with base64 of its little-endian C-order bytes."""
         name = check_dtype(a, field)
-        raw = memoryview(le_contig(a).reshape(-1).view(np.uint8))
+        if a.ndim == 1 and wire_ready(a):  # its memory is the wire's bytes already
+            raw = memoryview(a).cast("B")
+        else:
+            raw = memoryview(le_contig(a).reshape(-1).view(np.uint8))
         return {MARKER: b64_json(raw), "dtype": name, "shape": list(a.shape)}
 
 
@@ -93,4 +97,5 @@ def from_b64(
         raise MalformedRequestError(
             f"base64 decodes to {len(raw)} bytes, expected {nbytes}", field=field
         )
-    return np.frombuffer(raw, dtype=dt).reshape(shape)
+    out = np.frombuffer(raw, dtype=dt)
+    return out if len(shape) == 1 else out.reshape(shape)
