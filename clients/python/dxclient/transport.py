@@ -585,16 +585,24 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
         sock = conn.sock
         write_error = None
         try:
-            # small parts go together; large ones as they are (no join)
+            # small parts go together; large ones as they are (no join): as much as the
+            # socket takes at once in one sendmsg, the rest as it drains
             head = request_head(request)
             views = [memoryview(p).cast("B") for p in body]
             if sum(len(v) for v in views) < FAST_MIN_BYTES:
                 await _within(loop.sock_sendall(sock, b"".join((head, *views))), write_t)
             else:
-                await _within(loop.sock_sendall(sock, head), write_t)
+                views = [v for v in (memoryview(head), *views) if len(v)]
+                try:
+                    sent = sock.sendmsg(views)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
                 for view in views:
-                    if len(view):
-                        await _within(loop.sock_sendall(sock, view), write_t)
+                    if sent >= len(view):
+                        sent -= len(view)
+                        continue
+                    await _within(loop.sock_sendall(sock, view[sent:]), write_t)
+                    sent = 0
         except TimeoutError as exc:
             raise httpx.WriteTimeout("write timed out", request=request) from exc
         except OSError as exc:
