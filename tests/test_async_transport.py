@@ -1,4 +1,4 @@
-"""``AsyncFastTransport`` reading a large answer with the socket watched once.
+"""``AsyncFastTransport`` reading an answer with the socket watched once.
 
 A scripted server on 127.0.0.1 answers each request with a large body sent as it is
 told: in pieces with pauses, stalled halfway, or cut off. The transport must give the
@@ -18,7 +18,10 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from dxclient.transport import _WATCHED_MIN, AsyncFastTransport
+from dxclient.transport import AsyncFastTransport
+
+#: a stall or cut-off comes this far into the body
+_WATCHED_MIN = 256 * 1024
 
 BODY = bytes(range(256)) * ((3 * _WATCHED_MIN) // 256 + 7)
 

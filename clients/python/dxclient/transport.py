@@ -52,8 +52,6 @@ KEEPALIVE_EXPIRY = 4.0
 MAX_IDLE_PER_HOST = 16
 MAX_HEAD_BYTES = 64 * 1024
 _RECV = 64 * 1024
-#: the async reader watches the socket itself for the rest of a body this large
-_WATCHED_MIN = 256 * 1024
 _NO_BODY_STATUS = frozenset((204, 304))
 
 
@@ -504,9 +502,8 @@ class _SyncReader(_ReaderBase):
 
 class AsyncFastTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncClient(transport=AsyncFastTransport())``: the fast path on asyncio
-    (``loop.sock_sendall``, ``loop.sock_recv_into``; the rest of a large answer read
-    with the socket watched once, ``_AsyncReader._watched_into``); other event loops
-    (trio) use the fallback.
+    (``loop.sock_sendall``; the answer read with the socket watched once,
+    ``_AsyncReader``); other event loops (trio) use the fallback.
 
     Here every plain-HTTP request with a byte body takes it by default (``min_bytes``
     0), not only large ones: httpx's async stack (anyio, httpcore) costs ~0.3 ms more
@@ -609,8 +606,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
             write_error = exc
         reader = _AsyncReader(loop, conn, self.buffers, read_t)
         try:
-            head = await reader.head(request.method)
-            data = await reader.body(head)
+            head, data = await reader.answer(request.method)
         except TimeoutError as exc:
             if write_error is not None:
                 raise httpx.WriteError(str(write_error), request=request) from write_error
@@ -636,15 +632,66 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
 
 
 class _AsyncReader(_ReaderBase):
+    """Reads one answer with the socket watched once (``add_reader`` at the first
+    wait, removed by ``close``): each read takes what has come, and only when nothing
+    has does it wait for the socket to turn readable. (``sock_recv_into`` per read
+    registers the socket, makes a future and a timeout scope each time: for the head,
+    then ~50 times for an 8 MB body.) A wait longer than ``timeout`` seconds is a
+    ``TimeoutError``: the read timeout counts from the last bytes that came. Where
+    the event loop cannot watch sockets (the proactor loop), each read is
+    ``sock_recv_into``."""
+
     def __init__(
         self, loop: asyncio.AbstractEventLoop, conn: _Conn, buffers: AnswerBuffers,
         timeout: float | None,
     ) -> None:
         super().__init__(conn, buffers)
         self.loop, self.sock, self.timeout = loop, conn.sock, timeout
+        self._waiter: asyncio.Future | None = None
+        self._watched: bool | None = None  # None: not yet asked; False: cannot
+
+    def _readable(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _timed_out(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(TimeoutError(f"no answer bytes for {self.timeout:g} s"))
+
+    async def _wait(self) -> None:
+        """Until the socket has bytes (or the read timeout)."""
+        loop = self.loop
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(self.timeout, self._timed_out) if self.timeout is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def _recv_into(self, view: memoryview) -> int:
-        return await _within(self.loop.sock_recv_into(self.sock, view), self.timeout)
+        if self._watched is None:
+            try:
+                self.loop.add_reader(self.sock.fileno(), self._readable)
+                self._watched = True
+            except NotImplementedError:  # e.g. the proactor loop on Windows
+                self._watched = False
+        if not self._watched:
+            return await _within(self.loop.sock_recv_into(self.sock, view), self.timeout)
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait()
+
+    def close(self) -> None:
+        """Stop watching the socket (call once the answer is read, or the read failed)."""
+        if self._watched:
+            self._watched = None
+            self.loop.remove_reader(self.sock.fileno())
 
     async def _fill(self) -> None:
         if self.end == len(self.buf):
@@ -662,73 +709,23 @@ class _AsyncReader(_ReaderBase):
                 return head
             await self._fill()
 
+    async def answer(self, method: str) -> tuple[_Head, Any]:
+        """The answer's head and body; the socket is not watched any more after."""
+        try:
+            head = await self.head(method)
+            return head, await self.body(head)
+        finally:
+            self.close()
+
     async def into(self, view: memoryview) -> None:
         part = self._take(min(len(view), self.end - self.start))
         view[: len(part)] = part
         got = len(part)
-        if len(view) - got >= _WATCHED_MIN:
-            got = await self._watched_into(view, got)
         while got < len(view):
             n = await self._recv_into(view[got:])
             if not n:
                 raise EOFError(f"server disconnected after {got} of {len(view)} body bytes")
             got += n
-
-    async def _watched_into(self, view: memoryview, got: int) -> int:
-        """Fill ``view[got:]`` with the socket watched once for the whole read: each time
-        it turns readable, read until it would block. (``sock_recv_into`` per read
-        registers the socket, makes a future and a timeout scope, ~50 times for an
-        8 MB answer.) The read timeout still counts from the last bytes that came.
-        Returns how far ``view`` is filled: all of it, or ``got`` where this event
-        loop cannot watch sockets (the caller reads on)."""
-        loop, sock, fd = self.loop, self.sock, self.sock.fileno()
-        done: asyncio.Future = loop.create_future()
-        state = [got, loop.time()]  # bytes in, time of the last ones
-
-        def finish(exc: BaseException | None) -> None:
-            if done.done():
-                return
-            if exc is None:
-                done.set_result(None)
-            else:
-                done.set_exception(exc)
-
-        def readable() -> None:
-            try:
-                while state[0] < len(view):
-                    n = sock.recv_into(view[state[0]:])
-                    if not n:
-                        raise EOFError(
-                            f"server disconnected after {state[0]} of {len(view)} body bytes")
-                    state[0] += n
-                    state[1] = loop.time()
-            except (BlockingIOError, InterruptedError):
-                return
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting read
-                finish(exc)
-                return
-            finish(None)
-
-        def watchdog() -> None:
-            idle = loop.time() - state[1]
-            if idle >= self.timeout:
-                finish(TimeoutError(f"no body bytes for {self.timeout:g} s"))
-            else:
-                timer[0] = loop.call_later(self.timeout - idle, watchdog)
-
-        try:
-            loop.add_reader(fd, readable)
-        except NotImplementedError:  # e.g. the proactor loop on Windows
-            return got
-        timer = [loop.call_later(self.timeout, watchdog) if self.timeout is not None else None]
-        try:
-            readable()  # what is in already
-            await done
-        finally:
-            loop.remove_reader(fd)
-            if timer[0] is not None:
-                timer[0].cancel()
-        return state[0]
 
     async def line(self) -> bytes:
         while True:
