@@ -117,9 +117,9 @@ def response_size(response: httpx.Response) -> int:
 
 def rounds_for(n: int, quick: bool) -> int:
     if n >= 10**6:
-        return 5 if quick else 15
+        return 5 if quick else 31
     if n >= 10**5:
-        return 11 if quick else 41
+        return 11 if quick else 101
     return 31 if quick else 151
 
 
