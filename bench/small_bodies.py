@@ -10,8 +10,9 @@ This benchmark asks what the fast path would do for small bodies too
 
 * Client: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   with the default transport, and with ``transport=FastTransport(min_bytes=0)``;
-* echo: an ``httpx.Client`` posting the same request bytes to ``bench/echo_app.py``
-  through ``FastTransport()`` (as in ``bench/latency.py``) and through
+* echo: the client's own httpx client (``dxclient._http.HttpClient``) posting the same
+  request bytes to ``bench/echo_app.py`` through ``FastTransport()`` (as in
+  ``bench/latency.py``) and through
   ``FastTransport(min_bytes=0)``;
 * AsyncClient (binary): the default transport, and
   ``AsyncFastTransport(min_bytes=0)``, each call driven by ``loop.run_until_complete``.
@@ -44,6 +45,7 @@ from _common import (
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
+from dxclient._http import HttpClient
 from dxclient.transport import AsyncFastTransport, FastTransport
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
@@ -121,8 +123,9 @@ def run(sizes: list[int], rounds: int, dx_url: str, echo_url: str) -> tuple[list
     loop = asyncio.new_event_loop()
     echo_target = httpx.URL(echo_url + "/echo")
     echoes = {
-        "default": httpx.Client(timeout=600.0, transport=FastTransport()),
-        "fast": httpx.Client(timeout=600.0, transport=FastTransport(min_bytes=0)),
+        # the client's own httpx client (cookies read only when an answer sets one)
+        "default": HttpClient(timeout=600.0, transport=FastTransport()),
+        "fast": HttpClient(timeout=600.0, transport=FastTransport(min_bytes=0)),
     }
     clients = {
         (enc, kind): Client(dx_url, encoding=enc, timeout=600.0, transport=transport)
