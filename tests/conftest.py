@@ -51,6 +51,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class HandlerInThread:
+    """A ``http.server`` handler class served by a ``ThreadingHTTPServer`` in a thread of
+    this process on 127.0.0.1 (a free port): ``url``, and ``close()`` to stop it."""
+
+    def __init__(self, handler: type) -> None:
+        from http.server import ThreadingHTTPServer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 @contextlib.contextmanager
 def uvicorn_in_thread(app: Callable, **options: object) -> Iterator[str]:
     """``app`` served by uvicorn in a thread of this process on 127.0.0.1 (a free port),

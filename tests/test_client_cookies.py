@@ -9,12 +9,12 @@ header each request carried. The same script is played to a plain ``httpx.Client
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
+from conftest import HandlerInThread
 
 from dxclient import AsyncClient, Client
 from dxclient._http import SetCookieOnly
@@ -50,13 +50,11 @@ class CookieServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.served = HandlerInThread(Handler)
+        self.url = self.served.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.served.close()
 
 
 @pytest.fixture

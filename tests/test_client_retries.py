@@ -7,14 +7,14 @@ A real socket server (``http.server`` in a thread) scripts the answers: a number
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import numpy as np
 import pytest
+from conftest import HandlerInThread
 
 from dxclient import Client
 from dxclient.errors import DxError
@@ -56,13 +56,11 @@ class Scripted:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.served = HandlerInThread(Handler)
+        self.url = self.served.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.served.close()
 
 
 @pytest.fixture
