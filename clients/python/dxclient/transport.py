@@ -369,12 +369,19 @@ def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
     """Write ``parts`` in order with ``sendmsg`` (partial sends resumed)."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        views = _unsent(views, sock.sendmsg(views))
+
+
+def _unsent(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``views`` once their first ``sent`` bytes are written."""
+    at = 0
+    while at < len(views) and sent >= len(views[at]):
+        sent -= len(views[at])
+        at += 1
+    rest = views[at:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
 
 
 class _ReaderBase:
@@ -594,12 +601,8 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
                     sent = sock.sendmsg(views)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
-                for view in views:
-                    if sent >= len(view):
-                        sent -= len(view)
-                        continue
-                    await _within(loop.sock_sendall(sock, view[sent:]), write_t)
-                    sent = 0
+                for view in _unsent(views, sent):
+                    await _within(loop.sock_sendall(sock, view), write_t)
         except TimeoutError as exc:
             raise httpx.WriteTimeout("write timed out", request=request) from exc
         except OSError as exc:
@@ -690,7 +693,7 @@ class _AsyncReader(_ReaderBase):
     def close(self) -> None:
         """Stop watching the socket (call once the answer is read, or the read failed)."""
         if self._watched:
-            self._watched = None
+            self._watched = False
             self.loop.remove_reader(self.sock.fileno())
 
     async def _fill(self) -> None:

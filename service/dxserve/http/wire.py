@@ -63,7 +63,8 @@ def decode_operator_request(
     """Decode and validate the body of ``POST /{op}``; errors name the field.
 
     A binary header seen before for this operator is not validated again: its layout
-    keeps the request it described (``_Repeat``), and only the arrays are new.
+    keeps the request it described (``_Repeat``), and only the arrays are new. A JSON
+    request that repeats all but x has its other fields checked once (``_JsonRepeat``).
     """
     obj, layout = codec.decode_body_and_layout(body, content_type, header_length)
     if layout is not None:
@@ -81,12 +82,12 @@ def decode_operator_request(
     if layout is not None and _all_binary(obj):
         layout.memo[op.name] = _Repeat(req)
     elif frame is not None:
-        _JSON_FRAMES.put(frame, _Repeat(req, with_signature=False))
+        _JSON_FRAMES.put(frame, _JsonRepeat(req))
     return req
 
 
 #: JSON requests whose fields besides x were validated already, by those fields
-_JSON_FRAMES: LRU[tuple, _Repeat] = LRU(256)
+_JSON_FRAMES: LRU[tuple, _JsonRepeat] = LRU(256)
 _FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))
 _MAX_FRAME_CHARS = 2048
 
@@ -119,37 +120,44 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
 
 
 class _Repeat:
-    """What a binary header (or a JSON request's fields besides x) says about a
-    request, checked once: all but the arrays. A JSON x may change shape from one
-    request to the next: its signature is kept for the last shape and dtype seen."""
+    """What a binary header says about a request, checked once: all but the arrays."""
 
-    def __init__(self, req: OperatorRequest, with_signature: bool = True) -> None:
+    def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
         self.batch_axis = req.batch_axis
-        self.signature = (
-            Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
-            if with_signature else None
-        )
-        #: JSON: ``(shape, dtype, Signature)`` of the last array x, or None
-        self.last_x: tuple | None = None
+        self.signature = Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
 
     def request(self, obj: dict) -> OperatorRequest:
         """The request for a body with this header (``obj``: its decoded JSON)."""
-        if self.signature is None:  # JSON: x as sent, validated here
-            x = codec.to_tree(obj["x"], "x")
-            return OperatorRequest(
-                self.function, self.backend, x, None, (), self.prep, self._signature_of(x),
-                self.batch_axis,
-            )
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
             self.prep, self.signature, self.batch_axis,
         )
 
+
+class _JsonRepeat:
+    """What a JSON request says besides x (no tangents or contexts), checked once. x is
+    validated every time; it may change shape from one request to the next, so its
+    signature is kept for the last shape and dtype seen."""
+
+    def __init__(self, req: OperatorRequest) -> None:
+        self.function, self.backend, self.prep = req.function, req.backend, req.prep
+        self.batch_axis = req.batch_axis
+        #: ``(shape, dtype, Signature)`` of the last array x, or None
+        self.last_x: tuple | None = None
+
+    def request(self, obj: dict) -> OperatorRequest:
+        """The request for a body with these fields (``obj``: its decoded JSON)."""
+        x = codec.to_tree(obj["x"], "x")
+        return OperatorRequest(
+            self.function, self.backend, x, None, (), self.prep, self._signature_of(x),
+            self.batch_axis,
+        )
+
     def _signature_of(self, x: Any) -> Signature | None:
-        """A JSON x's signature when it is one array (None for a pytree: found later)."""
+        """x's signature when it is one array (None for a pytree: found later)."""
         if type(x) is not np.ndarray:
             return None
         last = self.last_x  # one read: another thread may replace it meanwhile

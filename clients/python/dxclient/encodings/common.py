@@ -221,7 +221,7 @@ def loads_body(data: bytes | bytearray | memoryview, field: str | None = None) -
     Anything else (short strings, a body that doesn't fit the pattern) is parsed as
     ``loads`` would. The views keep ``data`` alive until they are dropped.
     """
-    if orjson is None or len(data) < LIFT_MIN_BODY or not isinstance(data, bytes | bytearray):
+    if not _liftable(data):
         return loads(data, field)
     lifted = _lift(data)
     if lifted is None:
@@ -232,6 +232,13 @@ def loads_body(data: bytes | bytearray | memoryview, field: str | None = None) -
     except ValueError:  # the error is the whole body's: say it as ``loads`` does
         return loads(data, field)
     return obj if _restore(obj, views) else loads(data, field)
+
+
+def _liftable(data: Any) -> bool:
+    """Is ``data`` a body whose long base64 strings ``loads_body`` lifts out?"""
+    return orjson is not None and len(data) >= LIFT_MIN_BODY and isinstance(
+        data, bytes | bytearray
+    )
 
 
 def _lift(data: bytes | bytearray) -> tuple[bytes, list[memoryview]] | None:
@@ -275,7 +282,7 @@ def _long_strings(data: bytes | bytearray) -> list[tuple[int, int]] | None:
 def parsed_bytes(data: bytes | bytearray | memoryview) -> int:
     """How many bytes of ``data`` ``loads_body`` hands to the JSON parser (what is left
     once long base64 strings are lifted out): a measure of how long decoding takes."""
-    if orjson is None or len(data) < LIFT_MIN_BODY or not isinstance(data, bytes | bytearray):
+    if not _liftable(data):
         return len(data)
     spans = _long_strings(data)
     return len(data) - sum(end - start for start, end in spans or ())
