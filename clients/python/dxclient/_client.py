@@ -32,6 +32,7 @@ import httpx
 
 from . import _models, models
 from . import progress as progress_events
+from ._direct import DirectCalls
 from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
@@ -235,6 +236,11 @@ class _ClientBase(OperatorMethods):
         )
         if http is not None and token:
             self.http.headers.update(_headers(token))
+        # operator calls the fast transport takes skip httpx's per-request objects
+        self._direct = (
+            DirectCalls(self.http, transport)
+            if http is None and isinstance(transport, self._FAST_TRANSPORT) else None
+        )
         self._urls = _OperatorURLs()
         self._renewed: LRU[str, RemotePrep] = LRU(_RENEWED_HANDLES)
 
@@ -284,8 +290,14 @@ class _ClientBase(OperatorMethods):
             operator, f, backend, x, tangents, contexts, prep, self.encoding,
             batch_axis=batch_axis,
         )
-        url = self._urls.resolve(self.http, call.path)
-        return self._run(call, url, _operator_answer, operator)
+        return self._run_operator(operator, call)
+
+    def _url(self, call: Call) -> httpx.URL:
+        """``call``'s URL: its path (an operator's or a preparation's) resolved once."""
+        return self._urls.resolve(self.http, call.path)
+
+    def _run_operator(self, operator: str, call: Call) -> Any:
+        return self._run(call, self._url(call), _operator_answer, operator)
 
     def _run_prepared(
         self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
@@ -305,7 +317,7 @@ class _ClientBase(OperatorMethods):
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
             batch_axis=batch_axis,
         )
-        return self._run(call, self._urls.resolve(self.http, call.path), _prep_answer, call)
+        return self._run(call, self._url(call), _prep_answer, call)
 
     # --- functions -------------------------------------------------------------
     @_plan
@@ -410,9 +422,7 @@ class Client(_ClientBase):
         attempt = 0
         while True:
             try:
-                response = self.http.request(
-                    call.method, call.path if url is None else url, **_send_args(call)
-                )
+                response = self._send(call, url)
             except _TRANSPORT_ERRORS:
                 if attempt >= retries:
                     raise
@@ -422,9 +432,20 @@ class Client(_ClientBase):
                 break
             time.sleep(delay or 0.0)
             attempt += 1
-        _unbind(response)
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
+
+    def _send(self, call: Call, url: httpx.URL | None) -> Any:
+        """One try of ``call``: its answer (an ``httpx.Response`` or a direct ``Answer``)."""
+        if url is not None and self._direct is not None:
+            answer = self._direct.send(call, url)
+            if answer is not None:
+                return answer
+        response = self.http.request(
+            call.method, call.path if url is None else url, **_send_args(call)
+        )
+        _unbind(response)
+        return response
 
     def _drive(self, plan: Plan[T]) -> T:
         try:
@@ -453,13 +474,13 @@ class Client(_ClientBase):
     ) -> Any:
         current = self._renewed.get(prep.handle) or prep
         try:
-            return self._run(build(current), None, _operator_answer, operator)
+            return self._run_operator(operator, build(current))
         except UnknownPreparationError:
             request = prep.request
             assert request is not None
-            fresh = self._run(request, None, _prep_answer, request)
+            fresh = self._run(request, self._url(request), _prep_answer, request)
             self._renewed.put(prep.handle, fresh)
-            return self._run(build(fresh), None, _operator_answer, operator)
+            return self._run_operator(operator, build(fresh))
 
     def scipy(self, f: RemoteFunction | str, backend: Backend | str = "auto", *contexts: Any) -> Any:
         """``f`` shaped for ``scipy.optimize.minimize``: a ``dxclient.scipy.ScipyProblem``
@@ -492,9 +513,7 @@ class AsyncClient(_ClientBase):
         attempt = 0
         while True:
             try:
-                response = await self.http.request(
-                    call.method, call.path if url is None else url, **_send_args(call, True)
-                )
+                response = await self._send(call, url)
             except _TRANSPORT_ERRORS:
                 if attempt >= retries:
                     raise
@@ -504,9 +523,20 @@ class AsyncClient(_ClientBase):
                 break
             await asyncio.sleep(delay or 0.0)
             attempt += 1
-        _unbind(response)
         _models.raise_for_problem(response.status_code, response.headers, response.content)
         return parse(*args, response)
+
+    async def _send(self, call: Call, url: httpx.URL | None) -> Any:
+        """One try of ``call``: its answer (an ``httpx.Response`` or a direct ``Answer``)."""
+        if url is not None and self._direct is not None:
+            answer = await self._direct.asend(call, url)
+            if answer is not None:
+                return answer
+        response = await self.http.request(
+            call.method, call.path if url is None else url, **_send_args(call, True)
+        )
+        _unbind(response)
+        return response
 
     async def _drive(self, plan: Plan[T]) -> T:
         try:
@@ -537,13 +567,13 @@ class AsyncClient(_ClientBase):
     ) -> Any:
         current = self._renewed.get(prep.handle) or prep
         try:
-            return await self._run(build(current), None, _operator_answer, operator)
+            return await self._run_operator(operator, build(current))
         except UnknownPreparationError:
             request = prep.request
             assert request is not None
-            fresh = await self._run(request, None, _prep_answer, request)
+            fresh = await self._run(request, self._url(request), _prep_answer, request)
             self._renewed.put(prep.handle, fresh)
-            return await self._run(build(fresh), None, _operator_answer, operator)
+            return await self._run_operator(operator, build(fresh))
 
     async def aclose(self) -> None:
         await self.http.aclose()

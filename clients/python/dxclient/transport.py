@@ -39,6 +39,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -239,9 +240,34 @@ def _stale(conn: _Conn, now: float) -> bool:
     return bool(readable)
 
 
-def _timeouts(request: httpx.Request) -> tuple[float | None, float | None, float | None]:
+#: seconds allowed to connect, to write and to read (None: no limit)
+Timeouts = tuple[float | None, float | None, float | None]
+
+
+def _timeouts(request: httpx.Request) -> Timeouts:
     t = request.extensions.get("timeout") or {}
     return t.get("connect"), t.get("write"), t.get("read")
+
+
+def _address(url: httpx.URL) -> tuple[str, int]:
+    return url.host, url.port or 80
+
+
+def _closes(request: httpx.Request) -> bool:
+    """Did the request say ``Connection: close``? (Its connection is not kept.)"""
+    return request.headers.get("connection", "").lower() == "close"
+
+
+def _read_error(exc: BaseException, write_error: OSError | None) -> httpx.TransportError:
+    """httpx's error for a failed read (``exc``) after a write that failed, or not: a
+    write that failed and no answer after it is the write's error."""
+    if write_error is not None:
+        return httpx.WriteError(str(write_error))
+    if isinstance(exc, TimeoutError):
+        return httpx.ReadTimeout(str(exc) or "read timed out")
+    if isinstance(exc, ValueError | EOFError):
+        return httpx.RemoteProtocolError(str(exc))
+    return httpx.ReadError(str(exc))
 
 
 async def _within(awaitable: Any, seconds: float | None) -> Any:
@@ -279,21 +305,39 @@ class FastTransport(httpx.BaseTransport):
         body = fast_body(request, self.min_bytes)
         if body is None:
             return self.fallback.handle_request(request)
-        key = (request.url.host, request.url.port or 80)
-        connect_t, write_t, read_t = _timeouts(request)
-        conn = self._checkout(key, connect_t, request)
         try:
-            head, data, keep = self._exchange(conn, request, body, write_t, read_t)
+            head, data = self.exchange(
+                _address(request.url), request.method, request_head(request), body,
+                _timeouts(request), _closes(request),
+            )
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+        return _response(request, head, data)
+
+    def exchange(
+        self, address: tuple[str, int], method: str, head: bytes, body: Sequence[Any],
+        timeouts: Timeouts, close: bool = False,
+    ) -> tuple[_Head, Any]:
+        """Send one request on a kept-alive connection to ``address`` and read its
+        answer: ``head`` is its request line and headers, ``body`` its parts. Returns
+        the answer's parsed head and its body. ``close``: the request said
+        ``Connection: close``, so the connection is not kept. Raises httpx's errors,
+        without their ``request`` (``handle_request`` sets it)."""
+        connect_t, write_t, read_t = timeouts
+        conn = self._checkout(address, connect_t)
+        try:
+            answer, data, keep = self._exchange(conn, method, head, body, write_t, read_t)
         except BaseException:
             conn.sock.close()
             raise
-        if keep:
-            self._checkin(key, conn)
+        if keep and not close:
+            self._checkin(address, conn)
         else:
             conn.sock.close()
-        return _response(request, head, data)
+        return answer, data
 
-    def _checkout(self, key: tuple[str, int], timeout: float | None, request: httpx.Request) -> _Conn:
+    def _checkout(self, key: tuple[str, int], timeout: float | None) -> _Conn:
         now = time.monotonic()
         with self._lock:
             idle = self._idle.get(key, [])
@@ -305,9 +349,9 @@ class FastTransport(httpx.BaseTransport):
         try:
             sock = socket.create_connection(key, timeout=timeout)
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
+            raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
         except OSError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
+            raise httpx.ConnectError(str(exc)) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(sock)
 
@@ -321,39 +365,26 @@ class FastTransport(httpx.BaseTransport):
         conn.sock.close()
 
     def _exchange(
-        self, conn: _Conn, request: httpx.Request, body: list[Any],
+        self, conn: _Conn, method: str, request_head: bytes, body: Sequence[Any],
         write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
         sock = conn.sock
         try:
             sock.settimeout(write_t)
-            _send_parts(sock, [request_head(request), *body])
+            _send_parts(sock, [request_head, *body])
             write_error = None
         except TimeoutError as exc:
-            raise httpx.WriteTimeout(str(exc) or "write timed out", request=request) from exc
+            raise httpx.WriteTimeout(str(exc) or "write timed out") from exc
         except OSError as exc:  # perhaps answered early (413) and closed: read the answer
             write_error = exc
         try:
             sock.settimeout(read_t)
             reader = _SyncReader(conn, self.buffers)
-            head = reader.head(request.method)
+            head = reader.head(method)
             data = reader.body(head)
-        except TimeoutError as exc:
-            if write_error is not None:
-                raise httpx.WriteError(str(write_error), request=request) from write_error
-            raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
         except (OSError, EOFError, ValueError) as exc:
-            if write_error is not None:
-                raise httpx.WriteError(str(write_error), request=request) from write_error
-            if isinstance(exc, ValueError):
-                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-            if isinstance(exc, EOFError):
-                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-            raise httpx.ReadError(str(exc), request=request) from exc
-        keep = head.keep_alive and write_error is None and not reader.pending
-        if request.headers.get("connection", "").lower() == "close":
-            keep = False
-        return head, data, keep
+            raise _read_error(exc, write_error) from (write_error or exc)
+        return head, data, head.keep_alive and write_error is None and not reader.pending
 
     def close(self) -> None:
         with self._lock:
@@ -529,33 +560,48 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = fast_body(request, self.min_bytes)
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:  # not asyncio
             body = None
         if body is None:
             return await self.fallback.handle_async_request(request)
-        key = (request.url.host, request.url.port or 80)
-        connect_t, write_t, read_t = _timeouts(request)
-        conn = await self._checkout(loop, key, connect_t, request)
         try:
-            head, data, keep = await self._exchange(loop, conn, request, body, write_t, read_t)
+            head, data = await self.exchange(
+                _address(request.url), request.method, request_head(request), body,
+                _timeouts(request), _closes(request),
+            )
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+        return _response(request, head, data)
+
+    async def exchange(
+        self, address: tuple[str, int], method: str, head: bytes, body: Sequence[Any],
+        timeouts: Timeouts, close: bool = False,
+    ) -> tuple[_Head, Any]:
+        """``FastTransport.exchange``, on the running asyncio loop."""
+        loop = asyncio.get_running_loop()
+        connect_t, write_t, read_t = timeouts
+        conn = await self._checkout(loop, address, connect_t)
+        try:
+            answer, data, keep = await self._exchange(loop, conn, method, head, body,
+                                                      write_t, read_t)
         except BaseException:
             conn.sock.close()
             raise
-        if keep:
+        if keep and not close:
             conn.idle_since = time.monotonic()
-            idle = self._idle.setdefault(key, [])
+            idle = self._idle.setdefault(address, [])
             if len(idle) < MAX_IDLE_PER_HOST:
                 idle.append(conn)
             else:
                 conn.sock.close()
         else:
             conn.sock.close()
-        return _response(request, head, data)
+        return answer, data
 
     async def _checkout(
         self, loop: asyncio.AbstractEventLoop, key: tuple[str, int], timeout: float | None,
-        request: httpx.Request,
     ) -> _Conn:
         now = time.monotonic()
         idle = self._idle.get(key, [])
@@ -576,27 +622,26 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
                 sock.close()
                 raise
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout("connect timed out", request=request) from exc
+            raise httpx.ConnectTimeout("connect timed out") from exc
         except OSError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
+            raise httpx.ConnectError(str(exc)) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(sock)
 
     async def _exchange(
-        self, loop: asyncio.AbstractEventLoop, conn: _Conn, request: httpx.Request,
-        body: list[Any], write_t: float | None, read_t: float | None,
+        self, loop: asyncio.AbstractEventLoop, conn: _Conn, method: str, request_head: bytes,
+        body: Sequence[Any], write_t: float | None, read_t: float | None,
     ) -> tuple[_Head, Any, bool]:
         sock = conn.sock
         write_error = None
         try:
             # small parts go together; large ones as they are (no join): as much as the
             # socket takes at once in one sendmsg, the rest as it drains
-            head = request_head(request)
             views = [memoryview(p).cast("B") for p in body]
             if sum(len(v) for v in views) < FAST_MIN_BYTES:
-                await _within(loop.sock_sendall(sock, b"".join((head, *views))), write_t)
+                await _within(loop.sock_sendall(sock, b"".join((request_head, *views))), write_t)
             else:
-                views = [v for v in (memoryview(head), *views) if len(v)]
+                views = [v for v in (memoryview(request_head), *views) if len(v)]
                 try:
                     sent = sock.sendmsg(views)
                 except (BlockingIOError, InterruptedError):
@@ -604,26 +649,15 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
                 for view in _unsent(views, sent):
                     await _within(loop.sock_sendall(sock, view), write_t)
         except TimeoutError as exc:
-            raise httpx.WriteTimeout("write timed out", request=request) from exc
+            raise httpx.WriteTimeout("write timed out") from exc
         except OSError as exc:
             write_error = exc
         reader = _AsyncReader(loop, conn, self.buffers, read_t)
         try:
-            head, data = await reader.answer(request.method)
-        except TimeoutError as exc:
-            if write_error is not None:
-                raise httpx.WriteError(str(write_error), request=request) from write_error
-            raise httpx.ReadTimeout("read timed out", request=request) from exc
+            head, data = await reader.answer(method)
         except (OSError, EOFError, ValueError) as exc:
-            if write_error is not None:
-                raise httpx.WriteError(str(write_error), request=request) from write_error
-            if isinstance(exc, ValueError | EOFError):
-                raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-            raise httpx.ReadError(str(exc), request=request) from exc
-        keep = head.keep_alive and write_error is None and not reader.pending
-        if request.headers.get("connection", "").lower() == "close":
-            keep = False
-        return head, data, keep
+            raise _read_error(exc, write_error) from (write_error or exc)
+        return head, data, head.keep_alive and write_error is None and not reader.pending
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, {}

@@ -1,0 +1,312 @@
+"""Operator calls that go straight to the client's fast transport (``dxclient._direct``).
+
+Against the real server: results equal to those sent through httpx, problems raised
+alike, both clients. Against a scripted ``http.server`` (a real socket) that records
+each request's head and answers with a canned gradient: the head written is byte for
+byte the one httpx writes; header changes on the httpx client reach it; every client
+setting that httpx acts on per request (auth, hooks, cookies, params, redirects) sends
+the call through httpx instead; answers that set cookies or are gzip-encoded are
+handled as httpx handles them; connection errors are httpx's, with their request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from conftest import HandlerInThread, free_port
+
+from dxclient import AsyncClient, Client, _models, codec
+from dxclient._direct import Answer, DirectCalls
+from dxclient.backends import JaxReverse
+from dxclient.errors import UnknownFunctionError
+from dxclient.transport import request_head
+
+N = 20_000  # 160 KB of float64: a body the fast transport takes itself
+
+
+def _x(n: int = N, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1.5, 1.5, n)
+
+
+class _Spy:
+    """Counts the calls a client's ``DirectCalls`` sent itself (not handed to httpx)."""
+
+    def __init__(self, direct: DirectCalls) -> None:
+        self.taken = 0
+        self.declined = 0
+        send, asend = direct.send, direct.asend
+
+        def counted(answer: Any) -> Any:
+            if answer is None:
+                self.declined += 1
+            else:
+                self.taken += 1
+            return answer
+
+        async def acounted(call: Any, url: Any) -> Any:
+            return counted(await asend(call, url))
+
+        direct.send = lambda call, url: counted(send(call, url))  # type: ignore[method-assign]
+        direct.asend = acounted  # type: ignore[method-assign]
+
+
+# --- against the real server ----------------------------------------------------------
+@pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
+def test_direct_results_equal_httpx_results(server, encoding: str) -> None:
+    backend = JaxReverse()
+    direct = Client(server.url, encoding=encoding)
+    plain = Client(server.url, encoding=encoding)
+    plain._direct = None
+    spy = _Spy(direct._direct)
+    try:
+        for seed, x in enumerate([_x(), _x(N, 1)[::2].copy(), _x(N).astype(">f8")]):
+            got = direct.gradient("rosenbrock", backend, x)
+            want = plain.gradient("rosenbrock", backend, x)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), seed
+            value, grad = direct.value_and_gradient("rosenbrock", backend, x)
+            assert np.array_equal(grad, want)
+        prep = direct.prepare_gradient("rosenbrock", backend, _x())
+        np.testing.assert_array_equal(
+            direct.gradient("rosenbrock", backend, _x(), prep=prep),
+            plain.gradient("rosenbrock", backend, _x()),
+        )
+    finally:
+        direct.close()
+        plain.close()
+    assert spy.taken >= 8 and spy.declined == 0
+
+
+def test_direct_problem_raises_as_through_httpx(server) -> None:
+    with Client(server.url) as client:
+        spy = _Spy(client._direct)
+        with pytest.raises(UnknownFunctionError) as direct_error:
+            client.gradient("no_such_function", JaxReverse(), _x())
+        client._direct = None
+        with pytest.raises(UnknownFunctionError) as httpx_error:
+            client.gradient("no_such_function", JaxReverse(), _x())
+    assert spy.taken == 1
+    assert str(direct_error.value) == str(httpx_error.value)
+    assert direct_error.value.status == httpx_error.value.status == 404
+
+
+def test_async_direct_results_equal_httpx_results(server) -> None:
+    async def both() -> tuple[list, list, _Spy]:
+        async with AsyncClient(server.url) as direct, AsyncClient(server.url) as plain:
+            plain._direct = None
+            spy = _Spy(direct._direct)
+            xs = [_x(), _x(10), _x(N).astype(np.float32)]
+            got = [await direct.gradient("rosenbrock", JaxReverse(), x) for x in xs]
+            want = [await plain.gradient("rosenbrock", JaxReverse(), x) for x in xs]
+            return got, want, spy
+
+    got, want, spy = asyncio.run(both())
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
+    assert spy.taken == 3  # the async transport takes small bodies too
+
+
+def test_small_sync_calls_go_through_httpx(server) -> None:
+    with Client(server.url) as client:
+        spy = _Spy(client._direct)
+        client.gradient("rosenbrock", JaxReverse(), _x(10))
+    assert spy.taken == 0 and spy.declined == 1
+
+
+# --- against a scripted server ---------------------------------------------------------
+class ScriptedServer:
+    """Answers every POST with ``gradient = 2 x`` (binary) and records each request's
+    head (its lines in order, as received); ``extra`` headers are added to the answers,
+    ``gzip`` compresses them."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.extra: list[tuple[str, str]] = []
+        self.gzip = False
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                lines = [self.requestline, *(f"{k}: {v}" for k, v in self.headers.items())]
+                server.heads.append("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
+                body = self.rfile.read(int(self.headers["content-length"]))
+                request = codec.decode_body(
+                    body, self.headers["content-type"], self.headers.get(codec.HEADER_LENGTH)
+                )
+                x = np.asarray(codec.decode_result(request["x"], "x", False))
+                answer, media, headers = codec.encode_body({"gradient": 2 * x}, "binary")
+                if server.gzip:
+                    answer = gzip.compress(answer)
+                    headers = {**headers, "content-encoding": "gzip"}
+                self.send_response(200)
+                self.send_header("content-type", media)
+                for name, value in [*headers.items(), *server.extra]:
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.served = HandlerInThread(Handler)
+        self.url = self.served.url
+
+    def close(self) -> None:
+        self.served.close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedServer]:
+    server = ScriptedServer()
+    yield server
+    server.close()
+
+
+def _httpx_head(client: Client, x: np.ndarray) -> bytes:
+    """The head httpx writes for this gradient call (its request built, not sent)."""
+    call = _models.operator_call("gradient", "f", JaxReverse(), x, None, (), None, "binary")
+    url = client._url(call)
+    return request_head(client._direct._request(call, url))
+
+
+def test_direct_head_is_the_one_httpx_writes(scripted: ScriptedServer) -> None:
+    with Client(scripted.url) as client:
+        spy = _Spy(client._direct)
+        for n in (N, N + 1, 3 * N):  # another body length, the same head otherwise
+            x = _x(n)
+            np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
+            assert scripted.heads[-1] == _httpx_head(client, x)
+        client.http.headers["authorization"] = "Bearer new-token"
+        client.http.headers["x-trace"] = "abc"
+        client.gradient("f", JaxReverse(), _x())
+        assert b"\r\nauthorization: Bearer new-token\r\n" in scripted.heads[-1]
+        assert b"\r\nx-trace: abc\r\n" in scripted.heads[-1]
+        assert scripted.heads[-1] == _httpx_head(client, _x())
+    assert spy.taken == 4
+
+
+def _settings() -> list[tuple[str, Any]]:
+    seen: list[str] = []
+
+    def hook(request: httpx.Request) -> None:
+        seen.append(request.url.path)
+
+    return [
+        ("auth", lambda http: setattr(http, "auth", httpx.BasicAuth("u", "p"))),
+        ("event hook", lambda http: http.event_hooks["request"].append(hook)),
+        ("cookie", lambda http: http.cookies.set("session", "s1")),
+        ("params", lambda http: setattr(http, "params", {"q": "1"})),
+        ("redirects", lambda http: setattr(http, "follow_redirects", True)),
+    ]
+
+
+@pytest.mark.parametrize("name, apply", _settings(), ids=[s[0] for s in _settings()])
+def test_client_settings_httpx_acts_on_send_calls_through_httpx(
+    scripted: ScriptedServer, name: str, apply: Any
+) -> None:
+    with Client(scripted.url) as client:
+        spy = _Spy(client._direct)
+        apply(client.http)
+        x = _x()
+        np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
+    assert spy.taken == 0 and spy.declined == 1, name
+    head = scripted.heads[-1].lower()
+    if name == "auth":
+        assert b"\r\nauthorization: basic " in head
+    elif name == "cookie":
+        assert b"\r\ncookie: session=s1\r\n" in head
+    elif name == "params":
+        assert head.startswith(b"post /gradient?q=1 ")
+
+
+def test_answer_setting_a_cookie_is_stored_as_httpx_stores_it(scripted: ScriptedServer) -> None:
+    scripted.extra = [("Set-Cookie", "lb=one; Path=/")]
+    with Client(scripted.url) as client:
+        spy = _Spy(client._direct)
+        x = _x()
+        np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
+        assert dict(client.http.cookies) == {"lb": "one"}
+        scripted.extra = []
+        np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
+    assert spy.taken == 1 and spy.declined == 1  # with a cookie in the jar: httpx
+    assert b"\r\nCookie: lb=one\r\n" in scripted.heads[-1]
+
+
+def test_gzip_answer_is_decoded(scripted: ScriptedServer) -> None:
+    scripted.gzip = True
+    with Client(scripted.url) as client:
+        spy = _Spy(client._direct)
+        x = _x()
+        np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
+    assert spy.taken == 1
+
+
+def test_repeated_answer_headers_join_as_in_httpx(scripted: ScriptedServer) -> None:
+    scripted.extra = [("X-Multi", "a"), ("x-multi", "b")]
+    with Client(scripted.url) as client:
+        call = _models.operator_call("gradient", "f", JaxReverse(), _x(), None, (), None, "binary")
+        answer = client._direct.send(call, client._url(call))
+        plain = client.http.post(client._url(call), content=call.body, headers=call.headers)
+    assert isinstance(answer, Answer)
+    assert answer.headers["X-MULTI"] == plain.headers["x-multi"] == "a, b"
+    assert answer.headers.get("Content-Type") == plain.headers["content-type"]
+    assert "content-length" in answer.headers and "nope" not in answer.headers
+    assert bytes(answer.content) == plain.content
+
+
+def test_direct_calls_log_as_httpx(scripted: ScriptedServer, caplog: pytest.LogCaptureFixture) -> None:
+    with Client(scripted.url) as client, caplog.at_level(logging.INFO, logger="httpx"):
+        client.gradient("f", JaxReverse(), _x())
+    assert any(
+        r.name == "httpx" and r.getMessage() == f'HTTP Request: POST {scripted.url}/gradient '
+        '"HTTP/1.1 200 OK"' for r in caplog.records
+    )
+
+
+def test_connection_errors_are_httpx_errors_with_their_request() -> None:
+    port = free_port()  # nothing listens here
+    with Client(f"http://127.0.0.1:{port}", retries=0) as client:
+        with pytest.raises(httpx.ConnectError) as caught:
+            client.gradient("f", JaxReverse(), _x())
+    assert str(caught.value.request.url) == f"http://127.0.0.1:{port}/gradient"
+
+    async def acall() -> None:
+        async with AsyncClient(f"http://127.0.0.1:{port}", retries=0) as client:
+            await client.gradient("f", JaxReverse(), _x())
+
+    with pytest.raises(httpx.ConnectError) as caught:
+        asyncio.run(acall())
+    assert caught.value.request.method == "POST"
+
+
+def test_a_server_that_hangs_up_gives_an_httpx_error() -> None:
+    """A server that reads the request's first bytes and closes the connection: httpx's
+    error for it, with its request."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with Client(f"http://127.0.0.1:{port}", retries=0) as client:
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)) as e:
+            client.gradient("f", JaxReverse(), _x())
+    assert e.value.request.url.path == "/gradient"
+    thread.join(timeout=10)
+    listener.close()
