@@ -13,9 +13,11 @@ For each n and encoding (binary, b64, json) it times, interleaved:
 
 * dxserve: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   the whole user-visible call (client encode, HTTP, server, client decode);
-* echo: the client's own HTTP stack (``dxclient._http.HttpClient`` with its
-  transport, ``dxclient.transport``) posting the exact request bytes and headers that
-  encoding produces to ``/echo`` (transport only: the bytes are encoded once);
+* echo: the client's own HTTP stack posting the exact request bytes and headers that
+  encoding produces to ``/echo`` (transport only: the bytes are encoded once). That is
+  the path ``Client`` takes for a body of that size: a direct call to its transport
+  (``dxclient._direct``) where the transport takes the body itself, else its httpx
+  client (``dxclient._http.HttpClient``, transport ``dxclient.transport``);
 * raw: the same number of bytes each way over a plain loopback socket: the HTTP
   request the client sends (request line, headers, body) written with one ``sendmsg``,
   dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
@@ -59,6 +61,7 @@ from _common import (
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
+from dxclient._direct import DirectCalls
 from dxclient._http import HttpClient
 from dxclient.transport import FastTransport
 from dxserve import JaxReverse
@@ -98,6 +101,25 @@ class RawFloor:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Echo:
+    """Posts request bytes to the echo the way ``Client`` sends a body of their size."""
+
+    def __init__(self, url: str) -> None:
+        self.target = httpx.URL(url + "/echo")
+        self.http = HttpClient(timeout=600.0, transport=FastTransport())
+        self.direct = DirectCalls(self.http, self.http._transport)
+
+    def post(self, call: _models.Call) -> bytes:
+        echo = _models.Call("POST", "/echo", call.body, call.headers)
+        answer = self.direct.send(echo, self.target)
+        if answer is None:
+            answer = self.http.post(self.target, content=echo.body, headers=echo.headers)
+        return answer.content
+
+    def close(self) -> None:
+        self.http.close()
 
 
 def request_head(url: httpx.URL, headers: dict[str, str], body: bytes) -> bytes:
@@ -177,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"n = {n:.0e} dxserve/raw <= {t}x" for n, t in FLOOR_TARGETS.items())
         + f"; async/sync <= {ASYNC_TARGET}x. dxserve = the whole `dxclient.Client.gradient` "
         "call (client encode + HTTP + server + client decode); echo = the client's own HTTP "
-        "stack (its httpx client and transport) posting the same request bytes to "
-        "`POST /echo` (no client encoding); raw = the "
+        "stack posting the same request bytes to `POST /echo` (no client encoding), the "
+        "way `Client` sends a body of that size (from 64 KiB on its direct path to its "
+        "transport, below through its httpx client); raw = the "
         "same byte counts each way (whole HTTP request, whole HTTP answer) over a plain "
         "loopback socket, `sendmsg` out and `recv_into` a fresh buffer in, no HTTP; "
         "in-process = `dxserve.gradient(..., prep=prep)` blocked until ready. AsyncClient "
@@ -197,14 +220,11 @@ def run(
     loop = asyncio.new_event_loop()
     aclient = AsyncClient(dx_url, timeout=600.0)
     http = httpx.Client(base_url=dx_url, timeout=600.0)
-    # parsed once, as dxclient.Client does for its operator URLs: the echo pays no more
-    # URL handling per request than the client does
-    echo_target = httpx.URL(echo_url + "/echo")
     # each encoding its own client (and connection pool), as users would have it
     clients = {enc: Client(dx_url, encoding=enc, timeout=600.0) for enc in ENCODINGS}
-    # the echo goes through the client's own HTTP stack (its httpx client, and
-    # dxclient.transport's fast path for large bodies): the same on both sides of the ratio
-    echo_http = HttpClient(timeout=600.0, transport=FastTransport())
+    # the echo goes through the client's own HTTP stack: the same on both sides of the
+    # ratio (its URL parsed once, as dxclient.Client does for its operator URLs)
+    echo = Echo(echo_url)
     try:
         for n in sizes:
             x = np.random.default_rng(n).uniform(-1.5, 1.5, n)
@@ -223,11 +243,9 @@ def run(
                 answer = http.post("/gradient", content=call.body, headers=call.headers)
                 head = request_head(httpx.URL(dx_url + "/gradient"), call.headers, call.body)
                 sizes_by_enc[enc] = (len(head) + len(call.body), response_size(answer))
-                echoed = echo_http.post(echo_target, content=call.body, headers=call.headers)
-                assert echoed.content == call.body
+                assert echo.post(call) == call.body
                 candidates[f"dxserve {enc}"] = lambda c=client, x=x: c.gradient("rosenbrock", backend, x)
-                candidates[f"echo {enc}"] = lambda c=call: echo_http.post(
-                    echo_target, content=c.body, headers=c.headers).content
+                candidates[f"echo {enc}"] = lambda c=call: echo.post(c)
                 candidates[f"raw {enc}"] = lambda h=head, c=call, k=sizes_by_enc[enc][1]: (
                     raw.exchange(h, c.body, k))
             # Each encoding's dxserve / echo / raw trio is timed as its own interleaved
@@ -276,7 +294,7 @@ def run(
                   f"{time.perf_counter() - started:.0f} s so far)", file=sys.stderr)
     finally:
         http.close()
-        echo_http.close()
+        echo.close()
         for client in clients.values():
             client.close()
         loop.run_until_complete(aclient.aclose())
