@@ -1,8 +1,9 @@
-"""An answer's head goes out with the first part of its body, in one send.
+"""An answer's head goes out with its body's first parts, in one send.
 
 ``http.connections`` hands each request's uvicorn cycle a transport that holds the
-head back until the body's first write, then sends both together; a head with no body
-in the same turn of the event loop (a stream's) goes out at the end of that turn.
+head and small body parts back until a write brings them to ``HOLD_BYTES`` or the
+answer is complete, then sends them together; what a stream writes in a turn of the
+event loop without completing its answer goes out at the end of that turn.
 Checked on the holder itself with a recording transport, and over real sockets through
 uvicorn with the bounded protocol: one-shot, multi-part, streamed, HEAD, Expect:
 100-continue and failing answers arrive whole and in order.
@@ -18,7 +19,12 @@ import httpx
 import pytest
 from conftest import uvicorn_in_thread
 
-from dxserve.http.connections import ConnectionLimits, _HeadWithBody, bounded_protocol
+from dxserve.http.connections import (
+    HOLD_BYTES,
+    ConnectionLimits,
+    _HeadWithBody,
+    bounded_protocol,
+)
 
 
 class _Recorder:
@@ -39,17 +45,53 @@ class _Recorder:
         self.closed = True
 
 
-def test_head_and_body_in_one_turn_are_one_send() -> None:
-    async def run() -> list:
+def test_head_and_small_parts_in_one_turn_are_one_send() -> None:
+    async def run() -> tuple[list, list]:
         sink = _Recorder()
         out = _HeadWithBody(sink, asyncio.get_running_loop())
         out.write(b"HEAD")
         out.write(b"body")
         out.write(b"more")
-        await asyncio.sleep(0)  # the end-of-turn flush finds nothing held
-        return sink.calls
+        held = list(sink.calls)
+        await asyncio.sleep(0)  # the end of the turn sends what is held
+        out.write(b"late")
+        return held, sink.calls
 
-    assert asyncio.run(run()) == [("writelines", (b"HEAD", b"body")), ("write", (b"more",))]
+    held, calls = asyncio.run(run())
+    assert held == []
+    assert calls == [("writelines", (b"HEAD", b"body", b"more")), ("write", (b"late",))]
+
+
+def test_a_large_part_goes_out_at_once_with_what_was_held() -> None:
+    async def run() -> list:
+        sink = _Recorder()
+        out = _HeadWithBody(sink, asyncio.get_running_loop())
+        out.write(b"HEAD")
+        out.write(b"header")
+        out.write(b"x" * HOLD_BYTES)
+        sent = list(sink.calls)
+        out.write(b"tail")  # after the held ones went: straight through
+        await asyncio.sleep(0)
+        return [sent, sink.calls]
+
+    sent, calls = asyncio.run(run())
+    assert sent == [("writelines", (b"HEAD", b"header", b"x" * HOLD_BYTES))]
+    assert calls == [*sent, ("write", (b"tail",))]
+
+
+def test_a_complete_answer_goes_out_before_the_turn_ends() -> None:
+    async def run() -> tuple[list, list]:
+        sink = _Recorder()
+        out = _HeadWithBody(sink, asyncio.get_running_loop())
+        done: list[str] = []
+        answered = out.then(lambda: done.append("answered"))
+        out.write(b"HEAD")
+        out.write(b"body")
+        answered()  # uvicorn's on_response, once the last part is written
+        return list(sink.calls), done
+
+    calls, done = asyncio.run(run())
+    assert calls == [("writelines", (b"HEAD", b"body"))] and done == ["answered"]
 
 
 def test_a_head_alone_goes_out_at_the_end_of_the_turn() -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,8 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             cycle = self.cycle
             if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
                 return
-            cycle.transport = _HeadWithBody(self.transport, self.loop)
+            cycle.transport = out = _HeadWithBody(self.transport, self.loop)
+            cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
             length = _declared_length(self.headers)
             if limits.inbox_min_bytes <= length <= limits.max_body_bytes:
                 # read by run_asgi when the task first runs, after this callback
@@ -275,46 +277,69 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
     return BoundedHttpToolsProtocol
 
 
-class _HeadWithBody:
-    """The transport one request's answer is written through: the answer's head (the
-    first write) is held back and goes out with the first part of its body, in one
-    send. A small answer is then one segment, read by the client in one wake-up, not
-    two. A head whose body does not follow within the same turn of the event loop (an
-    event stream's, say) goes out at the end of that turn."""
+#: an answer's writes are held back together up to this many bytes (see _HeadWithBody)
+HOLD_BYTES = 64 * 1024
 
-    __slots__ = ("_held", "_loop", "_started", "_transport")
+
+class _HeadWithBody:
+    """The transport one request's answer is written through: its first writes (the
+    head, then small parts of the body) are held back and go out together, in one
+    send, with the write that brings them to ``HOLD_BYTES`` or when the answer is
+    complete (``flush``). A small answer is then one segment, read by the client in one
+    wake-up; a large binary answer (head, array header, the array's memory) one
+    ``writev``. Writes that do not complete the answer within the same turn of the
+    event loop (an event stream's first event, say) go out at the end of that turn;
+    later ones go straight through."""
+
+    __slots__ = ("_held", "_held_bytes", "_loop", "_started", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._held: bytes | None = None
+        self._held: list[Any] | None = None
+        self._held_bytes = 0
         self._started = False
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: Any) -> None:
         if not self._started:
             self._started = True
-            self._held = data
-            self._loop.call_soon(self._flush)
+            self._held, self._held_bytes = [data], len(data)
+            self._loop.call_soon(self.flush)
             return
         held = self._held
         if held is None:
             self._transport.write(data)
-        else:
-            self._held = None
-            self._transport.writelines((held, data))
+            return
+        held.append(data)
+        self._held_bytes += len(data)
+        if self._held_bytes >= HOLD_BYTES:
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what is held (the answer is complete, or its turn is over)."""
         held = self._held
         if held is not None:
             self._held = None
             if not self._transport.is_closing():
-                self._transport.write(held)
+                if len(held) == 1:
+                    self._transport.write(held[0])
+                else:
+                    self._transport.writelines(held)
+
+    def then(self, on_response: Callable[[], None]) -> Callable[[], None]:
+        """``on_response`` (called once the answer is complete), flushing first."""
+
+        def answered() -> None:
+            self.flush()
+            on_response()
+
+        return answered
 
     def is_closing(self) -> bool:
         return self._transport.is_closing()
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
 
