@@ -310,3 +310,11 @@ def test_a_server_that_hangs_up_gives_an_httpx_error() -> None:
     assert e.value.request.url.path == "/gradient"
     thread.join(timeout=10)
     listener.close()
+
+
+def test_a_closed_client_refuses_as_httpx_does(scripted: ScriptedServer) -> None:
+    client = Client(scripted.url)
+    client.gradient("f", JaxReverse(), _x())
+    client.close()
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        client.gradient("f", JaxReverse(), _x())

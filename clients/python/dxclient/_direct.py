@@ -4,9 +4,8 @@ A request that ``dxclient.transport`` takes itself (plain HTTP, a body of at lea
 transport's ``min_bytes``) needs nothing more from httpx than the head httpx would
 write and the timeouts it would apply. Building an ``httpx.Request`` (URL, headers,
 stream), passing it through the client's auth, redirect, hook and cookie steps and
-wrapping the answer in an ``httpx.Response`` is ~600 Python calls a request: ~0.1 ms,
-more than the server spends decoding, computing and encoding a gradient of 10^5
-values.
+wrapping the answer in an ``httpx.Response`` is ~500 Python calls a request: ~60 us
+here, a tenth of a whole gradient call at 10^5 values.
 
 ``DirectCalls`` sends such a call with a head httpx itself built once per path and
 header set (the same bytes, with the body's length written in), through the
@@ -34,6 +33,7 @@ from .transport import (
     BODY_PARTS,
     AsyncFastTransport,
     FastTransport,
+    Timeouts,
     _Head,
     _response,
     request_head,
@@ -45,7 +45,6 @@ _TEMPLATES = 256
 _UNKNOWN: Any = object()
 # httpx logs each request at INFO under its own name; so do direct calls
 _httpx_log = logging.getLogger("httpx")
-_CONTENT_LENGTH = b"content-length"
 #: answer headers that need httpx: cookies to store, a body to decode
 _TO_HTTPX = (b"set-cookie", b"content-encoding")
 
@@ -171,7 +170,7 @@ class DirectCalls:
                         head.status, head.reason)
         return response
 
-    def _timeouts(self) -> tuple[float | None, float | None, float | None]:
+    def _timeouts(self) -> Timeouts:
         timeout = self.http.timeout
         return timeout.connect, timeout.write, timeout.read
 
