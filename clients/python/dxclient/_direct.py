@@ -36,6 +36,7 @@ from .transport import (
     Timeouts,
     _Head,
     _response,
+    address,
     request_head,
 )
 
@@ -183,7 +184,7 @@ class DirectCalls:
         head, parts, close = prepared
         try:
             answer, data = self.transport.exchange(
-                (url.host, url.port or 80), call.method, head, parts, self._timeouts(), close
+                address(url), call.method, head, parts, self._timeouts(), close
             )
         except httpx.RequestError as exc:
             exc.request = self._request(call, url)
@@ -199,7 +200,7 @@ class DirectCalls:
         head, parts, close = prepared
         try:
             answer, data = await self.transport.exchange(
-                (url.host, url.port or 80), call.method, head, parts, self._timeouts(), close
+                address(url), call.method, head, parts, self._timeouts(), close
             )
         except httpx.RequestError as exc:
             exc.request = self._request(call, url)

@@ -249,13 +249,15 @@ def _timeouts(request: httpx.Request) -> Timeouts:
     return t.get("connect"), t.get("write"), t.get("read")
 
 
-def _address(url: httpx.URL) -> tuple[str, int]:
+def address(url: httpx.URL) -> tuple[str, int]:
+    """The ``(host, port)`` a plain-HTTP ``url`` connects to."""
     return url.host, url.port or 80
 
 
-def _closes(request: httpx.Request) -> bool:
-    """Did the request say ``Connection: close``? (Its connection is not kept.)"""
-    return request.headers.get("connection", "").lower() == "close"
+def _exchange_args(request: httpx.Request, body: list[Any]) -> tuple:
+    """``exchange``'s arguments for ``request`` (its body's parts: ``body``)."""
+    close = request.headers.get("connection", "").lower() == "close"
+    return address(request.url), request.method, request_head(request), body, _timeouts(request), close
 
 
 def _read_error(exc: BaseException, write_error: OSError | None) -> httpx.TransportError:
@@ -306,10 +308,7 @@ class FastTransport(httpx.BaseTransport):
         if body is None:
             return self.fallback.handle_request(request)
         try:
-            head, data = self.exchange(
-                _address(request.url), request.method, request_head(request), body,
-                _timeouts(request), _closes(request),
-            )
+            head, data = self.exchange(*_exchange_args(request, body))
         except httpx.RequestError as exc:
             exc.request = request
             raise
@@ -566,10 +565,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
         if body is None:
             return await self.fallback.handle_async_request(request)
         try:
-            head, data = await self.exchange(
-                _address(request.url), request.method, request_head(request), body,
-                _timeouts(request), _closes(request),
-            )
+            head, data = await self.exchange(*_exchange_args(request, body))
         except httpx.RequestError as exc:
             exc.request = request
             raise
