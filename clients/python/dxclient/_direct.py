@@ -146,7 +146,9 @@ class DirectCalls:
             )
         return self.http.build_request(call.method, url, content=call.body, headers=call.headers)
 
-    def _answer(self, call: Call, url: httpx.URL, head: _Head, data: Any) -> Answer | httpx.Response:
+    def _answer(
+        self, call: Call, url: httpx.URL, head: _Head, data: Any
+    ) -> Answer | httpx.Response:
         if any(name.lower() in _TO_HTTPX for name, _ in head.headers):
             return self._through_httpx(call, url, head, data)
         headers = AnswerHeaders()

@@ -257,7 +257,8 @@ def address(url: httpx.URL) -> tuple[str, int]:
 def _exchange_args(request: httpx.Request, body: list[Any]) -> tuple:
     """``exchange``'s arguments for ``request`` (its body's parts: ``body``)."""
     close = request.headers.get("connection", "").lower() == "close"
-    return address(request.url), request.method, request_head(request), body, _timeouts(request), close
+    head = request_head(request)
+    return address(request.url), request.method, head, body, _timeouts(request), close
 
 
 def _read_error(exc: BaseException, write_error: OSError | None) -> httpx.TransportError:
