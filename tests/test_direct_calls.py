@@ -266,7 +266,9 @@ def test_repeated_answer_headers_join_as_in_httpx(scripted: ScriptedServer) -> N
     assert bytes(answer.content) == plain.content
 
 
-def test_direct_calls_log_as_httpx(scripted: ScriptedServer, caplog: pytest.LogCaptureFixture) -> None:
+def test_direct_calls_log_as_httpx(
+    scripted: ScriptedServer, caplog: pytest.LogCaptureFixture
+) -> None:
     with Client(scripted.url) as client, caplog.at_level(logging.INFO, logger="httpx"):
         client.gradient("f", JaxReverse(), _x())
     assert any(
