@@ -36,8 +36,8 @@ from .transport import (
     Timeouts,
     _Head,
     _response,
-    address,
     request_head,
+    url_address,
 )
 
 #: heads kept per client: one per path and header set (a binary body's header length is
@@ -166,8 +166,7 @@ class DirectCalls:
         (an encoded body is read here, from the bytes already in)."""
         request = self._request(call, url)
         response = _response(request, head, data)
-        if not hasattr(response, "_content"):  # content-encoded: httpx decodes it
-            response.read()
+        response.read()  # a content-encoded body is decoded here; any other is in already
         self.http.cookies.extract_cookies(response)
         _httpx_log.info('HTTP Request: %s %s "HTTP/1.1 %d %s"', call.method, url,
                         head.status, head.reason)
@@ -186,7 +185,7 @@ class DirectCalls:
         head, parts, close = prepared
         try:
             answer, data = self.transport.exchange(
-                address(url), call.method, head, parts, self._timeouts(), close
+                url_address(url), call.method, head, parts, self._timeouts(), close
             )
         except httpx.RequestError as exc:
             exc.request = self._request(call, url)
@@ -202,7 +201,7 @@ class DirectCalls:
         head, parts, close = prepared
         try:
             answer, data = await self.transport.exchange(
-                address(url), call.method, head, parts, self._timeouts(), close
+                url_address(url), call.method, head, parts, self._timeouts(), close
             )
         except httpx.RequestError as exc:
             exc.request = self._request(call, url)

@@ -249,7 +249,7 @@ def _timeouts(request: httpx.Request) -> Timeouts:
     return t.get("connect"), t.get("write"), t.get("read")
 
 
-def address(url: httpx.URL) -> tuple[str, int]:
+def url_address(url: httpx.URL) -> tuple[str, int]:
     """The ``(host, port)`` a plain-HTTP ``url`` connects to."""
     return url.host, url.port or 80
 
@@ -258,7 +258,7 @@ def _exchange_args(request: httpx.Request, body: list[Any]) -> tuple:
     """``exchange``'s arguments for ``request`` (its body's parts: ``body``)."""
     close = request.headers.get("connection", "").lower() == "close"
     head = request_head(request)
-    return address(request.url), request.method, head, body, _timeouts(request), close
+    return url_address(request.url), request.method, head, body, _timeouts(request), close
 
 
 def _read_error(exc: BaseException, write_error: OSError | None) -> httpx.TransportError:
