@@ -7,6 +7,8 @@ reports the type and alignment of the body it receives.
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import jax
 import numpy as np
@@ -105,11 +107,41 @@ def test_a_large_body_is_read_into_its_own_buffer_after_a_short_first_read(
     monkeypatch.setattr(connections._Reader, "buffer_updated", recorded)
     x = np.random.default_rng(2).standard_normal(100_000)
     body, headers = _binary_request(x)
-    with httpx.Client() as http:
+    by_request = []
+    url = httpx.URL(probe_url)
+    with socket.create_connection((url.host, url.port)) as sock:
         for content in (b"small", body, b"small again"):
-            kind, size, _, head = http.post(probe_url, content=content, headers=headers).text.split()
-            assert (int(size), head) == (len(content), content[:8].hex())
-    assert reads, "the bounded protocol reads through its _Reader"
-    assert all(n <= connections.READ_BYTES for into_body, n in reads if not into_body)
-    # at most two reads (uvicorn stops reading past 64 KiB) come before the app takes it
-    assert sum(n for into_body, n in reads if into_body) >= len(body) - 2 * connections.READ_BYTES
+            reads.clear()
+            # head and body in one write: the whole request is in the socket at once
+            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            sock.sendall(
+                f"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: {len(content)}\r\n"
+                f"{head}\r\n".encode() + content
+            )
+            kind, size, _, first8 = _read_answer(sock).split()
+            assert (int(size), first8) == (len(content), content[:8].hex())
+            by_request.append(list(reads))
+    assert all(by_request), "the bounded protocol reads through its _Reader"
+    small, large, small_again = by_request
+    assert not any(into_body for into_body, _ in small + small_again)
+    # reading pauses once the head is in: one read (the head and what came with it)
+    # before the application takes the body, the rest straight into the body's buffer
+    first, *rest = large
+    assert not first[0] and first[1] <= connections.READ_BYTES
+    assert rest and all(into_body for into_body, _ in rest)
+    assert first[1] + sum(n for _, n in rest) > len(body)  # and the head
+
+
+def _read_answer(sock: socket.socket) -> str:
+    """The body of one HTTP/1.1 answer with a Content-Length, read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return rest[:length].decode()

@@ -187,6 +187,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
                 # read by run_asgi when the task first runs, after this callback
                 binary = _is_binary(self.headers)
                 cycle.receive = _inbox_receive(self, cycle, length, binary)
+                # nothing more read until the application takes the body: the rest
+                # then goes straight into its buffer, not a read at a time through
+                # the parser (uvicorn would read one more 64 KiB before pausing)
+                self.flow.pause_reading()
 
         def on_body(self, body: bytes) -> None:
             inbox = self._inbox
