@@ -7,6 +7,8 @@ constraint Jacobians from the service.
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from collections.abc import Iterator
 
@@ -126,6 +128,8 @@ def test_result_limit_counts_nonzeros() -> None:
         prepare("jacobian", sf.sp_tridiagonal, Sparse(), x, None, (), None, 3 * n)
 
 
+# the timeout, raised where exceptions are dropped, is not reported as an error
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_detection_time_is_bounded() -> None:
     sparse_backend.configure_detection(0.05)
     started = time.perf_counter()
@@ -138,6 +142,26 @@ def test_detection_time_is_bounded() -> None:
         sparse_backend.configure_detection(60.0)
     # the thread that was interrupted goes on working
     assert dxserve.prepare_jacobian(sf.sp_tridiagonal, Sparse(), sf.example_x(50)).report
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_timeout_lost_in_a_callback_is_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    reported: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_type))
+    sparse_backend._drop_lost_timeouts()
+    sparse_backend._drop_lost_timeouts()  # once: not wrapped twice
+
+    class Lost:
+        def __init__(self, error: type[BaseException]) -> None:
+            self.error = error
+
+        def __del__(self) -> None:
+            raise self.error
+
+    Lost(sparse_backend._DetectionTimeout)
+    Lost(ValueError)
+    gc.collect()
+    assert reported == [ValueError]  # everything else still goes to the hook before
 
 
 # --- over HTTP -------------------------------------------------------------------------

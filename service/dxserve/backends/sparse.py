@@ -22,6 +22,7 @@ sparse backend need not load.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 import warnings
@@ -94,6 +95,26 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
     )
 
 
+def _drop_lost_timeouts() -> None:
+    """Install (once) an unraisable-exception hook that drops a ``_DetectionTimeout``
+    raised where exceptions are reported and dropped (a gc callback, a ``__del__``, a
+    weakref callback): the timer asks again, and it is not an error to print.
+    Everything else goes to the hook that was there."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_detection_timeouts", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_type, type) and issubclass(
+            unraisable.exc_type, _DetectionTimeout
+        ):
+            return
+        previous(unraisable)
+
+    hook.drops_detection_timeouts = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     """``fn()``, or ``SparsityDetectionError`` once it has run ``seconds``.
 
@@ -102,6 +123,7 @@ def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     (asdex walks the jaxpr with index sets) and stops within milliseconds; a long
     call into native code (numba's colouring) finishes first and is then refused.
     """
+    _drop_lost_timeouts()
     target = threading.get_ident()
     lock = threading.Lock()
     state: dict[str, Any] = {"done": False, "fired": False, "timer": None}
@@ -112,8 +134,9 @@ def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
                 return
             state["fired"] = True
             _set_async_exc(target, _DetectionTimeout)
-            # Raised inside a callback that swallows exceptions (JAX's gc callback, a
-            # __del__), it is lost: ask again until the thread has stopped.
+            # Raised inside a callback that drops exceptions (JAX's gc callback, a
+            # __del__), it is lost (``_drop_lost_timeouts``): ask again until the
+            # thread has stopped.
             state["timer"] = threading.Timer(0.05, fire)
             state["timer"].daemon = True
             state["timer"].start()
