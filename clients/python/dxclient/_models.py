@@ -296,7 +296,7 @@ def operator_result(operator: str, headers: Any, content: bytes) -> Any:
     op = operator_spec(operator)
     arrays, batches = _result_kinds(op)
     content_type, header_length = _wire_headers(headers)
-    obj = codec.decode_body(content, content_type, header_length)
+    obj = codec.decode_body(content, content_type, header_length, arrays=arrays)
     for key in arrays:
         if key in obj:
             value = obj[key]
@@ -312,9 +312,9 @@ def operator_result(operator: str, headers: Any, content: bytes) -> Any:
 
 
 @functools.cache
-def _result_kinds(op: OperatorSpec) -> tuple[frozenset[str], frozenset[str]]:
+def _result_kinds(op: OperatorSpec) -> tuple[tuple[str, ...], frozenset[str]]:
     """``op``'s results that are one array each, and those that are a batch of them."""
-    return frozenset(op.results) - op.batch_results, op.batch_results
+    return tuple(r for r in op.results if r not in op.batch_results), op.batch_results
 
 
 _CONTENT_TYPE, _HEADER_LENGTH = b"content-type", codec.HEADER_LENGTH.lower().encode()

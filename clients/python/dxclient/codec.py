@@ -41,6 +41,8 @@ from .encodings.common import (
     JSON_TYPE,
     MARKER,
     MAX_DEPTH,
+    JsonBody,
+    decode_json_body,
     dumps,
     dumps_parts,
     encode_tree,
@@ -133,15 +135,20 @@ def decode_body(
     header_length: str | None = None,
     *,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    arrays: tuple[str, ...] = (),
 ) -> dict:
     """Parse a request/response body into a JSON object (dict).
 
-    JSON bodies: typed objects are left as-is (``to_tree`` converts them).
+    JSON bodies: typed objects are left as-is (``to_tree`` converts them); a long flat
+    list of numbers under a top-level key in ``arrays`` (keys the caller reads as
+    float64 arrays) may come back as that array.
     Binary bodies: every buffer reference is replaced by a read-only
     ``np.frombuffer`` view into ``body`` (zero-copy); everything else is left as-is.
     Raises MalformedRequestError (400) or UnsupportedMediaTypeError (415).
     """
-    return decoder_for(content_type).decode_body(body, header_length, max_header_bytes)[0]
+    return decode_body_and_layout(
+        body, content_type, header_length, max_header_bytes=max_header_bytes, arrays=arrays
+    )[0]
 
 
 def decode_body_and_layout(
@@ -150,6 +157,7 @@ def decode_body_and_layout(
     header_length: str | None = None,
     *,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    arrays: tuple[str, ...] = (),
 ) -> tuple[dict, BinaryLayout | None]:
     """``decode_body``, and the ``BinaryLayout`` of a binary body's header (None for
     JSON bodies and headers over ``BinaryLayout.MAX_HEADER`` bytes).
@@ -157,7 +165,11 @@ def decode_body_and_layout(
     A repeated header is not parsed again, and a caller can keep what it derives from
     the header in ``layout.memo``.
     """
-    return decoder_for(content_type).decode_body(body, header_length, max_header_bytes)
+    decoder = decoder_for(content_type)
+    # the built-in JSON decoding, not an encoding's own (which gets its body as before)
+    if arrays and type(decoder).decode_body is JsonBody.decode_body:
+        return decode_json_body(body, arrays), None
+    return decoder.decode_body(body, header_length, max_header_bytes)
 
 
 def decode_result(
@@ -184,7 +196,8 @@ def decode_response(
 ) -> dict:
     """Decode a whole body; fields in ``arrays`` become arrays/pytrees, fields in
     ``batches`` lists of them; other fields are returned as parsed JSON."""
-    obj = decode_body(body, content_type, header_length)
+    arrays = tuple(arrays)
+    obj = decode_body(body, content_type, header_length, arrays=arrays)
     for key in arrays:
         if key in obj:
             obj[key] = decode_result(obj[key], key, False)

@@ -66,7 +66,7 @@ def decode_operator_request(
     keeps the request it described (``_Repeat``), and only the arrays are new. A JSON
     request that repeats all but x has its other fields checked once (``_JsonRepeat``).
     """
-    obj, layout = codec.decode_body_and_layout(body, content_type, header_length)
+    obj, layout = codec.decode_body_and_layout(body, content_type, header_length, arrays=_X)
     if layout is not None:
         repeat = layout.memo.get(op.name)
         if repeat is not None:
@@ -86,6 +86,9 @@ def decode_operator_request(
     return req
 
 
+#: x is one array or pytree: a long flat JSON list of numbers there may be parsed
+#: straight into its float64 array
+_X = ("x",)
 #: JSON requests whose fields besides x were validated already, by those fields
 _JSON_FRAMES: LRU[tuple, _JsonRepeat] = LRU(256)
 _FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))

@@ -1,6 +1,6 @@
 """What every wire encoding shares: limits, dtype and shape checks, JSON text, tree walking.
 
-Depends only on numpy and the stdlib (orjson is used when importable).
+Depends only on numpy and the stdlib (orjson and pysimdjson are used when importable).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
+from . import flat_arrays
 
 if TYPE_CHECKING:
     from .base import Encoding
@@ -211,16 +212,37 @@ STRING_ARRAY = re.compile(rb'"__ndarray__"[ \t\n\r]*:[ \t\n\r]*"')
 _LIFTED = "\x00"
 
 
-def loads_body(data: bytes | bytearray | memoryview, field: str | None = None) -> Any:
-    """``loads`` for a whole body, with typed base64 arrays left unparsed.
+def loads_body(
+    data: bytes | bytearray | memoryview, field: str | None = None,
+    arrays: tuple[str, ...] = (),
+) -> Any:
+    """``loads`` for a whole body, with typed base64 arrays left unparsed, and the
+    top-level ``arrays`` keys' long flat lists of numbers parsed into float64 arrays.
 
     In a body of ``LIFT_MIN_BODY`` bytes or more, each string value of an ``__ndarray__``
     key that is at least ``LIFT_MIN_CHARS`` long and holds no escape comes back as a
     ``memoryview`` of its characters in ``data``, not as a ``str``: parsing an 8 MB
     base64 string into a ``str`` takes orjson ~5 ms, several times the base64 decode.
-    Anything else (short strings, a body that doesn't fit the pattern) is parsed as
-    ``loads`` would. The views keep ``data`` alive until they are dropped.
+    The value of a key in ``arrays`` that is a long list of numbers comes back as the
+    float64 array ``to_tree`` would make of it (``flat_arrays``). Anything else (short
+    strings, a body that doesn't fit the pattern) is parsed as ``loads`` would. The
+    views keep ``data`` alive until they are dropped.
     """
+    if arrays and _liftable(data):
+        lifted = flat_arrays.lift(data, arrays)
+        if lifted is not None:
+            text, found = lifted
+            try:
+                obj = _loads_with_strings(text, field)
+            except MalformedRequestError:  # the error is the whole body's: said below
+                obj = None
+            if obj is not None and flat_arrays.restore(obj, found):
+                return obj
+    return _loads_with_strings(data, field)
+
+
+def _loads_with_strings(data: bytes | bytearray | memoryview, field: str | None) -> Any:
+    """``loads_body`` without lifting lists of numbers."""
     if not _liftable(data):
         return loads(data, field)
     lifted = _lift(data)
@@ -609,9 +631,18 @@ class JsonBody:
     ) -> tuple[dict, None]:
         """A JSON body -> ``(its top-level object, None)``; arrays stay in their JSON form
         (lists, typed objects) for ``to_tree``."""
-        obj = loads_body(body, field="body")
-        if not isinstance(obj, dict):
-            raise MalformedRequestError(
-                f"the body must be a JSON object, got {json_kind(obj)}", field="body"
-            )
-        return obj, None
+        return decode_json_body(body), None
+
+
+def decode_json_body(
+    body: bytes | bytearray | memoryview, arrays: tuple[str, ...] = ()
+) -> dict:
+    """``JsonBody.decode_body``'s object; a long flat list of numbers under a top-level
+    key in ``arrays`` (keys the caller reads as float64 arrays) may come back as that
+    array (``loads_body``)."""
+    obj = loads_body(body, field="body", arrays=arrays)
+    if not isinstance(obj, dict):
+        raise MalformedRequestError(
+            f"the body must be a JSON object, got {json_kind(obj)}", field="body"
+        )
+    return obj
