@@ -256,3 +256,30 @@ def test_both_ends_lift_the_arrays_they_read(server, monkeypatch: pytest.MonkeyP
     with Client(server.url, encoding="json") as client:
         client.value_and_gradient("rosenbrock", JaxReverse(), x)
     assert lifted == [("gradient",)]  # the value is a number: nothing to lift there
+
+
+def test_a_key_written_over_and_over_costs_one_parse_of_each_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender can't make the lifting parse the same bytes again and again, or look at
+    every one of a million keys: each span is parsed at most once, and a body with the
+    key more often than ``MAX_TRIES`` is parsed whole."""
+    parsed: list[int] = []
+    floats = flat_arrays._floats
+
+    def counted(text: memoryview) -> Any:
+        parsed.append(len(text))
+        return floats(text)
+
+    monkeypatch.setattr(flat_arrays, "_floats", counted)
+    numbers = _numbers(np.ones(N))
+    nested = '{"x": [' * 1000 + numbers[1:] + "]}" * 1000  # 1000 lists open, one closes
+    strings = json.dumps({"s": ["x"] * 100_000, "x": np.ones(N).tolist()})
+    unclosed = '{"x": [' + "1," * N + '"x": [' * 10
+    for text in (nested, strings, unclosed):
+        _both(text.encode())
+        parsed.clear()
+        flat_arrays.lift(text.encode(), ("x",))
+        assert sum(parsed) <= len(text)
+    parsed.clear()
+    assert flat_arrays.lift(strings.encode(), ("x",)) is None and not parsed

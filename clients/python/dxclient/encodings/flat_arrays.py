@@ -20,6 +20,10 @@ before, so the result is always the one the usual parser and ``to_tree`` give:
   escape ``\\u0001``: a body with that escape anywhere is not lifted;
 * JSON numbers become the nearest float64 either way (integers too; one past 64 bits
   is an error to simdjson, and is then left to the usual parser).
+
+What a sender writes can't make this slow: each byte is parsed at most once (the search
+goes on after the span it just looked at), and a key found more than ``MAX_TRIES`` times
+leaves the body to the usual parser.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ except ImportError:  # pragma: no cover - exercised only without pysimdjson
 
 #: lists shorter than this many characters are parsed with the rest of the body
 MIN_CHARS = 4096
+#: a body in which a key turns up more often than this is parsed whole
+MAX_TRIES = 16
 _MARK = "\x01"
 _ESCAPED_MARK = b"\\u0001"
 
@@ -62,17 +68,27 @@ def lift(
     for key in keys:
         pattern, needle = _key_then_list(key), ('"' + key + '"').encode()
         at = data.find(needle)
-        while at >= 0:
+        for _ in range(MAX_TRIES):
+            if at < 0:
+                break
+            after = at + 1
             match = pattern.match(data, at)
             if match is not None:
                 start = match.end() - 1
                 end = data.find(b"]", start) + 1
+                if end == 0:  # no list closes after this one: none can be lifted
+                    break
                 if end - start >= MIN_CHARS:
                     floats = _floats(memoryview(data)[start:end])
                     if floats is not None:
                         spans.append((start, end, key, floats))
-                        at = end
-            at = data.find(needle, at + 1)
+                # whatever opens inside this span closes where it does: each byte is
+                # parsed at most once, however many keys a sender writes into it
+                after = end
+            at = data.find(needle, after)
+        else:
+            if at >= 0:  # the key over and over (a list of "x" strings, say)
+                return None
     if not spans:
         return None
     spans.sort(key=lambda span: span[0])
