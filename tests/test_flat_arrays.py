@@ -283,3 +283,17 @@ def test_a_key_written_over_and_over_costs_one_parse_of_each_byte(
         assert sum(parsed) <= len(text)
     parsed.clear()
     assert flat_arrays.lift(strings.encode(), ("x",)) is None and not parsed
+
+
+def test_keys_are_looked_for_near_the_start_and_after_each_lifted_list() -> None:
+    """The search never runs through a whole body (a 10 MB base64 string, say): a key
+    opens within ``PROBE_BYTES`` of the start or of a list lifted before it."""
+    a, b = np.arange(N, dtype=float), -np.arange(N, dtype=float)
+    both = json.dumps({"value": a.tolist(), "gradient": b.tolist()}).encode()
+    lifted = flat_arrays.lift(both, ("gradient", "value"))
+    assert lifted is not None and [k for k, _ in lifted[1]] == ["value", "gradient"]
+    obj = codec.decode_body(both, JSON, arrays=("gradient", "value"))
+    assert obj["value"].tobytes() == a.tobytes() and obj["gradient"].tobytes() == b.tobytes()
+    late = json.dumps({"pad": "a" * flat_arrays.PROBE_BYTES, "x": a.tolist()}).encode()
+    assert flat_arrays.lift(late, ("x",)) is None
+    _both(late)

@@ -21,9 +21,10 @@ before, so the result is always the one the usual parser and ``to_tree`` give:
 * JSON numbers become the nearest float64 either way (integers too; one past 64 bits
   is an error to simdjson, and is then left to the usual parser).
 
-What a sender writes can't make this slow: each byte is parsed at most once (the search
-goes on after the span it just looked at), and a key found more than ``MAX_TRIES`` times
-leaves the body to the usual parser.
+What a sender writes can't make this slow: keys are looked for near the body's start
+only (``PROBE_BYTES``), each byte is parsed at most once (the search goes on after the
+span it just looked at), and a key found more than ``MAX_TRIES`` times leaves the body
+to the usual parser.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ except ImportError:  # pragma: no cover - exercised only without pysimdjson
 MIN_CHARS = 4096
 #: a body in which a key turns up more often than this is parsed whole
 MAX_TRIES = 16
+#: how far from the body's start (or the last lifted list) a key is looked for
+PROBE_BYTES = 8 * 1024
 _MARK = "\x01"
 _ESCAPED_MARK = b"\\u0001"
 
@@ -58,38 +61,32 @@ def lift(
     data: bytes | bytearray, keys: tuple[str, ...]
 ) -> tuple[bytes, list[tuple[str, np.ndarray]]] | None:
     """``(data with each lifted list replaced by a placeholder, [(key, float64 array)]
-    in placeholder order)``, or None when there is nothing to lift."""
+    in placeholder order)``, or None when there is nothing to lift.
+
+    A key is looked for within ``PROBE_BYTES`` of the body's start or of the end of a
+    list lifted already (a request's name and backend come before x; a second result
+    after the first): a body is never searched end to end for one, which would cost a
+    large base64 body more than its decoding."""
     if simdjson is None or not keys:
         return None
-    # one byte is found ~40x quicker than six: lists of numbers hold no backslash
-    if data.find(b"\\") >= 0 and data.find(_ESCAPED_MARK) >= 0:
-        return None
     spans: list[tuple[int, int, str, np.ndarray]] = []
-    for key in keys:
-        pattern, needle = _key_then_list(key), ('"' + key + '"').encode()
-        at = data.find(needle)
-        for _ in range(MAX_TRIES):
-            if at < 0:
-                break
-            after = at + 1
-            match = pattern.match(data, at)
-            if match is not None:
-                start = match.end() - 1
-                end = data.find(b"]", start) + 1
-                if end == 0:  # no list closes after this one: none can be lifted
-                    break
-                if end - start >= MIN_CHARS:
-                    floats = _floats(memoryview(data)[start:end])
-                    if floats is not None:
-                        spans.append((start, end, key, floats))
-                # whatever opens inside this span closes where it does: each byte is
-                # parsed at most once, however many keys a sender writes into it
-                after = end
-            at = data.find(needle, after)
-        else:
-            if at >= 0:  # the key over and over (a list of "x" strings, say)
+    todo, windows = list(keys), [0]
+    while windows and todo:
+        window = windows.pop()
+        for key in list(todo):
+            found = _find_list(data, key, window, window + PROBE_BYTES)
+            if found is _TOO_MANY:
                 return None
+            if found is not None:
+                start, end, floats = found
+                spans.append((start, end, key, floats))
+                todo.remove(key)
+                windows.append(end)
     if not spans:
+        return None
+    # placeholders hold U+0001: a body whose sender wrote one can't be lifted (looking
+    # for a backslash first: one byte is found ~40x quicker than six)
+    if data.find(b"\\") >= 0 and data.find(_ESCAPED_MARK) >= 0:
         return None
     spans.sort(key=lambda span: span[0])
     view = memoryview(data)
@@ -100,6 +97,36 @@ def lift(
         done = end
     parts.append(view[done:])
     return b"".join(parts), [(key, floats) for _, _, key, floats in spans]
+
+
+_TOO_MANY = object()
+
+
+def _find_list(data: bytes | bytearray, key: str, lo: int, hi: int) -> Any:
+    """``(start, end, float64 array)`` of the first long list of numbers after ``"key":``
+    that opens in ``data[lo:hi]``; None if there is none; ``_TOO_MANY`` if the key turns
+    up more than ``MAX_TRIES`` times there."""
+    pattern, needle = _key_then_list(key), ('"' + key + '"').encode()
+    at = data.find(needle, lo, hi)
+    for _ in range(MAX_TRIES):
+        if at < 0:
+            return None
+        after = at + 1
+        match = pattern.match(data, at)
+        if match is not None:
+            start = match.end() - 1
+            end = data.find(b"]", start) + 1
+            if end == 0:  # no list closes after this one: none can be lifted
+                return None
+            if end - start >= MIN_CHARS:
+                floats = _floats(memoryview(data)[start:end])
+                if floats is not None:
+                    return start, end, floats
+            # whatever opens inside this span closes where it does: each byte is
+            # parsed at most once, however many keys a sender writes into it
+            after = end
+        at = data.find(needle, after, hi)
+    return _TOO_MANY if at >= 0 else None
 
 
 def _floats(text: memoryview) -> np.ndarray | None:
