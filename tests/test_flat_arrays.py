@@ -144,13 +144,17 @@ def test_broken_json_is_reported_as_the_whole_body_would_be() -> None:
         assert got[0] == "error" and got[3] == "body"
 
 
-def test_small_bodies_and_short_lists_are_not_lifted() -> None:
-    small = json.dumps({"x": list(range(100))}).encode()
-    assert flat_arrays.lift(small, ("x",)) is not None or len(small) < common.LIFT_MIN_BODY
-    _both(small)
-    short = json.dumps({"pad": "a" * 40_000, "x": [1.0] * 10}).encode()
-    assert flat_arrays.lift(short, ("x",)) is None
-    _both(short)
+def test_lists_of_a_few_hundred_numbers_are_lifted_shorter_ones_not() -> None:
+    def kind(body: bytes) -> type:
+        return type(codec.decode_body(body, JSON, arrays=("x",))["x"])
+
+    x = np.random.default_rng(3).standard_normal(300)  # ~6 KB of text
+    assert kind(json.dumps({"x": x.tolist()}).encode()) is np.ndarray
+    _both(json.dumps({"x": x.tolist()}).encode())
+    for short in ({"x": list(range(100))}, {"pad": "a" * 40_000, "x": [1.0] * 10}):
+        body = json.dumps(short).encode()
+        assert kind(body) is list and flat_arrays.lift(body, ("x",)) is None
+        _both(body)
 
 
 def test_without_simdjson_nothing_is_lifted(monkeypatch: pytest.MonkeyPatch) -> None:
