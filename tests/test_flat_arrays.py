@@ -188,6 +188,11 @@ def _bodies(draw: st.DrawFn) -> bytes:
         items[draw(st.integers(0, count - 1))] = draw(_NUMBER)
     space = draw(_SPACE)
     numbers = "[" + ("," + space).join(items) + "]"
+    if draw(st.booleans()):  # rows of a matrix, now and then one of another length
+        width = draw(st.integers(1, 40))
+        chunks = [items[i:i + width] for i in range(0, len(items), width)]
+        numbers = "[" + ("," + space).join(
+            "[" + ("," + space).join(row) + "]" for row in chunks) + space + "]"
     members = [f'"function":{draw(_SPACE)}"f"']
     key = draw(st.sampled_from(["x", "x", "x", "y", "a\\\"x"]))
     members.append(f'"{key}"{draw(_SPACE)}:{draw(_SPACE)}{numbers}')
@@ -301,3 +306,37 @@ def test_keys_are_looked_for_near_the_start_and_after_each_lifted_list() -> None
     late = json.dumps({"pad": "a" * flat_arrays.PROBE_BYTES, "x": a.tolist()}).encode()
     assert flat_arrays.lift(late, ("x",)) is None
     _both(late)
+
+
+def test_lists_of_rows_are_lifted_as_matrices_and_decode_identically() -> None:
+    rng = np.random.default_rng(5)
+    for shape, spacing in (((200, 100), ""), ((1, 5000), " "), ((3000, 2), "\n  ")):
+        m = rng.standard_normal(shape)
+        rows = ("," + spacing).join("[" + ", ".join(map(repr, r)) + "]" for r in m.tolist())
+        body = ('{"x":' + spacing + "[" + spacing + rows + spacing + "]}").encode()
+        obj = codec.decode_body(body, JSON, arrays=("x",))
+        assert type(obj["x"]) is np.ndarray and obj["x"].shape == shape
+        got = _both(body)
+        assert got[1].tobytes() == m.tobytes()
+
+
+@pytest.mark.parametrize("rows", [
+    "[[1.5, 2], [3, 4, 5]",  # ragged: no matrix
+    "[[1.5, 2], [3, [4]]",  # a list in a row (simdjson would flatten it)
+    "[[1.5, 2], [[3], 4]",
+    "[[[1.5, 2]], [[3, 4]]",  # three dimensions
+    "[[1.5, 2], 3",
+    "[[1.5, 2], [true, 4]",
+    "[[1.5, 2], []",
+])
+def test_lists_of_rows_that_are_no_matrix_of_numbers_are_parsed_whole(rows: str) -> None:
+    body = ('{"x": ' + rows + ", [1.5, 2]" * 2000 + "]}").encode()  # long: past MIN_CHARS
+    assert type(codec.decode_body(body, JSON, arrays=("x",)).get("x")) is not np.ndarray
+    _both(body)
+
+
+def test_more_rows_than_max_rows_are_parsed_whole() -> None:
+    m = np.ones((flat_arrays.MAX_ROWS + 1, 2))
+    body = json.dumps({"x": m.tolist()}).encode()
+    assert flat_arrays.lift(body, ("x",)) is None
+    _both(body)

@@ -1,19 +1,22 @@
-"""Long flat lists of numbers in a large JSON body, parsed straight into float64 arrays.
+"""Long lists of numbers (or of rows of numbers) in a JSON body, parsed straight into
+float64 arrays.
 
 A JSON gradient of 10^6 float64 values is a 20 MB list. orjson makes a Python float of
 each number (~50 ms here), and ``to_tree`` then checks their types and copies them into
 an array (~20 ms). simdjson parses the same list into a buffer of doubles in ~19 ms.
 
 ``lift(data, keys)`` finds the value of each named key (``"x"`` of a request, the
-results of an answer) that is a flat list of numbers, parses it with simdjson, and
-replaces its text with a placeholder string; the rest of the body (names, backend,
-small fields) is left for the usual parser. ``restore`` puts the arrays back where the
-placeholders landed. Whatever doesn't fit exactly, the caller parses the whole body as
-before, so the result is always the one the usual parser and ``to_tree`` give:
+results of an answer) that is a list of numbers, or a list of equally long lists of
+numbers (a Jacobian, a batch of points), parses it with simdjson, and replaces its text
+with a placeholder string; the rest of the body (names, backend, small fields) is left
+for the usual parser. ``restore`` puts the arrays back where the placeholders landed.
+Whatever doesn't fit exactly, the caller parses the whole body as before, so the result
+is always the one the usual parser and ``to_tree`` give:
 
 * only a key's value that simdjson reads as an array of numbers, and no more than the
-  list up to its first ``]`` (a nested list, a string or a ``true`` inside makes that
-  span invalid or not all numbers: it stays text);
+  list up to its first ``]`` (a list of rows: its first ``]`` then ``]``); a deeper
+  list, a string or a ``true`` inside makes that span invalid or not all numbers, and
+  rows of different lengths are no matrix: it stays text;
 * a key the pattern finds inside a string, or nested below the top level, leaves its
   placeholder where ``restore`` does not look, and the body is parsed whole;
 * the placeholders are strings holding U+0001, which a sender can only write as the
@@ -46,6 +49,11 @@ MIN_CHARS = 4096
 MAX_TRIES = 16
 #: how far from the body's start (or the last lifted list) a key is looked for
 PROBE_BYTES = 8 * 1024
+#: lists of more lists than this are parsed with the rest of the body (each row is
+#: looked at once in Python)
+MAX_ROWS = 4096
+_ROWS = re.compile(rb"\[[ \t\n\r]*\[")
+_END_OF_ROWS = re.compile(rb"\][ \t\n\r]*\]")
 _MARK = "\x01"
 _ESCAPED_MARK = b"\\u0001"
 
@@ -115,11 +123,19 @@ def _find_list(data: bytes | bytearray, key: str, lo: int, hi: int) -> Any:
         match = pattern.match(data, at)
         if match is not None:
             start = match.end() - 1
-            end = data.find(b"]", start) + 1
+            rows = _ROWS.match(data, start)
+            if rows is None:  # a list of numbers ends at the first "]"
+                end = data.find(b"]", start) + 1
+            else:  # a list of lists of numbers at the first "]" then "]"
+                closed = _END_OF_ROWS.search(data, start)
+                end = closed.end() if closed is not None else 0
             if end == 0:  # no list closes after this one: none can be lifted
                 return None
             if end - start >= MIN_CHARS:
-                floats = _floats(memoryview(data)[start:end])
+                if rows is None:
+                    floats = _floats(memoryview(data)[start:end])
+                else:
+                    floats = _matrix(data, start, end)
                 if floats is not None:
                     return start, end, floats
             # whatever opens inside this span closes where it does: each byte is
@@ -139,6 +155,29 @@ def _floats(text: memoryview) -> np.ndarray | None:
         return np.frombuffer(doc.as_buffer(of_type="d"), np.float64)
     except (ValueError, TypeError, RuntimeError):  # invalid, not all numbers, too big
         return None
+
+
+def _matrix(data: bytes | bytearray, start: int, end: int) -> np.ndarray | None:
+    """``data[start:end]`` (one JSON list of lists) as a float64 matrix, or None unless
+    it is a valid list of at most ``MAX_ROWS`` lists of numbers, all of one length.
+
+    A row holding a list would be flattened by simdjson: it is ruled out by counting,
+    since then the text holds more ``[`` than one per row and one around them."""
+    rows = data.count(b"[", start, end) - 1
+    if not 0 < rows <= MAX_ROWS:
+        return None
+    try:
+        doc = simdjson.Parser().parse(memoryview(data)[start:end])
+        if not isinstance(doc, simdjson.Array) or len(doc) != rows:
+            return None
+        widths = {len(row) if isinstance(row, simdjson.Array) else -1 for row in doc}
+        if len(widths) != 1 or -1 in widths:
+            return None
+        floats = np.frombuffer(doc.as_buffer(of_type="d"), np.float64)
+    except (ValueError, TypeError, RuntimeError):  # invalid, not all numbers, too big
+        return None
+    cols = widths.pop()
+    return floats.reshape(rows, cols) if floats.size == rows * cols else None
 
 
 def restore(obj: Any, lifted: list[tuple[str, np.ndarray]]) -> bool:
