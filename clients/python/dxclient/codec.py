@@ -139,9 +139,9 @@ def decode_body(
 ) -> dict:
     """Parse a request/response body into a JSON object (dict).
 
-    JSON bodies: typed objects are left as-is (``to_tree`` converts them); a long flat
-    list of numbers under a top-level key in ``arrays`` (keys the caller reads as
-    float64 arrays) may come back as that array.
+    JSON bodies: typed objects are left as-is (``to_tree`` converts them); a long list
+    of numbers (or of rows of numbers) under a top-level key in ``arrays`` (keys the
+    caller reads as float64 arrays) may come back as that array.
     Binary bodies: every buffer reference is replaced by a read-only
     ``np.frombuffer`` view into ``body`` (zero-copy); everything else is left as-is.
     Raises MalformedRequestError (400) or UnsupportedMediaTypeError (415).

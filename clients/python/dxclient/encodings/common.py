@@ -217,17 +217,17 @@ def loads_body(
     arrays: tuple[str, ...] = (),
 ) -> Any:
     """``loads`` for a whole body, with typed base64 arrays left unparsed, and the
-    top-level ``arrays`` keys' long flat lists of numbers parsed into float64 arrays.
+    top-level ``arrays`` keys' long lists of numbers parsed into float64 arrays.
 
     In a body of ``LIFT_MIN_BODY`` bytes or more, each string value of an ``__ndarray__``
     key that is at least ``LIFT_MIN_CHARS`` long and holds no escape comes back as a
     ``memoryview`` of its characters in ``data``, not as a ``str``: parsing an 8 MB
     base64 string into a ``str`` takes orjson ~5 ms, several times the base64 decode.
-    The value of a key in ``arrays`` that is a list of numbers of at least
-    ``flat_arrays.MIN_CHARS`` characters comes back as the float64 array ``to_tree``
-    would make of it (``flat_arrays``). Anything else (short
-    strings, a body that doesn't fit the pattern) is parsed as ``loads`` would. The
-    views keep ``data`` alive until they are dropped.
+    The top-level value of a key in ``arrays`` that is a list of numbers (or of rows of
+    numbers) of at least ``flat_arrays.MIN_CHARS`` characters comes back as the float64
+    array ``to_tree`` would make of it (``flat_arrays``). Anything else (short strings,
+    a body that doesn't fit the pattern) is parsed as ``loads`` would. The views keep
+    ``data`` alive until they are dropped.
     """
     # from ~200 numbers on, simdjson and a short orjson parse beat one orjson parse
     if arrays and _liftable(data, flat_arrays.MIN_CHARS):
@@ -639,9 +639,9 @@ class JsonBody:
 def decode_json_body(
     body: bytes | bytearray | memoryview, arrays: tuple[str, ...] = ()
 ) -> dict:
-    """``JsonBody.decode_body``'s object; a long flat list of numbers under a top-level
-    key in ``arrays`` (keys the caller reads as float64 arrays) may come back as that
-    array (``loads_body``)."""
+    """``JsonBody.decode_body``'s object; a long list of numbers (or of rows of numbers)
+    under a top-level key in ``arrays`` (keys the caller reads as float64 arrays) may
+    come back as that array (``loads_body``)."""
     obj = loads_body(body, field="body", arrays=arrays)
     if not isinstance(obj, dict):
         raise MalformedRequestError(
