@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import struct
 import sys
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--log-level", default="info", help="uvicorn log level of both servers")
     parser.add_argument("--save", default="latency-cpu.md", help="file under bench/results ('' = none)")
+    parser.add_argument("--json", default="", help="also write the medians (seconds) to this file")
     args = parser.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
 
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             dx.stop()
             raise
         try:
-            rows, async_rows = run(sizes, args.quick, backend, dx.url, echo.url, raw_port)
+            rows, async_rows, medians = run(sizes, args.quick, backend, dx.url, echo.url, raw_port)
         finally:
             echo.stop()
             dx.stop()
@@ -208,13 +210,18 @@ def main(argv: list[str] | None = None) -> int:
         "calls are awaited and timed inside a coroutine, as their user sees them.")
     if args.save:
         print(f"saved {out.save(args.save)}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(medians))
     return 0
 
 
 def run(
     sizes: list[int], quick: bool, backend: JaxReverse, dx_url: str, echo_url: str, raw_port: int
-) -> tuple[list, list]:
-    rows, async_rows = [], []
+) -> tuple[list, list, list[dict]]:
+    """The latency table's rows, the async table's rows, and every row's medians in
+    seconds (``{"n", "encoding", "dxserve", "echo", "raw", "in_process"}``, plus
+    ``"client"`` and ``"async"`` for binary)."""
+    rows, async_rows, medians = [], [], []
     started = time.perf_counter()
     raw = RawFloor(raw_port)
     loop = asyncio.new_event_loop()
@@ -284,10 +291,13 @@ def run(
                 flag_small = (" ok" if small <= SMALL_TARGET else " MISS") if n <= 10 else ""
                 target = FLOOR_TARGETS.get(n) if enc == "binary" else None
                 flag_raw = "" if target is None else (" ok" if d / r <= target else " MISS")
+                medians.append({"n": n, "encoding": enc, "dxserve": d, "echo": e, "raw": r,
+                                "in_process": inproc})
                 rows.append([label, enc, ms(d), ms(e), ms(r), ms(inproc),
                              f"{small:.2f}x{flag_small}", f"{d / r:.2f}x{flag_raw}", f"{e / r:.2f}x",
                              f"{sizes_by_enc[enc][0]:,}", f"{sizes_by_enc[enc][1]:,}"])
             s_, a_ = median(both["dxserve binary"]), median(both["async binary"])
+            medians.append({"n": n, "encoding": "binary", "client": s_, "async": a_})
             flag = " ok" if a_ / s_ <= ASYNC_TARGET else " MISS"
             async_rows.append([label, ms(s_), ms(a_), f"{a_ / s_:.2f}x{flag}"])
             print(f"  n={n:.0e} done ({len(times['in-process'])} rounds, "
@@ -300,7 +310,7 @@ def run(
         loop.run_until_complete(aclient.aclose())
         loop.close()
         raw.close()
-    return rows, async_rows
+    return rows, async_rows, medians
 
 
 if __name__ == "__main__":
