@@ -8,9 +8,6 @@ app: routes, problem handlers, middleware and the OpenAPI document.
 from __future__ import annotations
 
 import json
-import logging
-import os
-import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,12 +20,14 @@ from starlette.responses import Response
 from dxclient import codec
 from dxclient.operators import OPERATORS
 
-from .. import __version__, observe
+from .. import __version__
 from ..service import Service
 from ..settings import Settings
 from . import problems, routes, schemas
 from .dispatch import OperatorApp, OperatorRoute
+from .lane import OperatorLane
 from .metrics import Metrics
+from .records import RequestRecord
 
 _PROBLEMS = {
     400: "Malformed body", 401: "Missing or invalid bearer token (DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE)",
@@ -79,6 +78,8 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
 
     app.build_middleware_stack = build_middleware_stack  # type: ignore[method-assign]
     app.operator_stack = operator_stack
+    if service.settings.operator_lane:
+        app.lane_factory = lambda: OperatorLane(app, metrics, log_requests)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -266,101 +267,24 @@ class _MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
-        request_id = _request_id(scope["headers"])
-        info = observe.RequestInfo(request_id)
-        token = observe.CURRENT.set(info)
-        status = [500, 0.0]  # status, time the answer started
+        record = RequestRecord(scope["headers"])
         problem: list[bytes] = []
 
         async def sending(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                status[1] = now = time.perf_counter()
                 message["headers"] = [
-                    *message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1")),
-                    (b"server-timing", _server_timing(info, start, now)),
+                    *message.get("headers", ()), *record.answer_headers(message["status"])
                 ]
-            elif self.log_requests and status[0] >= 400 and len(problem) < 4:
+            elif self.log_requests and record.status >= 400 and len(problem) < 4:
                 problem.append(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            observe.CURRENT.reset(token)
             route = scope.get("route")
             if route is not None:
                 path = route.path
             else:
                 path = scope["path"] if scope["path"] in self.known_paths() else "unmatched"
-            seconds = time.perf_counter() - start
-            self.metrics.record(path, status[0], seconds)
-            if self.log_requests:
-                _log_request(scope, path, status[0], seconds, info, b"".join(problem))
-
-
-#: An ``X-Request-ID`` sent by the client is echoed when it is this short and plain.
-_MAX_REQUEST_ID = 128
-_log = logging.getLogger("dxserve.http")
-
-
-def _request_id(headers: list) -> str:
-    """The request's own ``X-Request-ID`` if it sent a usable one, else a new random id."""
-    for name, value in headers:
-        if name == b"x-request-id":
-            if 0 < len(value) <= _MAX_REQUEST_ID and value.isascii():
-                text = value.decode("ascii")
-                if text.isprintable():  # echoed into our own header and log lines
-                    return text
-            break
-    return os.urandom(8).hex()
-
-
-def _server_timing(info: observe.RequestInfo, start: float, now: float) -> bytes:
-    """``total`` (ms, to the answer's start), and the split of a service call: decode
-    (to its start), queue and compute (when measured apart), encode (after it)."""
-    total = (now - start) * 1e3
-    if not info.call_start:
-        return b"total;dur=%.3f" % total
-    decode = (info.call_start - start) * 1e3
-    if not info.call_end:
-        return b"total;dur=%.3f, decode;dur=%.3f" % (total, decode)
-    call, encode = info.call_end - info.call_start, (now - info.call_end) * 1e3
-    if info.compute is None:  # a merged batch: waiting and computing not timed apart
-        return b"total;dur=%.3f, decode;dur=%.3f, compute;dur=%.3f, encode;dur=%.3f" % (
-            total, decode, call * 1e3, encode)
-    queue = max(call - info.compute, 0.0) * 1e3
-    return (
-        b"total;dur=%.3f, decode;dur=%.3f, queue;dur=%.3f, compute;dur=%.3f, encode;dur=%.3f"
-        % (total, decode, queue, info.compute * 1e3, encode)
-    )
-
-
-def _log_request(
-    scope: dict, route: str, status: int, seconds: float, info: observe.RequestInfo,
-    problem: bytes,
-) -> None:
-    fields: dict[str, Any] = {
-        "event": "request" if status < 400 else "rejected", "method": scope["method"],
-        "route": route, "path": scope["path"], "status": status,
-        "seconds": round(seconds, 6), "request_id": info.id,
-    }
-    if info.function is not None:
-        fields["function"] = info.function
-    if info.operator is not None:
-        fields["operator"] = info.operator
-    if status >= 400 and problem:
-        try:
-            doc = json.loads(problem)
-        except ValueError:
-            doc = None
-        if isinstance(doc, dict):
-            fields["problem"] = str(doc.get("type", ""))
-            if doc.get("detail"):
-                fields["detail"] = str(doc["detail"])[:500]
-    _log.log(
-        logging.INFO if status < 400 else logging.WARNING,
-        "%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1e3,
-        extra=fields,
-    )
+            record.finish(scope, path, self.metrics, self.log_requests, b"".join(problem))

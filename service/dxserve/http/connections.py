@@ -30,6 +30,11 @@ be used by the device as they are), owned by that request alone: arrays decoded 
 as views can never see the bytes of a later request. Larger declared lengths are left
 to the application, which refuses them (413) before reading.
 
+A small POST to an operator path is served by the app's operator lane (see ``lane``)
+instead of uvicorn's request-response cycle: the protocol completes its scope at the
+headers, keeps its body, and when the body is in starts one task that runs the lane
+and writes its answer (``_LaneCycle``). Every other request goes uvicorn's way.
+
 A request that runs out of time is answered 408 (problem+json) if no response has
 started, and its connection is closed. No read timer runs while the application works
 on a complete request (``request_timeout`` bounds computations), and between requests
@@ -40,17 +45,27 @@ uvicorn's keep-alive timeout applies. The timers cost one ``call_at`` and one
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+
+try:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+    httptools = None
 
 from dxclient.codec import BINARY_TYPE, dumps
 from dxclient.errors import (
     DxError,
+    InternalError,
     MalformedRequestError,
     OverloadedError,
     RequestTimeoutError,
@@ -112,10 +127,10 @@ def raw_problem(status: int, reason: str, error: DxError, *headers: str) -> byte
 def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
     """uvicorn's httptools protocol with ``limits``; None without httptools (then only
     uvicorn's own options apply: see ``cli``)."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+    if httptools is None:  # pragma: no cover - uvicorn[standard] brings httptools
         return None
+
+    body_sooner = limits.body_timeout < limits.header_timeout
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """``HttpToolsProtocol`` whose requests must arrive in time (see the module)."""
@@ -133,6 +148,8 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._inbox: bytearray | None = None
             self._inbox_got = 0
             self._inbox_cycle: Any = None
+            self._lane, self._lane_entry = _lane_of(self.config)
+            self._fresh_context = getattr(self.config, "reset_contextvars", False)
             if len(self.connections) > limits.max_connections:
                 self._refuse(
                     503, "Service Unavailable",
@@ -176,6 +193,11 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
         def on_headers_complete(self) -> None:
             self._phase = _BODY  # the armed timer moves on to this deadline when it fires
             self._deadline = self.loop.time() + limits.body_timeout
+            if body_sooner:  # ... unless it comes before the armed one
+                self._disarm()
+                self._arm()
+            if self._lane is not None and self._to_lane():
+                return
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
@@ -193,6 +215,11 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
                 self.flow.pause_reading()
 
         def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle:
+                if not cycle.response_complete:
+                    cycle.chunks.append(body)
+                return
             inbox = self._inbox
             if inbox is None or self._inbox_cycle is not self.cycle:
                 super().on_body(body)
@@ -210,10 +237,16 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._inbox_got = end
 
         def on_message_complete(self) -> None:
-            super().on_message_complete()
+            cycle = self.cycle
+            if type(cycle) is _LaneCycle:
+                cycle.more_body = False
+            else:
+                super().on_message_complete()
             self._inbox = self._inbox_cycle = None  # its receive holds it; the next gets its own
             self._phase = _APP
             self._disarm()
+            if type(cycle) is _LaneCycle and not cycle.response_complete:
+                cycle.task = self._start(self._serve_lane(cycle))
 
         def on_response_complete(self) -> None:
             # the last request read is answered (none pipelined behind it): idle, and
@@ -222,6 +255,70 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             super().on_response_complete()
             if idle:
                 self._phase = _IDLE
+
+        # --- the operator lane (see ``lane``) -------------------------------------------
+        def _to_lane(self) -> bool:
+            """Whether this request goes to the lane: if so, its scope is complete and
+            ``self.cycle`` is its ``_LaneCycle``."""
+            parser, cycle = self.parser, self.cycle
+            if (
+                self.expect_100_continue or (cycle is not None and not cycle.response_complete)
+                or parser.get_method() != b"POST" or parser.should_upgrade()
+                or not 0 <= _declared_length(self.headers) < limits.inbox_min_bytes
+            ):
+                return False
+            most = self.limit_concurrency
+            if most is not None and (len(self.connections) >= most or len(self.tasks) >= most):
+                return False  # uvicorn's own way answers 503
+            # the scope as uvicorn completes it
+            scope = self.scope
+            scope["method"] = "POST"
+            version = parser.get_http_version()
+            if version != "1.1":
+                scope["http_version"] = version
+            url = httptools.parse_url(self.url)
+            path = url.path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            root = self.root_path
+            scope["path"] = root + path if root else path
+            scope["raw_path"] = root.encode("ascii") + url.path if root else url.path
+            scope["query_string"] = url.query or b""
+            if not self._lane.takes(scope):
+                return False
+            keep_alive = version != "1.0" and parser.should_keep_alive()
+            self.cycle = _LaneCycle(self, scope, keep_alive)
+            return True
+
+        def _start(self, coroutine: Any) -> asyncio.Task:
+            """A task for ``coroutine``, counted in ``tasks`` (uvicorn's concurrency
+            limit and graceful shutdown) until the coroutine takes it out itself: a
+            done callback would cost the event loop one more turn per request."""
+            if self._fresh_context:  # uvicorn's --reset-contextvars
+                task = self.loop.create_task(coroutine, context=contextvars.Context())
+            else:
+                task = self.loop.create_task(coroutine)
+            self.tasks.add(task)
+            return task
+
+        async def _serve_lane(self, cycle: _LaneCycle) -> None:
+            try:
+                await self._lane_entry(cycle.scope, cycle.receive, cycle.send)
+            except BaseException as exc:
+                self.logger.error("Exception in the operator lane", exc_info=exc)
+                if not cycle.response_started and not self.transport.is_closing():
+                    self.transport.write(raw_problem(
+                        500, "Internal Server Error",
+                        InternalError(f"{type(exc).__name__}; the server logged it"),
+                    ))
+                self.transport.close()
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                self.tasks.discard(cycle.task)
+            if not cycle.response_complete:  # sent nothing: gone, or an error above
+                cycle.response_complete = True
+                self.on_response_complete()
 
         # --- timers ---------------------------------------------------------------------
         def _begin(self) -> None:
@@ -279,6 +376,107 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self.transport.close()
 
     return BoundedHttpToolsProtocol
+
+
+def _lane_of(config: Any) -> tuple[Any, Any]:
+    """``(lane, entry)`` for the app ``config`` serves: its ``OperatorApp.lane()``, and
+    what to call to serve a request (the lane, behind uvicorn's proxy-headers middleware
+    when that is on). ``(None, None)`` for an app of another kind, or one wrapped in
+    anything else (the lane would skip it)."""
+    app = getattr(config, "loaded_app", None)
+    cached = getattr(config, "_dxserve_lane", None)
+    if cached is not None and cached[0] is app:
+        return cached[1]
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from .dispatch import OperatorApp
+
+    inner = app.app if isinstance(app, ProxyHeadersMiddleware) else app
+    lane = inner.lane() if isinstance(inner, OperatorApp) else None
+    entry = lane
+    if lane is not None and inner is not app:
+        entry = ProxyHeadersMiddleware(lane, trusted_hosts=config.forwarded_allow_ips)
+    config._dxserve_lane = (app, (lane, entry))
+    return lane, entry
+
+
+class _LaneCycle:
+    """A request served by the operator lane: its body as it arrives, the ASGI
+    ``receive`` it is read through, the ``send`` its answer is written with, and the
+    state uvicorn's protocol and ours look at on ``cycle`` (pipelining, disconnects,
+    timeouts, shutdown)."""
+
+    __slots__ = (
+        "chunks", "delivered", "disconnected", "keep_alive", "more_body", "protocol",
+        "response_complete", "response_started", "scope", "task", "waiter",
+    )
+
+    def __init__(self, protocol: Any, scope: dict, keep_alive: bool) -> None:
+        self.protocol, self.scope, self.keep_alive = protocol, scope, keep_alive
+        self.chunks: list[bytes] = []
+        self.more_body = True
+        self.delivered = self.disconnected = False
+        self.response_started = self.response_complete = False
+        self.waiter: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def message_event(self) -> _LaneCycle:
+        """What uvicorn sets on a disconnect (``message_event.set()``)."""
+        return self
+
+    def set(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def receive(self) -> dict:
+        """The whole body in the first message; later ones wait for the disconnect."""
+        if not self.delivered:
+            self.delivered = True
+            chunks = self.chunks
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            self.chunks = []
+            return {"type": "http.request", "body": body, "more_body": False}
+        while not self.disconnected and not self.response_complete:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return {"type": "http.disconnect"}
+
+    async def send(self, status: int, headers: list[tuple[bytes, bytes]], parts: list[Any]) -> None:
+        """Write the answer: head and parts in one write (or ``writelines``), then wait
+        while the transport's buffer is full; then the next request may begin."""
+        protocol = self.protocol
+        if self.disconnected or self.response_complete or protocol.transport.is_closing():
+            return
+        self.response_started = True
+        if protocol.access_log:
+            scope = self.scope
+            protocol.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                get_path_with_query_string(scope), scope["http_version"], status,
+            )
+        head = [STATUS_LINE[status]]
+        closes = False  # the answer says so itself
+        for name, value in (*protocol.server_state.default_headers, *headers):
+            if name == b"connection" and b"close" in value.lower():
+                self.keep_alive, closes = False, True
+            head += (name, b": ", value, b"\r\n")
+        if not self.keep_alive and not closes:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        transport = protocol.transport
+        if len(parts) == 1 and len(parts[0]) < HOLD_BYTES:
+            head.append(parts[0])
+            transport.write(b"".join(head))
+        else:
+            transport.writelines([b"".join(head), *parts])
+        if protocol.flow.write_paused and not self.disconnected:
+            await protocol.flow.drain()
+        self.response_complete = True
+        if not self.keep_alive:
+            transport.close()
+        protocol.on_response_complete()
 
 
 #: an answer's writes are held back together up to this many bytes (see _HeadWithBody)
@@ -403,8 +601,7 @@ class _Reader(asyncio.BufferedProtocol):
         if self.got < len(self.view):
             return
         self.view = None
-        import httptools  # uvicorn's parser: the state it would be in after this message
-
+        # uvicorn's parser: the state it would be in after this message
         protocol.parser = httptools.HttpRequestParser(protocol)
         try:
             protocol.parser.set_dangerous_leniencies(lenient_data_after_close=True)

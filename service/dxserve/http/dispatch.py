@@ -12,6 +12,8 @@ request (a GET on an operator path answers 405 through the router) are unchanged
 path goes to ``operator_stack`` (built by ``create_app``: the metrics middleware,
 Starlette's ``ServerErrorMiddleware`` and ``OperatorEndpoints``) instead of FastAPI's
 whole stack, so answers, problem documents and metrics are those of any route.
+``OperatorApp.lane()`` is the same route table served from the HTTP protocol, without
+ASGI (``lane``).
 """
 
 from __future__ import annotations
@@ -69,13 +71,14 @@ class OperatorEndpoints:
         try:
             response = await route.endpoint(request)
         except Exception as exc:
-            handler = self._handler(exc)
+            handler = self.handler(exc)
             if handler is None:
                 raise
             response = await handler(request, exc)
         await response(scope, receive, send)
 
-    def _handler(self, exc: Exception) -> Any:
+    def handler(self, exc: Exception) -> Any:
+        """The app's handler for ``exc``'s class (not 500/Exception), or None."""
         if isinstance(exc, HTTPException) and exc.status_code in self.handlers:
             return self.handlers[exc.status_code]
         for cls in type(exc).__mro__:
@@ -94,20 +97,36 @@ class OperatorApp(FastAPI):
     """
 
     operator_stack: Callable[[ASGIApp], ASGIApp] | None = None
+    #: builds the protocol's operator lane (set by ``create_app``; None: no lane)
+    lane_factory: Callable[[], Any] | None = None
     _operators: tuple[ASGIApp, dict[str, OperatorRoute]] | None = None
+    _lane: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self.operator_stack:
-            if self.root_path:
-                scope["root_path"] = self.root_path
-            if self._operators is None:
-                endpoints = OperatorEndpoints(self)
-                self._operators = (self.operator_stack(endpoints), endpoints.routes)
-            stack, routes = self._operators
-            route = routes.get(route_path(scope))
+            route = self.operator_route(scope)
             if route is not None:
-                scope["app"], scope["route"] = self, route
-                scope["endpoint"], scope["path_params"] = route.endpoint, {}
-                await stack(scope, receive, send)
+                await self._operators[0](scope, receive, send)  # type: ignore[index]
                 return
         await super().__call__(scope, receive, send)
+
+    def operator_route(self, scope: Scope) -> OperatorRoute | None:
+        """The ``OperatorRoute`` of a POST's ``scope`` (set in it, as routing would),
+        or None. Needs ``operator_stack``."""
+        if self.root_path:
+            scope["root_path"] = self.root_path
+        if self._operators is None:
+            endpoints = OperatorEndpoints(self)
+            self._operators = (self.operator_stack(endpoints), endpoints.routes)  # type: ignore[misc]
+        route = self._operators[1].get(route_path(scope))
+        if route is not None:
+            scope["app"], scope["route"] = self, route
+            scope["endpoint"], scope["path_params"] = route.endpoint, {}
+        return route
+
+    def lane(self) -> Any:
+        """The protocol's operator lane (``lane.OperatorLane``), built at first use;
+        None when the app has none."""
+        if self._lane is None and self.lane_factory is not None and self.operator_stack:
+            self._lane = self.lane_factory()
+        return self._lane

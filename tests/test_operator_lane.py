@@ -1,0 +1,349 @@
+"""The operator lane (``http/lane.py``): small operator POSTs served by the protocol.
+
+* Differential, over real sockets: two servers alike but for ``DXSERVE_OPERATOR_LANE``
+  answer the same raw requests (valid ones in every encoding, hostile ones, odd paths,
+  HTTP/1.0, ``Connection: close``, a body past the limit) with the same status, the
+  same headers and the same body bytes, and a gradient's value is the analytic one.
+* In process (uvicorn in a thread, the CLI's protocol): the lane takes small operator
+  POSTs and nothing else, answers pipelined requests in order, answers an unexpected
+  error 500 and closes, keeps the request record (metrics, request id, JSON log line),
+  and a body that trickles past the body timeout is 408.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from conftest import start_server, stop_server, uvicorn_in_thread
+
+from dxclient import _models
+from dxclient.backends import JaxForward, JaxReverse
+from dxserve.cli import connection_options
+from dxserve.http import lane as lane_module
+from dxserve.http import routes
+from dxserve.http.app import create_app
+from dxserve.settings import Settings
+
+PROBLEM = "application/problem+json"
+#: headers whose values differ between any two answers
+VARYING = {b"date", b"x-request-id", b"server-timing"}
+X = np.array([1.0, 2.0, 3.0])
+GRADIENT = np.array([-400.0, 1002.0, -200.0])  # rosenbrock at (1, 2, 3), by hand
+
+
+# --------------------------------------------------------------------------- raw HTTP
+
+
+def request(
+    path: str, body: bytes, headers: dict[str, str] | None = None, *, method: str = "POST",
+    version: str = "1.1",
+) -> bytes:
+    """One request's bytes (Host and Content-Length added)."""
+    lines = [f"{method} {path} HTTP/{version}", "host: 127.0.0.1", f"content-length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def json_request(path: str, payload: Any, **headers: str) -> bytes:
+    return request(path, json.dumps(payload).encode(), {"content-type": "application/json", **headers})
+
+
+def operator_request(operator: str, encoding: str, x: np.ndarray, tangents: Any = None,
+                     backend: Any = None) -> bytes:
+    call = _models.operator_call(
+        operator, "rosenbrock", backend or JaxReverse(), x, tangents, (), None, encoding
+    )
+    return request(f"/{operator}", bytes(call.body), dict(call.headers))
+
+
+class Answer:
+    """One HTTP answer read off a socket."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+    def comparable(self) -> tuple:
+        body = self.body
+        if body.startswith(b'{"prep":"'):  # a new random handle each time
+            body = json.dumps({**json.loads(body), "prep": "<handle>"}).encode()
+        return (self.status, sorted(h for h in self.headers if h[0] not in VARYING), body)
+
+
+def read_answer(sock: socket.socket, buffer: bytearray) -> Answer:
+    """The next answer on ``sock`` (``buffer`` holds what was read past the last one)."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before an answer: {bytes(buffer)[:200]!r}"
+        buffer += chunk
+    end = buffer.index(b"\r\n\r\n")
+    head = bytes(buffer[:end]).split(b"\r\n")
+    del buffer[:end + 4]
+    status = int(head[0].split(b" ")[1])
+    headers = [(k.strip().lower(), v.strip()) for k, _, v in (h.partition(b":") for h in head[1:])]
+    length = int(next(v for k, v in headers if k == b"content-length"))
+    while len(buffer) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed inside a body"
+        buffer += chunk
+    body = bytes(buffer[:length])
+    del buffer[:length]
+    return Answer(status, headers, body)
+
+
+def exchange(port: int, data: bytes, answers: int = 1) -> tuple[list[Answer], bool]:
+    """Send ``data`` on a new connection; the answers, and whether the server then
+    closed the connection (within half a second)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        buffer = bytearray()
+        got = [read_answer(sock, buffer) for _ in range(answers)]
+        sock.settimeout(0.5)
+        try:
+            closed = sock.recv(1) == b""
+        except (TimeoutError, ConnectionResetError):
+            closed = False
+        return got, closed
+
+
+# --------------------------------------------------------------------------- differential
+
+#: what both servers are given: a small body limit, so that a lane-sized body can be past it
+LIMITS = {"DXSERVE_MAX_BODY_BYTES": "8192"}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    on = start_server(tmp_path_factory.mktemp("lane-on"), env={**LIMITS, "DXSERVE_OPERATOR_LANE": "true"},
+                      modules=("dxserve.examples",))
+    try:
+        off = start_server(tmp_path_factory.mktemp("lane-off"),
+                           env={**LIMITS, "DXSERVE_OPERATOR_LANE": "false"},
+                           modules=("dxserve.examples",))
+        try:
+            yield on, off
+        finally:
+            stop_server(off)
+    finally:
+        stop_server(on)
+
+
+def _cases() -> dict[str, bytes]:
+    ok = {"function": "rosenbrock", "x": X.tolist()}
+    cases = {
+        f"gradient {enc}": operator_request("gradient", enc, X) for enc in ("binary", "b64", "json")
+    }
+    cases |= {
+        "hessian binary": operator_request("hessian", "binary", X),
+        "value_and_gradient b64": operator_request("value_and_gradient", "b64", X),
+        "hvp json": operator_request("hvp", "json", X, [np.ones(3)]),
+        "pushforward binary": operator_request("pushforward", "binary", X, [np.ones(3)], JaxForward()),
+        "json body, binary answer": json_request("/gradient", ok, accept="application/vnd.dxserve.binary"),
+        "prepare": json_request("/prepare/gradient", {**ok, "backend": "jax-reverse"}),
+        "query string": json_request("/gradient?debug=1", ok),
+        "percent-encoded path": json_request("/%67radient", ok),
+        "trailing slash": json_request("/gradient/", ok),
+        "request id echoed": json_request("/gradient", ok, **{"x-request-id": "lane-test-1"}),
+        "connection close": json_request("/gradient", ok, connection="close"),
+        "http/1.0": request("/gradient", json.dumps(ok).encode(),
+                            {"content-type": "application/json"}, version="1.0"),
+        "bad json": request("/gradient", b"{", {"content-type": "application/json"}),
+        "not an object": request("/gradient", b"[1, 2]", {"content-type": "application/json"}),
+        "empty body": request("/gradient", b"", {"content-type": "application/json"}),
+        "unknown field": json_request("/gradient", {**ok, "y": 1}),
+        "unknown function": json_request("/gradient", {**ok, "function": "nope"}),
+        "unknown backend": json_request("/gradient", {**ok, "backend": "nope"}),
+        "x a string": json_request("/gradient", {**ok, "x": "1,2,3"}),
+        "tangent of the wrong shape": json_request("/hvp", {**ok, "tangents": [[1.0]]}),
+        "text/plain": request("/gradient", b"x=1", {"content-type": "text/plain"}),
+        "binary, no header length": request(
+            "/gradient", b"\0" * 64, {"content-type": "application/vnd.dxserve.binary"}),
+        "binary, header past the body": request(
+            "/gradient", b"\0" * 64,
+            {"content-type": "application/vnd.dxserve.binary", "dxserve-header-length": "9999"}),
+        "binary, odd header length": request(
+            "/gradient", b"\0" * 64,
+            {"content-type": "application/vnd.dxserve.binary", "dxserve-header-length": "1e3"}),
+        "past the body limit": json_request("/gradient", {**ok, "x": [1.0] * 2000}),
+        "GET on an operator path": request("/gradient", b"", method="GET"),
+    }
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_lane_answers_as_the_asgi_app_does(servers: tuple[Any, Any], name: str) -> None:
+    on, off = servers
+    data = CASES[name]
+    (lane,), lane_closed = exchange(on.port, data)
+    (asgi,), asgi_closed = exchange(off.port, data)
+    assert lane.comparable() == asgi.comparable(), (name, lane.comparable(), asgi.comparable())
+    assert lane_closed == asgi_closed, name
+    assert lane.header(b"x-request-id") and lane.header(b"server-timing", ), lane.headers
+    if lane.status >= 400:
+        assert lane.header(b"content-type") == PROBLEM.encode(), lane.headers
+        doc = json.loads(lane.body)
+        assert doc["status"] == lane.status and doc["detail"], doc
+    if name == "request id echoed":
+        assert lane.header(b"x-request-id") == b"lane-test-1"
+    if name in ("http/1.0", "connection close", "past the body limit"):
+        assert lane_closed and lane.header(b"connection") == b"close", lane.headers
+
+
+def test_a_lane_gradient_is_the_analytic_one(servers: tuple[Any, Any]) -> None:
+    on, _ = servers
+    for name in ("gradient binary", "gradient b64", "gradient json"):
+        (answer,), closed = exchange(on.port, CASES[name])
+        assert answer.status == 200 and not closed
+        headers = httpx.Headers(answer.headers)
+        got = _models.operator_result("gradient", headers, answer.body)
+        np.testing.assert_allclose(got, GRADIENT, rtol=1e-12)
+
+
+def test_keep_alive_and_pipelining_through_the_lane(servers: tuple[Any, Any]) -> None:
+    on, off = servers
+    # three lane requests, a GET the lane leaves to the app, and a lane request again,
+    # all in one send: answered in order, the connection kept open
+    data = (CASES["gradient json"] + CASES["gradient binary"] + CASES["hessian binary"]
+            + request("/health", b"", method="GET") + CASES["bad json"])
+    lane, lane_closed = exchange(on.port, data, answers=5)
+    asgi, asgi_closed = exchange(off.port, data, answers=5)
+    assert [a.comparable() for a in lane] == [a.comparable() for a in asgi]
+    assert [a.status for a in lane] == [200, 200, 200, 200, 400]
+    assert json.loads(lane[3].body) == {"status": "ok"}
+    assert not lane_closed and not asgi_closed
+
+
+# --------------------------------------------------------------------------- in process
+
+
+@pytest.fixture
+def lane_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> Iterator[tuple[str, list[str]]]:
+    """The app under uvicorn with the CLI's connection options, in this process; and
+    the paths the lane served (in order)."""
+    served: list[str] = []
+    call = lane_module.OperatorLane.__call__
+
+    async def counting(self: Any, scope: dict, receive: Any, send: Any) -> None:
+        served.append(scope["path"])
+        await call(self, scope, receive, send)
+
+    monkeypatch.setattr(lane_module.OperatorLane, "__call__", counting)
+    settings = Settings(functions=["dxserve.examples"], store=str(tmp_path / "store"),
+                        compilation_cache="", warm_up=False, body_timeout=1.0, log_format="json")
+    options = connection_options(settings, logging.getLogger("test"))
+    with uvicorn_in_thread(create_app(settings), log_level="warning", **options) as url:
+        yield url, served
+
+
+def test_the_lane_takes_small_operator_posts_only(lane_server: tuple[str, list[str]]) -> None:
+    url, served = lane_server
+    ok = {"function": "rosenbrock", "x": X.tolist()}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/gradient", json=ok).status_code == 200
+        assert http.post("/prepare/gradient", json={**ok, "backend": "jax-reverse"}).status_code == 200
+        assert served == ["/gradient", "/prepare/gradient"]
+        # not the lane's: other routes, event streams, 100-continue, large bodies
+        assert http.get("/health").status_code == 200
+        assert http.post("/functions", json={}).status_code >= 400
+        with http.stream("POST", "/gradient", json=ok, headers={"accept": "text/event-stream"}) as r:
+            assert r.status_code == 200 and b"event: result" in r.read()
+        r = http.post("/gradient", json=ok, headers={"expect": "100-continue"})
+        assert r.status_code == 200
+        big = np.linspace(-1.0, 1.0, 10_000)
+        call = _models.operator_call("gradient", "rosenbrock", JaxReverse(), big, None, (), None, "binary")
+        assert len(call.body) >= 64 * 1024
+        r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
+        assert r.status_code == 200
+        got = _models.operator_result("gradient", r.headers, r.content)
+        assert got.shape == big.shape and np.isfinite(got).all()
+        assert served == ["/gradient", "/prepare/gradient"]
+
+
+def test_the_lane_keeps_the_request_record(
+    lane_server: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, served = lane_server
+    with httpx.Client(base_url=url, timeout=30) as http:
+        before = _requests_counted(http.get("/metrics").text)
+        with caplog.at_level(logging.INFO, logger="dxserve.http"):
+            ok = http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()},
+                           headers={"x-request-id": "lane-record"})
+            bad = http.post("/gradient", content=b"{", headers={"content-type": "application/json"})
+        after = _requests_counted(http.get("/metrics").text)
+    assert served == ["/gradient", "/gradient"]
+    assert ok.headers["x-request-id"] == "lane-record"
+    assert ok.headers["server-timing"].startswith("total;dur=")
+    assert "compute;dur=" in ok.headers["server-timing"]
+    assert len(bad.headers["x-request-id"]) == 16
+    assert after[("/gradient", "200")] == before.get(("/gradient", "200"), 0) + 1
+    assert after[("/gradient", "400")] == before.get(("/gradient", "400"), 0) + 1
+    lines = [r for r in caplog.records if getattr(r, "route", None) == "/gradient"]
+    assert [(r.event, r.status) for r in lines] == [("request", 200), ("rejected", 400)]
+    assert lines[0].request_id == "lane-record" and lines[0].function == "rosenbrock"
+    assert lines[1].problem.endswith("malformed-request") and lines[1].detail
+
+
+def _requests_counted(text: str) -> dict[tuple[str, str], float]:
+    counted = {}
+    for line in text.splitlines():
+        if line.startswith("dxserve_requests_total{"):
+            labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")].split(","))
+            counted[(labels["route"].strip('"'), labels["status"].strip('"'))] = float(line.split()[-1])
+    return counted
+
+
+def test_an_unexpected_error_in_the_lane_is_a_500_and_the_server_goes_on(
+    lane_server: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, served = lane_server
+    port = httpx.URL(url).port
+    original = routes.OperatorEndpoint.__call__
+
+    async def broken(self: Any, request: Any) -> Any:
+        if self.op.name == "hessian":
+            raise RuntimeError("a bug")
+        return await original(self, request)
+
+    monkeypatch.setattr(routes.OperatorEndpoint, "__call__", broken)
+    (answer,), closed = exchange(port, CASES["hessian binary"])
+    assert served == ["/hessian"]
+    assert answer.status == 500 and closed
+    assert answer.header(b"content-type") == PROBLEM.encode()
+    assert json.loads(answer.body)["detail"] == "RuntimeError; the server logged it"
+    (answer,), closed = exchange(port, CASES["gradient json"])
+    assert answer.status == 200 and not closed
+
+
+def test_a_small_body_that_trickles_past_the_body_timeout_is_408(
+    lane_server: tuple[str, list[str]],
+) -> None:
+    url, served = lane_server
+    port = httpx.URL(url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /gradient HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n{")
+        start = time.monotonic()
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        took = time.monotonic() - start
+    assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+    assert 0.8 < took < 5.0, took
+    assert served == []  # nothing reached the endpoint
+    with httpx.Client(base_url=url, timeout=30) as http:  # and others are served
+        assert http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()}).status_code == 200
