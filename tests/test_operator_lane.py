@@ -154,6 +154,8 @@ def _cases() -> dict[str, bytes]:
         "percent-encoded path": json_request("/%67radient", ok),
         "trailing slash": json_request("/gradient/", ok),
         "request id echoed": json_request("/gradient", ok, **{"x-request-id": "lane-test-1"}),
+        "behind a proxy": json_request(
+            "/gradient", ok, **{"x-forwarded-for": "10.1.2.3", "x-forwarded-proto": "https"}),
         "connection close": json_request("/gradient", ok, connection="close"),
         "http/1.0": request("/gradient", json.dumps(ok).encode(),
                             {"content-type": "application/json"}, version="1.0"),
@@ -312,14 +314,14 @@ def test_an_unexpected_error_in_the_lane_is_a_500_and_the_server_goes_on(
 ) -> None:
     url, served = lane_server
     port = httpx.URL(url).port
-    original = routes.OperatorEndpoint.__call__
+    original = routes.OperatorEndpoint._results
 
-    async def broken(self: Any, request: Any) -> Any:
+    async def broken(self: Any, *args: Any) -> Any:
         if self.op.name == "hessian":
             raise RuntimeError("a bug")
-        return await original(self, request)
+        return await original(self, *args)
 
-    monkeypatch.setattr(routes.OperatorEndpoint, "__call__", broken)
+    monkeypatch.setattr(routes.OperatorEndpoint, "_results", broken)
     (answer,), closed = exchange(port, CASES["hessian binary"])
     assert served == ["/hessian"]
     assert answer.status == 500 and closed

@@ -72,6 +72,7 @@ from dxclient.errors import (
 )
 
 from .problems import PROBLEM_TYPE, problem_document
+from .routes import LOOP
 
 log = logging.getLogger("dxserve.http")
 
@@ -148,7 +149,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._inbox: bytearray | None = None
             self._inbox_got = 0
             self._inbox_cycle: Any = None
-            self._lane, self._lane_entry = _lane_of(self.config)
+            self._lane, self._lane_proxied = _lane_of(self.config)
             self._fresh_context = getattr(self.config, "reset_contextvars", False)
             if len(self.connections) > limits.max_connections:
                 self._refuse(
@@ -264,8 +265,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             if (
                 self.expect_100_continue or (cycle is not None and not cycle.response_complete)
                 or parser.get_method() != b"POST" or parser.should_upgrade()
-                or not 0 <= _declared_length(self.headers) < limits.inbox_min_bytes
             ):
+                return False
+            length, forwarded = _lane_headers(self.headers)
+            if not 0 <= length < limits.inbox_min_bytes:
                 return False
             most = self.limit_concurrency
             if most is not None and (len(self.connections) >= most or len(self.tasks) >= most):
@@ -284,10 +287,13 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             scope["path"] = root + path if root else path
             scope["raw_path"] = root.encode("ascii") + url.path if root else url.path
             scope["query_string"] = url.query or b""
+            scope[LOOP] = self.loop
             if not self._lane.takes(scope):
                 return False
             keep_alive = version != "1.0" and parser.should_keep_alive()
-            self.cycle = _LaneCycle(self, scope, keep_alive)
+            self.cycle = cycle = _LaneCycle(self, scope, keep_alive)
+            # uvicorn's proxy-headers middleware changes nothing without these headers
+            cycle.entry = self._lane_proxied if forwarded else self._lane
             return True
 
         def _start(self, coroutine: Any) -> asyncio.Task:
@@ -303,7 +309,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
         async def _serve_lane(self, cycle: _LaneCycle) -> None:
             try:
-                await self._lane_entry(cycle.scope, cycle.receive, cycle.send)
+                await cycle.entry(cycle.scope, cycle.receive, cycle.send)
             except BaseException as exc:
                 self.logger.error("Exception in the operator lane", exc_info=exc)
                 if not cycle.response_started and not self.transport.is_closing():
@@ -379,10 +385,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
 
 def _lane_of(config: Any) -> tuple[Any, Any]:
-    """``(lane, entry)`` for the app ``config`` serves: its ``OperatorApp.lane()``, and
-    what to call to serve a request (the lane, behind uvicorn's proxy-headers middleware
-    when that is on). ``(None, None)`` for an app of another kind, or one wrapped in
-    anything else (the lane would skip it)."""
+    """``(lane, proxied)`` for the app ``config`` serves: its ``OperatorApp.lane()``, and
+    the lane behind uvicorn's proxy-headers middleware when that is on (else the lane
+    itself). ``(None, None)`` for an app of another kind, or one wrapped in anything else
+    (the lane would skip it)."""
     app = getattr(config, "loaded_app", None)
     cached = getattr(config, "_dxserve_lane", None)
     if cached is not None and cached[0] is app:
@@ -407,7 +413,7 @@ class _LaneCycle:
     timeouts, shutdown)."""
 
     __slots__ = (
-        "chunks", "delivered", "disconnected", "keep_alive", "more_body", "protocol",
+        "chunks", "delivered", "disconnected", "entry", "keep_alive", "more_body", "protocol",
         "response_complete", "response_started", "scope", "task", "waiter",
     )
 
@@ -419,6 +425,7 @@ class _LaneCycle:
         self.response_started = self.response_complete = False
         self.waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
+        self.entry: Any = None  # what serves it: the lane, or the lane behind proxy headers
 
     @property
     def message_event(self) -> _LaneCycle:
@@ -543,6 +550,21 @@ class _HeadWithBody:
     def close(self) -> None:
         self.flush()
         self._transport.close()
+
+
+def _lane_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
+    """``(_declared_length(headers), whether X-Forwarded-For or -Proto is present)``."""
+    length, forwarded = -1, False
+    for name, value in headers:
+        if name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > 18:
+                return -1, forwarded
+            length = int(value)
+        elif name == b"transfer-encoding":
+            return -1, forwarded
+        elif name == b"x-forwarded-for" or name == b"x-forwarded-proto":
+            forwarded = True
+    return length, forwarded
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:

@@ -28,6 +28,7 @@ from .dispatch import OperatorApp, OperatorEndpoints
 from .metrics import Metrics
 from .records import RequestRecord
 from .responses import PartsResponse
+from .routes import OperatorEndpoint
 from .streaming import wants_stream
 
 #: ``send(status, headers, parts)``: writes the answer (head, then each part)
@@ -39,6 +40,7 @@ class OperatorLane:
 
     def __init__(self, app: OperatorApp, metrics: Metrics, log_requests: bool) -> None:
         self.app = app
+        self.service = app.state.service
         self.endpoints = OperatorEndpoints(app)
         self.internal = app.exception_handlers.get(500) or app.exception_handlers.get(Exception)
         self.metrics = metrics
@@ -56,10 +58,15 @@ class OperatorLane:
         record = RequestRecord(scope["headers"])
         response: Response | None = None
         try:
-            request = Request(scope, receive)
+            endpoint = scope["endpoint"]
             try:
-                response = await scope["endpoint"](request)
+                if isinstance(endpoint, OperatorEndpoint):  # the body in hand, no Request
+                    body = (await receive())["body"]
+                    response = await endpoint.answer_body(self.service, scope, body, receive)
+                else:
+                    response = await endpoint(Request(scope, receive))
             except Exception as exc:
+                request = Request(scope, receive)
                 handler = self.endpoints.handler(exc)
                 if handler is None:  # unexpected: answered 500, connection closed
                     response = await self.internal(request, exc)

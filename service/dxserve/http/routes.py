@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from dxclient import codec
 from dxclient.encodings import binary
@@ -45,16 +46,26 @@ LARGE_BYTES = 256 * 1024
 B64_INLINE_BYTES = 16 * 1024 * 1024
 
 
+#: A scope key: the running event loop, where the server puts it in the scope. On
+#: Python 3.11 each ``asyncio.get_running_loop()`` is a ``getpid`` system call.
+LOOP = "dxserve.loop"
+
+
 def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
 def bearer_token(request: Request) -> str | None:
     """The bearer token presented (``""`` for another scheme), None without the header."""
-    given = request.headers.get("authorization")
+    return bearer_token_of(request.scope["headers"])
+
+
+def bearer_token_of(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """``bearer_token`` of an ASGI request's headers (the first ``Authorization``)."""
+    given = next((value for name, value in headers if name == b"authorization"), None)
     if given is None:
         return None
-    scheme, _, token = given.partition(" ")
+    scheme, _, token = given.decode("latin-1").partition(" ")
     return token if scheme.lower() == "bearer" else ""
 
 
@@ -72,11 +83,7 @@ async def read_body(
     if declared is None:
         declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        err = PayloadTooLargeError(
-            f"body of {declared} bytes exceeds the limit of {limit} bytes", field="body"
-        )
-        err.close = True  # type: ignore[attr-defined]  # the unread body makes the connection unusable
-        raise err
+        raise body_too_large(declared, limit)
     # Straight from ASGI receive, not ``request.stream()``: a small body is one message,
     # returned as is (the async generator and the join cost ~5 us per small request).
     chunks: list[bytes] = []
@@ -102,17 +109,30 @@ async def read_body(
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def body_too_large(declared: str, limit: int) -> PayloadTooLargeError:
+    """413 for a declared Content-Length past ``limit``; the connection is closed after
+    it (its body is left unread)."""
+    err = PayloadTooLargeError(
+        f"body of {declared} bytes exceeds the limit of {limit} bytes", field="body"
+    )
+    err.close = True  # type: ignore[attr-defined]  # the unread body makes the connection unusable
+    return err
+
+
+def body_limit(service: Service, content_type: str | None) -> tuple[int, int, bool]:
+    """``(most bytes, decode factor, binary)`` for an operator body of ``content_type``."""
+    settings = service.settings
+    if content_type is not None and codec.BINARY_TYPE in content_type.lower():
+        return settings.max_body_bytes, DECODE_FACTOR["binary"], True
+    # JSON holds ~16x its size while decoding: a lower limit of its own
+    return min(settings.max_body_bytes, settings.max_json_body_bytes), DECODE_FACTOR["json"], False
+
+
 async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorRequest, str, int]:
     """``(request, response encoding, body size)`` of ``POST /{op}``."""
     content_type, accept, length, declared = wire_headers(request.scope)
     service = service_of(request)
-    settings = service.settings
-    binary_body = content_type is not None and codec.BINARY_TYPE in content_type.lower()
-    if binary_body:
-        limit, factor = settings.max_body_bytes, DECODE_FACTOR["binary"]
-    else:  # JSON holds ~16x its size while decoding: a lower limit of its own
-        limit = min(settings.max_body_bytes, settings.max_json_body_bytes)
-        factor = DECODE_FACTOR["json"]
+    limit, factor, binary_body = body_limit(service, content_type)
     ticket = None
     if declared is None or not declared.isdigit() or int(declared) > LARGE_BYTES:
         # a large (or unsized) body: held in the in-flight budget until the call ends
@@ -208,21 +228,53 @@ class OperatorEndpoint:
         accept = wants_stream(request.scope)
         if accept is not None:  # Accept: text/event-stream (see streaming.py)
             return await self._stream(request, accept)
-        job = Job()  # a chunked computation stops early if the client goes away
-        watch = DisconnectWatch(request.receive, job)
-        job.listen(asyncio.get_running_loop(), watch)
         try:
             service, req, encoding, size = await compute_request(request, self.op)
-            results = await service.call(
+            results = await self._results(service, req, size, request.receive)
+        finally:
+            release_ticket(request)
+        return await self._answer(service, results, encoding)
+
+    async def answer_body(
+        self, service: Service, scope: dict, body: bytes, receive: Receive
+    ) -> Response:
+        """The answer to ``body``, a complete body small enough to decode here (the
+        protocol's operator lane, see ``lane``): what ``__call__`` answers, without a
+        ``Request``. Never an event stream."""
+        headers = scope["headers"]
+        if service.settings.require_token_for_compute:
+            service.authorize(bearer_token_of(headers), "compute")
+        content_type, accept, length, _ = wire_headers(scope)
+        limit = body_limit(service, content_type)[0]
+        if len(body) > limit:
+            raise body_too_large(str(len(body)), limit)
+        req = decode_operator_request(body, content_type, length, self.op)
+        results = await self._results(service, req, len(body), receive, scope.get(LOOP))
+        return await self._answer(service, results, response_encoding(content_type, accept, body))
+
+    async def _results(
+        self, service: Service, req: OperatorRequest, size: int, receive: Receive,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> dict | None:
+        """The call's results; None if the client went away first. ``loop``: the
+        running event loop, if the caller knows it."""
+        job = Job()  # a chunked computation stops early if the client goes away
+        watch = DisconnectWatch(receive, job)
+        job.listen(loop or asyncio.get_running_loop(), watch)
+        try:
+            return await service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=size, batch_axis=req.batch_axis,
                 job=job,
             )
-        except JobCancelled:  # the client has gone: nobody to answer (499, as nginx logs it)
-            return Response(status_code=499)
+        except JobCancelled:
+            return None
         finally:
             watch.close()
-            release_ticket(request)
+
+    async def _answer(self, service: Service, results: dict | None, encoding: str) -> Response:
+        if results is None:  # the client has gone: nobody to answer (499, as nginx logs it)
+            return Response(status_code=499)
         return await encode(results_to_wire(results, self.op), encoding, budget=service.budget)
 
     async def _stream(self, request: Request, accept: str) -> Response:
