@@ -136,10 +136,9 @@ class Settings(BaseSettings):
     #: (431), most open connections (503 and closed past it), seconds an idle keep-alive
     #: connection stays open, and the listen backlog.
     header_timeout: float = Field(default=10.0, gt=0)
-    #: Serve small operator POSTs from the HTTP protocol itself (``http/lane.py``): the
-    #: same endpoint, answers, headers, metrics and logs, without the ASGI cycle and
-    #: middleware around it (~35 us less per request). false sends every request
-    #: through the ASGI app.
+    #: Serve operator POSTs from the HTTP protocol itself (``http/lane.py``): the same
+    #: endpoint, answers, headers, metrics and logs, without the ASGI cycle and the
+    #: middleware around it. false sends every request through the ASGI app.
     operator_lane: bool = True
     body_timeout: float = Field(default=120.0, gt=0)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)

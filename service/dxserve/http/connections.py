@@ -30,10 +30,11 @@ be used by the device as they are), owned by that request alone: arrays decoded 
 as views can never see the bytes of a later request. Larger declared lengths are left
 to the application, which refuses them (413) before reading.
 
-A small POST to an operator path is served by the app's operator lane (see ``lane``)
+A POST to an operator path is served by the app's operator lane (see ``lane``)
 instead of uvicorn's request-response cycle: the protocol completes its scope at the
-headers, keeps its body, and when the body is in starts one task that runs the lane
-and writes its answer (``_LaneCycle``). Every other request goes uvicorn's way.
+headers and starts one task that runs the lane and writes its answer (``_LaneCycle``),
+when a small body is in, or at once for one received into one buffer as above. Every
+other request goes uvicorn's way.
 
 A request that runs out of time is answered 408 (problem+json) if no response has
 started, and its connection is closed. No read timer runs while the application works
@@ -217,13 +218,12 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
-            if type(cycle) is _LaneCycle:
-                if not cycle.response_complete:
-                    cycle.chunks.append(body)
-                return
             inbox = self._inbox
-            if inbox is None or self._inbox_cycle is not self.cycle:
-                super().on_body(body)
+            if inbox is None or self._inbox_cycle is not cycle:
+                if type(cycle) is not _LaneCycle:
+                    super().on_body(body)
+                elif not cycle.response_complete:
+                    cycle.chunks.append(body)
                 return
             if self.cycle.response_complete:  # answered early (e.g. 503): drop the rest
                 return
@@ -239,14 +239,16 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
 
         def on_message_complete(self) -> None:
             cycle = self.cycle
-            if type(cycle) is _LaneCycle:
+            lane = type(cycle) is _LaneCycle
+            if lane:
                 cycle.more_body = False
+                cycle.set()  # a large body's receive waits for its last byte
             else:
                 super().on_message_complete()
             self._inbox = self._inbox_cycle = None  # its receive holds it; the next gets its own
             self._phase = _APP
             self._disarm()
-            if type(cycle) is _LaneCycle and not cycle.response_complete:
+            if lane and cycle.task is None and not cycle.response_complete:
                 cycle.task = self._start(self._serve_lane(cycle))
 
         def on_response_complete(self) -> None:
@@ -268,7 +270,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             ):
                 return False
             length, forwarded = _lane_headers(self.headers)
-            if not 0 <= length < limits.inbox_min_bytes:
+            if not 0 <= length <= limits.max_body_bytes:
                 return False
             most = self.limit_concurrency
             if most is not None and (len(self.connections) >= most or len(self.tasks) >= most):
@@ -294,6 +296,13 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self.cycle = cycle = _LaneCycle(self, scope, keep_alive)
             # uvicorn's proxy-headers middleware changes nothing without these headers
             cycle.entry = self._lane_proxied if forwarded else self._lane
+            if length >= limits.inbox_min_bytes:
+                # received into one buffer when the endpoint takes it (after its limits
+                # and in-flight budget accepted the length): it starts now, and nothing
+                # more is read until then
+                cycle.inbox_length, cycle.binary = length, _is_binary(self.headers)
+                self.flow.pause_reading()
+                cycle.task = self._start(self._serve_lane(cycle))
             return True
 
         def _start(self, coroutine: Any) -> asyncio.Task:
@@ -413,8 +422,9 @@ class _LaneCycle:
     timeouts, shutdown)."""
 
     __slots__ = (
-        "chunks", "delivered", "disconnected", "entry", "keep_alive", "more_body", "protocol",
-        "response_complete", "response_started", "scope", "task", "waiter",
+        "binary", "chunks", "delivered", "disconnected", "entry", "inbox_length", "keep_alive",
+        "more_body", "protocol", "response_complete", "response_started", "scope", "task",
+        "waiter",
     )
 
     def __init__(self, protocol: Any, scope: dict, keep_alive: bool) -> None:
@@ -426,6 +436,9 @@ class _LaneCycle:
         self.waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
         self.entry: Any = None  # what serves it: the lane, or the lane behind proxy headers
+        #: a body received into one buffer: its length, and whether it is binary framing
+        self.inbox_length: int | None = None
+        self.binary = False
 
     @property
     def message_event(self) -> _LaneCycle:
@@ -441,14 +454,46 @@ class _LaneCycle:
         """The whole body in the first message; later ones wait for the disconnect."""
         if not self.delivered:
             self.delivered = True
+            if self.inbox_length is not None and self.more_body:
+                return await self._receive_into_one_buffer()
             chunks = self.chunks
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             self.chunks = []
             return {"type": "http.request", "body": body, "more_body": False}
         while not self.disconnected and not self.response_complete:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
+            await self._wait()
         return {"type": "http.disconnect"}
+
+    async def _wait(self) -> None:
+        self.waiter = self.protocol.loop.create_future()
+        await self.waiter
+
+    async def _receive_into_one_buffer(self) -> dict:
+        """A large body, received into one buffer of its length (see ``_inbox_receive``,
+        uvicorn's cycle's counterpart)."""
+        protocol, length = self.protocol, self.inbox_length
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        # a binary body's arrays sit at 64-byte offsets in it: in a 64-byte aligned
+        # buffer, the device can use their bytes as they are instead of copying them
+        inbox = aligned_buffer(length) if self.binary else bytearray(length)
+        got = 0
+        for chunk in self.chunks:
+            inbox[got:got + len(chunk)] = chunk
+            got += len(chunk)
+        self.chunks = []
+        protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, self
+        reader = protocol._reader
+        if got < length and reader is not None and not protocol.transport.is_closing():
+            reader.receive_into(inbox, got)  # the rest straight from the socket
+        while self.more_body and not self.disconnected and not self.response_complete:
+            protocol.flow.resume_reading()
+            await self._wait()
+        if protocol._inbox is inbox:  # gone before the last byte: drop it
+            protocol._inbox = protocol._inbox_cycle = None
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": inbox, "more_body": False}
 
     async def send(self, status: int, headers: list[tuple[bytes, bytes]], parts: list[Any]) -> None:
         """Write the answer: head and parts in one write (or ``writelines``), then wait

@@ -1,19 +1,21 @@
-"""Small operator POSTs served from the HTTP protocol, without the ASGI cycle.
+"""Operator POSTs served from the HTTP protocol, without the ASGI cycle.
 
-Most requests a server answers are POSTs to an operator path with a small body. On
-those, what sits around the endpoint (uvicorn's request-response cycle and its
+Most requests a server answers are POSTs to an operator path, most with a small body.
+On those, what sits around the endpoint (uvicorn's request-response cycle and its
 ``send`` messages, the middleware, Starlette's ``Response.__call__``) costs more than
 decoding, computing and encoding together. ``OperatorLane`` serves them with the same
 endpoint, the same problem handlers and the same ``RequestRecord`` (request id,
 ``Server-Timing``, metrics, JSON log line) as the ASGI way, and hands the answer to the
-protocol as one call: status, headers, body parts.
+protocol as one call: status, headers, body parts. A body up to ``routes.LARGE_BYTES``
+goes to the endpoint as it is, without a ``Request``; a larger one through a
+``Request``, as over ASGI.
 
 The protocol (``connections.bounded_protocol``) decides at the request's headers. It
-gives the lane a POST whose ``Content-Length`` is below the single-buffer threshold,
-with no ``Expect: 100-continue``, no upgrade, nothing unanswered before it on the
-connection, within ``limit_concurrency``. The lane takes it if the path is an operator
-route and the request does not ask for an event stream (``takes``). Every other
-request goes the ASGI way, unchanged.
+gives the lane a POST with a ``Content-Length`` within the body limit, no
+``Expect: 100-continue``, no upgrade, nothing unanswered before it on the connection,
+within ``limit_concurrency``. The lane takes it if the path is an operator route and
+the request does not ask for an event stream (``takes``). Every other request goes the
+ASGI way, unchanged.
 """
 
 from __future__ import annotations
@@ -60,9 +62,8 @@ class OperatorLane:
         try:
             endpoint = scope["endpoint"]
             try:
-                if isinstance(endpoint, OperatorEndpoint):  # the body in hand, no Request
-                    body = (await receive())["body"]
-                    response = await endpoint.answer_body(self.service, scope, body, receive)
+                if isinstance(endpoint, OperatorEndpoint):  # a small body: no Request
+                    response = await endpoint.answer(self.service, scope, receive)
                 else:
                     response = await endpoint(Request(scope, receive))
             except Exception as exc:

@@ -235,19 +235,23 @@ class OperatorEndpoint:
             release_ticket(request)
         return await self._answer(service, results, encoding)
 
-    async def answer_body(
-        self, service: Service, scope: dict, body: bytes, receive: Receive
-    ) -> Response:
-        """The answer to ``body``, a complete body small enough to decode here (the
-        protocol's operator lane, see ``lane``): what ``__call__`` answers, without a
-        ``Request``. Never an event stream."""
-        headers = scope["headers"]
+    async def answer(self, service: Service, scope: dict, receive: Receive) -> Response:
+        """What ``__call__`` answers, for the protocol's operator lane (see ``lane``):
+        a body up to ``LARGE_BYTES`` without a ``Request`` (decoded here, nothing held
+        in the in-flight budget); a larger one as ``__call__`` does. Never an event
+        stream."""
+        content_type, accept, length, declared = wire_headers(scope)
+        if declared is None or not declared.isdigit() or int(declared) > LARGE_BYTES:
+            return await self(Request(scope, receive))
         if service.settings.require_token_for_compute:
-            service.authorize(bearer_token_of(headers), "compute")
-        content_type, accept, length, _ = wire_headers(scope)
+            service.authorize(bearer_token_of(scope["headers"]), "compute")
         limit = body_limit(service, content_type)[0]
-        if len(body) > limit:
-            raise body_too_large(str(len(body)), limit)
+        if int(declared) > limit:
+            raise body_too_large(declared, limit)
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body = message["body"]
         req = decode_operator_request(body, content_type, length, self.op)
         results = await self._results(service, req, len(body), receive, scope.get(LOOP))
         return await self._answer(service, results, response_encoding(content_type, accept, body))
