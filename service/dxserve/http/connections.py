@@ -269,7 +269,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
                 or parser.get_method() != b"POST" or parser.should_upgrade()
             ):
                 return False
-            length, forwarded = _lane_headers(self.headers)
+            length, forwarded = _framing(self.headers)
             if not 0 <= length <= limits.max_body_bytes:
                 return False
             most = self.limit_concurrency
@@ -471,26 +471,16 @@ class _LaneCycle:
     async def _receive_into_one_buffer(self) -> dict:
         """A large body, received into one buffer of its length (see ``_inbox_receive``,
         uvicorn's cycle's counterpart)."""
-        protocol, length = self.protocol, self.inbox_length
+        protocol = self.protocol
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
-        # a binary body's arrays sit at 64-byte offsets in it: in a 64-byte aligned
-        # buffer, the device can use their bytes as they are instead of copying them
-        inbox = aligned_buffer(length) if self.binary else bytearray(length)
-        got = 0
-        for chunk in self.chunks:
-            inbox[got:got + len(chunk)] = chunk
-            got += len(chunk)
+        received = b"".join(self.chunks)
         self.chunks = []
-        protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, self
-        reader = protocol._reader
-        if got < length and reader is not None and not protocol.transport.is_closing():
-            reader.receive_into(inbox, got)  # the rest straight from the socket
+        inbox = _open_inbox(protocol, self, self.inbox_length, self.binary, received)
         while self.more_body and not self.disconnected and not self.response_complete:
             protocol.flow.resume_reading()
             await self._wait()
-        if protocol._inbox is inbox:  # gone before the last byte: drop it
-            protocol._inbox = protocol._inbox_cycle = None
+        _close_inbox(protocol, inbox)
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         return {"type": "http.request", "body": inbox, "more_body": False}
@@ -597,8 +587,10 @@ class _HeadWithBody:
         self._transport.close()
 
 
-def _lane_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
-    """``(_declared_length(headers), whether X-Forwarded-For or -Proto is present)``."""
+def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
+    """``(Content-Length, whether X-Forwarded-For or -Proto is present)``; the length
+    is -1 without one, for a chunked body, or one repeated or not a plain number (left
+    to uvicorn and the application)."""
     length, forwarded = -1, False
     for name, value in headers:
         if name == b"content-length":
@@ -613,16 +605,8 @@ def _lane_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
-    """The request's Content-Length, or -1 (none, not a plain number, or chunked)."""
-    length = -1
-    for name, value in headers:
-        if name == b"content-length":
-            if length >= 0 or not value.isdigit() or len(value) > 18:
-                return -1  # repeated or odd: left to uvicorn and the application
-            length = int(value)
-        elif name == b"transfer-encoding":
-            return -1
-    return length
+    """The request's Content-Length, or -1 (see ``_framing``)."""
+    return _framing(headers)[0]
 
 
 class _Reader(asyncio.BufferedProtocol):
@@ -723,19 +707,8 @@ def _inbox_receive(protocol: Any, cycle: Any, length: int, binary: bool = False)
         if delivered or not cycle.more_body or cycle.disconnected or cycle.response_complete:
             return await own_receive(cycle)  # in already (or gone): uvicorn's way
         delivered = True
-        # a binary body's arrays sit at 64-byte offsets in it: in a 64-byte aligned
-        # buffer, the device can use their bytes as they are instead of copying them
-        inbox = aligned_buffer(length) if binary else bytearray(length)
-        got = len(cycle.body)
-        inbox[:got] = cycle.body
+        inbox = _open_inbox(protocol, cycle, length, binary, cycle.body)
         cycle.body = bytearray()
-        protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, cycle
-        reader = protocol._reader
-        if (  # the rest straight from the socket
-            protocol.cycle is cycle and got < length and reader is not None
-            and not protocol.transport.is_closing()
-        ):
-            reader.receive_into(inbox, got)
         if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
             cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             cycle.waiting_for_100_continue = False
@@ -743,10 +716,34 @@ def _inbox_receive(protocol: Any, cycle: Any, length: int, binary: bool = False)
             cycle.flow.resume_reading()
             await cycle.message_event.wait()
             cycle.message_event.clear()
-        if protocol._inbox is inbox:  # gone before the last byte: drop it
-            protocol._inbox = protocol._inbox_cycle = None
+        _close_inbox(protocol, inbox)
         if cycle.disconnected or cycle.response_complete:
             return {"type": "http.disconnect"}
         return {"type": "http.request", "body": inbox, "more_body": False}
 
     return receive
+
+
+def _open_inbox(protocol: Any, cycle: Any, length: int, binary: bool, received: Any) -> Any:
+    """One buffer for ``cycle``'s body of ``length`` bytes, with ``received`` (what is
+    in already) copied in; the rest is read straight into it (``_Reader``), or copied in
+    by ``on_body`` a read at a time."""
+    # a binary body's arrays sit at 64-byte offsets in it: in a 64-byte aligned
+    # buffer, the device can use their bytes as they are instead of copying them
+    inbox = aligned_buffer(length) if binary else bytearray(length)
+    got = len(received)
+    inbox[:got] = received
+    protocol._inbox, protocol._inbox_got, protocol._inbox_cycle = inbox, got, cycle
+    reader = protocol._reader
+    if (  # the rest straight from the socket
+        protocol.cycle is cycle and got < length and reader is not None
+        and not protocol.transport.is_closing()
+    ):
+        reader.receive_into(inbox, got)
+    return inbox
+
+
+def _close_inbox(protocol: Any, inbox: Any) -> None:
+    """The body is in, or its client gone: ``inbox`` takes no more bytes."""
+    if protocol._inbox is inbox:  # gone before the last byte: drop it
+        protocol._inbox = protocol._inbox_cycle = None
