@@ -206,7 +206,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
                 return
             cycle.transport = out = _HeadWithBody(self.transport, self.loop)
             cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
-            length = _declared_length(self.headers)
+            length = _framing(self.headers)[0]
             if limits.inbox_min_bytes <= length <= limits.max_body_bytes:
                 # read by run_asgi when the task first runs, after this callback
                 binary = _is_binary(self.headers)
@@ -603,10 +603,6 @@ def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
             forwarded = True
     return length, forwarded
 
-
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
-    """The request's Content-Length, or -1 (see ``_framing``)."""
-    return _framing(headers)[0]
 
 
 class _Reader(asyncio.BufferedProtocol):

@@ -62,7 +62,7 @@ class OperatorLane:
         try:
             endpoint = scope["endpoint"]
             try:
-                if isinstance(endpoint, OperatorEndpoint):  # a small body: no Request
+                if isinstance(endpoint, OperatorEndpoint):  # no Request for a small body
                     response = await endpoint.answer(self.service, scope, receive)
                 else:
                     response = await endpoint(Request(scope, receive))
