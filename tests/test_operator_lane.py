@@ -269,7 +269,7 @@ def test_the_lane_takes_operator_posts_only(lane_server: tuple[str, list[str]]) 
     with httpx.Client(base_url=url, timeout=30) as http:
         assert http.post("/gradient", json=ok).status_code == 200
         assert http.post("/prepare/gradient", json={**ok, "backend": "jax-reverse"}).status_code == 200
-        big = np.linspace(-1.0, 1.0, 40_000)  # 320 KB: into one buffer, then a Request
+        big = np.linspace(-1.0, 1.0, 40_000)  # 320 KB: into one buffer, held in the budget
         call = _models.operator_call("gradient", "rosenbrock", JaxReverse(), big, None, (), None, "binary")
         r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
         assert r.status_code == 200
@@ -308,6 +308,37 @@ def test_the_lane_keeps_the_request_record(
     assert [(r.event, r.status) for r in lines] == [("request", 200), ("rejected", 400)]
     assert lines[0].request_id == "lane-record" and lines[0].function == "rosenbrock"
     assert lines[1].problem.endswith("malformed-request") and lines[1].detail
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_the_lane_writes_access_lines_only_at_a_level_that_shows_them(
+    lane_server: tuple[str, list[str]]
+) -> None:
+    url, served = lane_server
+    access = logging.getLogger("uvicorn.access")
+    kept, level = _Kept(), access.level
+    access.addHandler(kept)
+    ok = {"function": "rosenbrock", "x": X.tolist()}
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            access.setLevel(logging.INFO)
+            assert http.post("/gradient?at=info", json=ok).status_code == 200
+            access.setLevel(logging.WARNING)
+            assert http.post("/gradient?at=warning", json=ok).status_code == 200
+    finally:
+        access.removeHandler(kept)
+        access.setLevel(level)
+    assert served == ["/gradient", "/gradient"]
+    assert [r.args[1:] for r in kept.records] == [("POST", "/gradient?at=info", "1.1", 200)]
+    assert kept.records[0].args[0].startswith("127.0.0.1:")
 
 
 def _requests_counted(text: str) -> dict[tuple[str, str], float]:

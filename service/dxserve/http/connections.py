@@ -492,7 +492,8 @@ class _LaneCycle:
         if self.disconnected or self.response_complete or protocol.transport.is_closing():
             return
         self.response_started = True
-        if protocol.access_log:
+        # uvicorn's access logger is set up even when its level drops every line
+        if protocol.access_log and protocol.access_logger.isEnabledFor(logging.INFO):
             scope = self.scope
             protocol.access_logger.info(
                 '%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],

@@ -6,9 +6,9 @@ On those, what sits around the endpoint (uvicorn's request-response cycle and it
 decoding, computing and encoding together. ``OperatorLane`` serves them with the same
 endpoint, the same problem handlers and the same ``RequestRecord`` (request id,
 ``Server-Timing``, metrics, JSON log line) as the ASGI way, and hands the answer to the
-protocol as one call: status, headers, body parts. A body up to ``routes.LARGE_BYTES``
-goes to the endpoint as it is, without a ``Request``; a larger one through a
-``Request``, as over ASGI.
+protocol as one call: status, headers, body parts. An operator endpoint gets the body
+as it is, without a ``Request`` (``OperatorEndpoint.answer``); a ``/prepare`` endpoint
+through a ``Request``, as over ASGI.
 
 The protocol (``connections.bounded_protocol``) decides at the request's headers. It
 gives the lane a POST with a ``Content-Length`` within the body limit, no
@@ -62,7 +62,7 @@ class OperatorLane:
         try:
             endpoint = scope["endpoint"]
             try:
-                if isinstance(endpoint, OperatorEndpoint):  # no Request for a small body
+                if isinstance(endpoint, OperatorEndpoint):  # no Request
                     response = await endpoint.answer(self.service, scope, receive)
                 else:
                     response = await endpoint(Request(scope, receive))

@@ -33,12 +33,24 @@ class PartsResponse(Response):
         headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
     ) -> None:
-        self.parts = [p if isinstance(p, bytes) else _byte_view(p) for p in parts]
-        self.parts = [p for p in self.parts if len(p)]
-        length = sum(len(p) for p in self.parts)
-        super().__init__(
-            b"", status_code, {**(headers or {}), "content-length": str(length)}, media_type
-        )
+        """``headers``, then the parts' Content-Length, then ``media_type`` as the
+        Content-Type unless ``headers`` has one (no charset added): Starlette's header
+        assembly, not run."""
+        views = [p if isinstance(p, bytes) else _byte_view(p) for p in parts]
+        self.parts = [p for p in views if len(p)]
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.body = b""
+        raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in (headers or {}).items()
+            if k.lower() != "content-length"
+        ]
+        raw_headers.append((b"content-length", str(sum(len(p) for p in self.parts)).encode()))
+        if media_type is not None and all(k != b"content-type" for k, _ in raw_headers):
+            raw_headers.append((b"content-type", media_type.encode("latin-1")))
+        self.raw_headers = raw_headers
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

@@ -136,22 +136,36 @@ async def decode_operator(request: Request, op: OperatorSpec) -> tuple[OperatorR
     ticket = None
     if declared is None or not declared.isdigit() or int(declared) > LARGE_BYTES:
         # a large (or unsized) body: held in the in-flight budget until the call ends
-        ticket = request.scope["dxserve.ticket"] = Ticket(service.budget)
-        if declared is not None and declared.isdigit() and int(declared) <= limit:
-            try:
-                ticket.hold(int(declared) * factor, "body")
-            except OverloadedError as err:
-                err.close = True  # type: ignore[attr-defined]  # the body is left unread
-                raise
+        ticket = request.scope["dxserve.ticket"] = hold_declared(service, declared, limit, factor)
     body = await read_body(request, limit, declared, ticket, factor)
     encoding = response_encoding(content_type, accept, body)
-    if len(body) > LARGE_BYTES and not _decodes_quickly(body, binary_body, length):
-        parsed = await run_in_threadpool(decode_operator_request, body, content_type, length, op)
-    else:
-        parsed = decode_operator_request(body, content_type, length, op)
+    parsed = await decode_body(body, content_type, length, op, binary_body)
     if ticket is not None:
         ticket.hold(len(body))  # decoded: the inputs take about the body's size
     return parsed, encoding, len(body)
+
+
+def hold_declared(service: Service, declared: str | None, limit: int, factor: int) -> Ticket:
+    """A ticket in the in-flight budget for a large (or unsized) body, holding what a
+    declared length within ``limit`` takes to decode (503 past the budget, and the
+    connection closed: the body is left unread)."""
+    ticket = Ticket(service.budget)
+    if declared is not None and declared.isdigit() and int(declared) <= limit:
+        try:
+            ticket.hold(int(declared) * factor, "body")
+        except OverloadedError as err:
+            err.close = True  # type: ignore[attr-defined]
+            raise
+    return ticket
+
+
+async def decode_body(
+    body: bytes, content_type: str | None, length: str | None, op: OperatorSpec, binary_body: bool
+) -> OperatorRequest:
+    """``decode_operator_request``, off the event loop for a large body that takes long."""
+    if len(body) > LARGE_BYTES and not _decodes_quickly(body, binary_body, length):
+        return await run_in_threadpool(decode_operator_request, body, content_type, length, op)
+    return decode_operator_request(body, content_type, length, op)
 
 
 def _decodes_quickly(body: bytes, binary_body: bool, header_length: str | None) -> bool:
@@ -236,25 +250,34 @@ class OperatorEndpoint:
         return await self._answer(service, results, encoding)
 
     async def answer(self, service: Service, scope: dict, receive: Receive) -> Response:
-        """What ``__call__`` answers, for the protocol's operator lane (see ``lane``):
-        a body up to ``LARGE_BYTES`` without a ``Request`` (decoded here, nothing held
-        in the in-flight budget); a larger one as ``__call__`` does. Never an event
+        """What ``__call__`` answers, for the protocol's operator lane (see ``lane``),
+        without a ``Request``: the body is the first message ``receive`` gives. A
+        body past ``LARGE_BYTES`` is held in the in-flight budget from its declared
+        length until the call ends, as ``decode_operator`` holds it. Never an event
         stream."""
         content_type, accept, length, declared = wire_headers(scope)
-        if declared is None or not declared.isdigit() or int(declared) > LARGE_BYTES:
+        if declared is None or not declared.isdigit():  # the lane takes sized bodies only
             return await self(Request(scope, receive))
         if service.settings.require_token_for_compute:
             service.authorize(bearer_token_of(scope["headers"]), "compute")
-        limit = body_limit(service, content_type)[0]
+        limit, factor, binary_body = body_limit(service, content_type)
         if int(declared) > limit:
             raise body_too_large(declared, limit)
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        body = message["body"]
-        req = decode_operator_request(body, content_type, length, self.op)
-        results = await self._results(service, req, len(body), receive, scope.get(LOOP))
-        return await self._answer(service, results, response_encoding(content_type, accept, body))
+        ticket = hold_declared(service, declared, limit, factor) if int(declared) > LARGE_BYTES else None
+        try:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            body = message["body"]
+            encoding = response_encoding(content_type, accept, body)
+            req = await decode_body(body, content_type, length, self.op, binary_body)
+            if ticket is not None:
+                ticket.hold(len(body))
+            results = await self._results(service, req, len(body), receive, scope.get(LOOP))
+        finally:
+            if ticket is not None:
+                ticket.release()
+        return await self._answer(service, results, encoding)
 
     async def _results(
         self, service: Service, req: OperatorRequest, size: int, receive: Receive,
