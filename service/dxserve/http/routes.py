@@ -261,9 +261,10 @@ class OperatorEndpoint:
         if service.settings.require_token_for_compute:
             service.authorize(bearer_token_of(scope["headers"]), "compute")
         limit, factor, binary_body = body_limit(service, content_type)
-        if int(declared) > limit:
+        size = int(declared)
+        if size > limit:
             raise body_too_large(declared, limit)
-        ticket = hold_declared(service, declared, limit, factor) if int(declared) > LARGE_BYTES else None
+        ticket = hold_declared(service, declared, limit, factor) if size > LARGE_BYTES else None
         try:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -272,7 +273,7 @@ class OperatorEndpoint:
             encoding = response_encoding(content_type, accept, body)
             req = await decode_body(body, content_type, length, self.op, binary_body)
             if ticket is not None:
-                ticket.hold(len(body))
+                ticket.hold(len(body))  # decoded: the inputs take about the body's size
             results = await self._results(service, req, len(body), receive, scope.get(LOOP))
         finally:
             if ticket is not None:
