@@ -1,13 +1,15 @@
-"""The operator lane (``http/lane.py``): small operator POSTs served by the protocol.
+"""The operator lane (``http/lane.py``): operator POSTs served by the protocol.
 
 * Differential, over real sockets: two servers alike but for ``DXSERVE_OPERATOR_LANE``
   answer the same raw requests (valid ones in every encoding, hostile ones, odd paths,
   HTTP/1.0, ``Connection: close``, a body past the limit) with the same status, the
   same headers and the same body bytes, and a gradient's value is the analytic one.
-* In process (uvicorn in a thread, the CLI's protocol): the lane takes small operator
-  POSTs and nothing else, answers pipelined requests in order, answers an unexpected
-  error 500 and closes, keeps the request record (metrics, request id, JSON log line),
-  and a body that trickles past the body timeout is 408.
+* In process (uvicorn in a thread, the CLI's protocol): the lane takes operator POSTs
+  and nothing else, answers pipelined requests in order, answers an unexpected error
+  500 and closes, keeps the request record (metrics, request id, JSON log line) and
+  uvicorn's access lines, gives back the in-flight budget a large body held (answered,
+  refused, or its client gone mid-body), and a body that trickles past the body
+  timeout is 408.
 """
 
 from __future__ import annotations
@@ -308,6 +310,52 @@ def test_the_lane_keeps_the_request_record(
     assert [(r.event, r.status) for r in lines] == [("request", 200), ("rejected", 400)]
     assert lines[0].request_id == "lane-record" and lines[0].function == "rosenbrock"
     assert lines[1].problem.endswith("malformed-request") and lines[1].detail
+
+
+def test_large_lane_bodies_give_back_what_they_held(tmp_path: Any) -> None:
+    """A body past ``routes.LARGE_BYTES`` is held in the in-flight budget while it is
+    decoded and computed: answered, refused or gone, the budget is whole again."""
+    settings = Settings(functions=["dxserve.examples"], store=str(tmp_path / "store"),
+                        compilation_cache="", warm_up=False)
+    app = create_app(settings)
+    budget = app.state.service.budget
+    options = connection_options(settings, logging.getLogger("test"))
+    big = np.linspace(-1.0, 1.0, 40_000)  # 320 KB in binary
+    bodies = {
+        name: _models.operator_call("gradient", name, JaxReverse(), big, None, (), None, "binary")
+        for name in ("rosenbrock", "no-such-function")
+    }
+    assert len(bodies["rosenbrock"].body) > routes.LARGE_BYTES
+    with uvicorn_in_thread(app, log_level="warning", **options) as url:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for name, status in (("rosenbrock", 200), ("no-such-function", 404)) * 2:
+                call = bodies[name]
+                r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
+                assert r.status_code == status, r.text
+                assert budget.used == 0
+        # a client gone halfway through its body: held from its head on, then given back
+        call = bodies["rosenbrock"]
+        data = request("/gradient", bytes(call.body), dict(call.headers))
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(data[: len(data) // 2])
+            assert _within(10, lambda: budget.used > 0)
+        assert _within(10, lambda: budget.used == 0)
+        with httpx.Client(base_url=url, timeout=30) as http:  # and it still serves
+            call = bodies["rosenbrock"]
+            r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
+            got = _models.operator_result("gradient", r.headers, r.content)
+            np.testing.assert_allclose(got, dxserve.gradient(rosenbrock, JaxReverse(), big),
+                                       rtol=1e-12)
+
+
+def _within(seconds: float, condition: Any) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 class _Kept(logging.Handler):
