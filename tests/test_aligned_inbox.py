@@ -95,7 +95,7 @@ def test_a_large_body_is_read_into_its_own_buffer_after_a_short_first_read(
     probe_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The event loop reads a request's head (and what follows it) at most
-    ``READ_BYTES`` at a time; the rest of a large body goes straight into the body's
+    ``HEAD_READ_BYTES`` at a time; the rest of a large body goes straight into the body's
     buffer. Small requests before and after it on the same connection are read whole."""
     reads: list[tuple[bool, int]] = []  # (into a body's buffer, bytes)
     original = connections._Reader.buffer_updated
@@ -127,7 +127,7 @@ def test_a_large_body_is_read_into_its_own_buffer_after_a_short_first_read(
     # reading pauses once the head is in: one read (the head and what came with it)
     # before the application takes the body, the rest straight into the body's buffer
     first, *rest = large
-    assert not first[0] and first[1] <= connections.READ_BYTES
+    assert not first[0] and first[1] <= connections.HEAD_READ_BYTES
     assert rest and all(into_body for into_body, _ in rest)
     assert first[1] + sum(n for _, n in rest) > len(body)  # and the head
 

@@ -15,8 +15,9 @@ uvicorn's httptools protocol with those bounds:
 * past ``max_connections`` open connections, a new one is answered 503 and closed at once.
 
 The event loop reads each connection through a ``_Reader`` in front of the protocol,
-at most 64 KiB at a time (uvloop's own reads take 256 KiB): the head of a large request
-is parsed, and its application started, while the body is still arriving. A request
+at most 16 KiB at a time until a request's head is in and 64 KiB after (uvloop's own
+reads take 256 KiB): the head of a large request is parsed, and its application
+started, while the body is still arriving. A request
 whose ``Content-Length`` is at least ``inbox_min_bytes`` (and at most
 ``max_body_bytes``) is received into one buffer of exactly that size: when the
 application first asks for the body (after its limits and in-flight budget accepted
@@ -98,8 +99,11 @@ class ConnectionLimits:
 
 
 #: the most one read takes outside a large body: 64 KiB, as much as uvicorn holds of
-#: a body before it stops reading, so smaller bodies still come in one read
+#: a body before it stops reading, so smaller bodies still come in one read ...
 READ_BYTES = 64 * 1024
+#: ... once the head is in; until then 16 KiB (a small request whole): what a large
+#: body's first read brings along goes through the parser and is copied three times
+HEAD_READ_BYTES = 16 * 1024
 _READS = threading.local()
 
 
@@ -609,11 +613,12 @@ def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
 class _Reader(asyncio.BufferedProtocol):
     """What the event loop reads one connection into, in front of its HTTP protocol.
 
-    * A request's head (and a small body) is read at most ``READ_BYTES`` at a time into
-      the thread's read buffer and handed on to the protocol's ``data_received`` as one
-      ``bytes`` per read, as the event loop would (uvloop reads 256 KiB at a time). A
-      large body's first read then holds little more than its head, so the application
-      starts, and takes the body, while the rest is still arriving.
+    * A request's head (and a small body) is read into the thread's read buffer, at
+      most ``HEAD_READ_BYTES`` at a time until the head is in and ``READ_BYTES`` after,
+      and handed on to the protocol's ``data_received`` as one ``bytes`` per read, as
+      the event loop would (uvloop reads 256 KiB at a time). A large body's first read
+      then holds little more than its head, so the application starts, and takes the
+      body, while the rest is still arriving.
     * While a large body arrives (``receive_into``), the event loop reads into the
       body's own buffer itself, instead of into its own buffer, then a ``bytes`` per
       read, then the parser's ``bytes`` per body chunk, then the buffer (three copies
@@ -627,6 +632,7 @@ class _Reader(asyncio.BufferedProtocol):
     def __init__(self, protocol: Any) -> None:
         self.protocol = protocol
         self.reads = _read_buffer()  # made in the event loop's thread, as it is used
+        self.head_reads = self.reads[:HEAD_READ_BYTES]
         self.view: memoryview | None = None  # the body being received, if any
         self.got = 0
 
@@ -637,7 +643,9 @@ class _Reader(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         view = self.view
-        return self.reads if view is None else view[self.got :]
+        if view is not None:
+            return view[self.got :]
+        return self.head_reads if self.protocol._phase in (_HEAD, _IDLE) else self.reads
 
     def buffer_updated(self, nbytes: int) -> None:
         protocol = self.protocol
