@@ -32,14 +32,12 @@ from _common import (
     median,
     ms,
 )
-from latency import SMALL_TARGET, Echo
+from latency import ENCODINGS, SMALL_TARGET, Echo
 
 import dxserve
 from dxclient import Client, _models
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
-
-ENCODINGS = ("binary", "b64", "json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,18 +17,17 @@ uvicorn's httptools protocol with those bounds:
 The event loop reads each connection through a ``_Reader`` in front of the protocol,
 at most 16 KiB at a time until a request's head is in and 64 KiB after (uvloop's own
 reads take 256 KiB): the head of a large request is parsed, and its application
-started, while the body is still arriving. A request
-whose ``Content-Length`` is at least ``inbox_min_bytes`` (and at most
-``max_body_bytes``) is received into one buffer of exactly that size: when the
-application first asks for the body (after its limits and in-flight budget accepted
-the declared length: nothing is allocated for a body it refuses unread), the buffer is
-allocated, what uvicorn holds already is copied in, and the event loop reads the rest
-of the body straight into it; reading is no longer paused every 64 KiB to hand the
-application a chunk (uvicorn's flow control), and the application gets the whole body
-as one message when the last byte is in. The buffer is a new ``bytearray``
-per request (for a binary body, a 64-byte aligned memoryview of one, so its arrays can
-be used by the device as they are), owned by that request alone: arrays decoded from it
-as views can never see the bytes of a later request. Larger declared lengths are left
+started, while the body is still arriving. A request whose ``Content-Length`` is at
+least ``inbox_min_bytes`` (and at most ``max_body_bytes``) is received into one buffer
+of exactly that size: when the application first asks for the body (after its limits
+and in-flight budget accepted the declared length: nothing is allocated for a body it
+refuses unread), the buffer is allocated, what uvicorn holds already is copied in, and
+the event loop reads the rest of the body straight into it; reading is no longer
+paused every 64 KiB to hand the application a chunk (uvicorn's flow control), and the
+application gets the whole body as one message when the last byte is in. The buffer is
+new per request (for a binary body, 64-byte aligned, so its arrays can be used by the
+device as they are), owned by that request alone: arrays decoded from it as views can
+never see the bytes of a later request. Larger declared lengths are left
 to the application, which refuses them (413) before reading.
 
 A POST to an operator path is served by the app's operator lane (see ``lane``)
@@ -607,7 +606,6 @@ def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
         elif name == b"x-forwarded-for" or name == b"x-forwarded-proto":
             forwarded = True
     return length, forwarded
-
 
 
 class _Reader(asyncio.BufferedProtocol):
