@@ -28,10 +28,11 @@ import numpy as np
 from _common import Tee, interleaved, machine_line, markdown_table, median, ms
 
 from dxclient import AsyncClient, _models, codec
+from dxclient.encodings.negotiation import response_encoding
 from dxclient.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.http import create_app
-from dxserve.http.wire import decode_operator_request, response_encoding
+from dxserve.pipeline.wire import decode_operator_request
 from dxserve.preparation import PrepCache, call, lookup
 from dxserve.service import results_of as result_payload
 from dxserve.settings import Settings

@@ -47,7 +47,7 @@ from latency import RawFloor, request_head, response_size
 from dxclient import Client, _models, codec
 from dxclient.operators import OPERATORS
 from dxserve import JaxReverse
-from dxserve.http.wire import decode_operator_request
+from dxserve.pipeline.wire import decode_operator_request
 
 ENCODINGS = ("binary", "b64", "json")
 STEPS = [

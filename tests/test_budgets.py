@@ -26,7 +26,8 @@ import pytest
 
 from dxclient.errors import BudgetExceededError, OverloadedError
 from dxserve import executable_cache, preparation
-from dxserve.budget import ComputeLimits, InFlight, Ticket, estimate
+from dxserve.admission import SMALL_BYTES, Budget
+from dxserve.budget import ComputeLimits, estimate
 
 #: n⁴ intermediates that XLA cannot simplify away (a plain sum of the outer products
 #: fuses into one loop with no intermediate, so it is cheap and allowed).
@@ -158,25 +159,43 @@ def test_estimate_counts_loops_and_reads_persisted_executables(tmp_path: Path) -
 
 
 def test_in_flight_budget_admits_within_limit_and_one_oversized() -> None:
-    budget = InFlight(limit=100, large_result_bytes=10, max_large_results=1)
-    a, b = Ticket(budget), Ticket(budget)
-    a.hold(80)
+    unit = SMALL_BYTES + 1  # smaller bodies and results are not counted
+    budget = Budget(limit=10 * unit, large_result_bytes=3 * unit, max_large_results=1)
+    a, b = budget.ticket(), budget.ticket()
+    a.hold_body(8 * unit)
     with pytest.raises(OverloadedError) as caught:
-        b.hold(30)
-    assert caught.value.extra["retry_after"] >= 1
-    a.hold(10)  # shrinks
-    b.hold(30)
+        b.hold_body(3 * unit)
+    assert caught.value.extra["retry_after"] >= 1 and b.held == 0
+    a.hold_body(unit)  # shrinks
+    b.hold_body(3 * unit)
     a.release()
     b.release()
+    b.release()  # again: nothing happens
     assert budget.used == 0
-    a.hold(500)  # alone, an oversized request still runs
+    a.hold_body(50 * unit)  # alone, an oversized request still runs
     a.release()
-    budget.take_large(20)
-    with pytest.raises(OverloadedError):
-        budget.take_large(20)
-    budget.give_large()
-    budget.take_large(20)
-    budget.give_large()
+    small = budget.ticket()
+    small.hold_body(SMALL_BYTES)
+    assert small.held == 0 and budget.used == 0
+
+
+def test_results_are_reserved_before_they_run_and_held_until_released() -> None:
+    unit = SMALL_BYTES + 1
+    budget = Budget(limit=100 * unit, large_result_bytes=10 * unit, max_large_results=1)
+    with budget.ticket(encode_factor=3.0) as a:  # JSON: the result, and 3x it in text
+        a.reserve_result(12 * unit)
+        assert budget.used == 48 * unit and budget.large == 1
+        b = budget.ticket()
+        with pytest.raises(OverloadedError):  # the one large-result slot is taken
+            b.reserve_result(12 * unit)
+        assert b.held == 0 and budget.used == 48 * unit
+        a.computed()  # the slot is free again; the bytes stay until the answer is written
+        assert budget.large == 0 and budget.used == 48 * unit
+        b.reserve_result(12 * unit)
+        with pytest.raises(OverloadedError):  # the budget is full: refused before running
+            budget.ticket().reserve_result(50 * unit)
+        b.release()
+    assert budget.used == 0 and budget.large == 0
 
 
 # --- in total: bytes in flight and large results ---------------------------------

@@ -1,7 +1,7 @@
 """The fast paths give the same arrays, byte for byte, as httpx's own transport.
 
 ``dxclient.transport`` (the clients' default transport) and the server's one-buffer
-receive (``http.connections``) are checked against the general path (plain httpx
+receive (``pipeline.BodyBuffer``) are checked against the general path (plain httpx
 transports, chunked bodies uvicorn hands over 64 KiB at a time), over real sockets:
 
 * every dtype the codec allows, 0-d, empty, non-contiguous and big-endian arrays,

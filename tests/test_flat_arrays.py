@@ -246,7 +246,7 @@ def test_json_gradients_over_http_are_those_of_the_binary_encoding(server) -> No
 def test_both_ends_lift_the_arrays_they_read(server, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server lifts a request's x; the client an answer's results (not batches)."""
     from dxclient.operators import OPERATORS
-    from dxserve.http import wire
+    from dxserve.pipeline import wire
 
     lifted: list[tuple[str, ...]] = []
     lift = flat_arrays.lift

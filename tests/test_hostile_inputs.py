@@ -276,10 +276,10 @@ def test_device_out_of_memory_outside_prep_run_is_503(in_process, monkeypatch, m
 
 
 def test_out_of_memory_anywhere_in_the_http_layer_is_503(in_process, monkeypatch):
-    import dxserve.http.routes
+    from dxserve.pipeline import OperatorCall
 
     client = in_process()
-    monkeypatch.setattr(dxserve.http.routes, "encode", _oom)
+    monkeypatch.setattr(OperatorCall, "encode", _oom)
     r = client.post("/gradient", json={"function": "rosenbrock", "x": GOOD_X})
     expect_problem(r, (503,))
     assert "retry-after" in r.headers
@@ -287,7 +287,7 @@ def test_out_of_memory_anywhere_in_the_http_layer_is_503(in_process, monkeypatch
     def host_oom(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError()
 
-    monkeypatch.setattr(dxserve.http.routes, "encode", host_oom)
+    monkeypatch.setattr(OperatorCall, "encode", host_oom)
     expect_problem(client.post("/gradient", json={"function": "rosenbrock", "x": GOOD_X}), (503,))
 
 

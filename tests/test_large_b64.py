@@ -254,17 +254,17 @@ def test_large_b64_over_http_from_any_sender(server) -> None:
 
 
 def test_the_server_decodes_base64_bodies_on_the_event_loop_only_when_quick() -> None:
-    from dxserve.http import routes
+    from dxserve.pipeline import operators as routes
 
     x = np.random.default_rng(4).standard_normal(100_000)
     b64_body, _, _ = codec.encode_body({"x": x}, "b64")
     lists_body, _, _ = codec.encode_body({"x": x}, "json")
     mixed = json.dumps({"x": _typed(x), "c": x.tolist()}).encode()
-    assert routes._decodes_quickly(b64_body, False, None)
-    assert not routes._decodes_quickly(lists_body, False, None)
-    assert not routes._decodes_quickly(mixed, False, None)  # most of it is JSON to parse
+    assert routes.decodes_quickly(b64_body, False, None)
+    assert not routes.decodes_quickly(lists_body, False, None)
+    assert not routes.decodes_quickly(mixed, False, None)  # most of it is JSON to parse
     huge = b'{"x": {"__ndarray__": "' + b"A" * (routes.B64_INLINE_BYTES + 4) + b'"}}'
-    assert not routes._decodes_quickly(huge, False, None)
+    assert not routes.decodes_quickly(huge, False, None)
 
 
 # --- fuzzed bodies ---------------------------------------------------------------------

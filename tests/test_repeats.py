@@ -18,8 +18,8 @@ from dxclient.encodings import binary
 from dxclient.errors import MalformedRequestError
 from dxclient.lru import LRU
 from dxclient.operators import OPERATORS
-from dxserve.http import wire
 from dxserve.http.metrics import _RequestCollector
+from dxserve.pipeline import wire
 from dxserve.preparation import Signature
 
 

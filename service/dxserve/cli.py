@@ -200,26 +200,26 @@ def setting_problem(exc: ValidationError, flags: dict[str, Any]) -> str:
 
 def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any]:
     """uvicorn's options that bound connections, from ``settings``: its own where it has
-    them, and the httptools protocol of ``http.connections`` for read timeouts, the
-    header size and a hard connection cap (which uvicorn lacks)."""
-    from .http.connections import ConnectionLimits, bounded_protocol
+    them, and the protocol of ``http.protocol`` (through uvicorn's ``http=`` option) for
+    read and write timeouts, the header size and a hard connection cap."""
+    from .http.protocol import UNPROTECTED, ConnectionLimits, bounded_protocol
 
     _raise_open_files(settings.max_connections + 256, log)
     limits = ConnectionLimits(
         settings.header_timeout, settings.body_timeout, settings.max_header_bytes,
-        settings.max_connections, max_body_bytes=settings.max_body_bytes,
+        settings.max_connections, settings.write_timeout,
     )
-    protocol = bounded_protocol(limits)
-    if protocol is None:  # pragma: no cover - uvicorn[standard] brings httptools
-        log.warning("httptools is missing: no header or body read timeouts (use a proxy)")
-    log.info(
-        "connections: headers within %g s, bodies within %g s, at most %d header bytes, "
-        "%d open, idle keep-alive %d s",
-        limits.header_timeout, limits.body_timeout, limits.max_header_bytes,
-        limits.max_connections, settings.keep_alive_timeout,
-    )
+    protocol = bounded_protocol(limits) if settings.http == "httptools" else None
+    if protocol is None:
+        why = "DXSERVE_HTTP=h11" if settings.http == "h11" else (
+            "httptools is missing or this uvicorn is not one http/protocol.py supports"
+        )
+        log.warning("connections: %s: %s", why, UNPROTECTED)
+    else:
+        log.info("connections: %s, idle keep-alive %d s",
+                 limits.describe(), settings.keep_alive_timeout)
     return {
-        "http": protocol or "auto",
+        "http": protocol or ("h11" if settings.http == "h11" else "auto"),
         "limit_concurrency": settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_timeout,
         "h11_max_incomplete_event_size": settings.max_header_bytes,

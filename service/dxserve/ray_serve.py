@@ -74,13 +74,31 @@ def _deployment_class() -> Any:
 
         # --- the DeploymentHandle entry points -------------------------------------
         async def call(self, operator: str, function: str, backend: Any, x: Any,
-                       tangents: Any = None, contexts: Any = (), **options: Any) -> dict:
-            """``Service.call``: ``{result name: numpy array}``."""
-            import numpy as np
+                       tangents: Any = None, contexts: Any = (), *, token: str | None = None,
+                       **options: Any) -> dict:
+            """``Service.call`` through the request layer, as an HTTP request goes
+            (validation, budgets, progress and cancellation): ``{result name: array}``.
+            ``options``: the request's other fields (``prep``, ``batch_axis``)."""
+            from dxclient.codec import JSON_TYPE
+            from dxclient.errors import InvalidArgumentError
+            from dxclient.operators import OPERATORS
 
-            x = np.asarray(x) if isinstance(x, list) else x
-            return await self.service.call(operator, function, backend, x, tangents, contexts,
-                                           **options)
+            from .jobs import Job
+            from .pipeline import OperatorCall, RequestHead
+
+            op = OPERATORS.get(operator)
+            if op is None:
+                raise InvalidArgumentError(
+                    f"no operator {operator!r}; operators: {', '.join(OPERATORS)}",
+                    field="operator",
+                )
+            message = {"function": function, "backend": backend, "x": x,
+                       "contexts": list(contexts), **options}
+            if tangents is not None:
+                message["tangents"] = list(tangents)
+            call = OperatorCall(self.service, op, RequestHead(JSON_TYPE, token=token))
+            with call.ticket:
+                return await call.run(call.parse(message), Job())
 
         async def register(self, body: dict) -> tuple[dict, bool]:
             """``POST /functions``'s body; ``(description, created)``."""

@@ -13,6 +13,7 @@ front door (a Ray Serve replica, a test) drives the same object.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -24,7 +25,6 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from starlette.concurrency import run_in_threadpool
 
 from dxclient.backends import Backend
 from dxclient.errors import ForbiddenError, UnauthorizedError, UnknownPreparationError
@@ -33,9 +33,10 @@ from dxclient.operators import OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
 
 from . import export_gate, observe
+from .admission import Budget, Ticket
 from .backends import backend_table
 from .backends.sparse import BCOO, configure_detection, sparse_wire
-from .budget import ComputeLimits, InFlight
+from .budget import ComputeLimits
 from .jobs import Job, JobCancelled
 from .precision import float64_scope
 from .preparation import Lookup, Prep, PrepCache, lookup, out_of_memory, prepare
@@ -125,7 +126,7 @@ class Service:
         self.cancelled: dict[str, int] = {}
         self._cancel_lock = threading.Lock()
         #: bytes in flight and large results being computed, across all requests
-        self.budget = InFlight(
+        self.budget = Budget(
             settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
         )
 
@@ -202,6 +203,7 @@ class Service:
         batch_axis: int | None = None,
         job: Job | None = None,
         timeout: float | None = None,
+        ticket: Ticket | None = None,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
@@ -214,6 +216,10 @@ class Service:
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
         cancelled at its deadline, or when this coroutine is cancelled.
+        ``ticket``: the request's share of the in-flight budget (``admission``); the
+        result is reserved in it before the computation runs (503 when the budget is
+        full) and stays held until the caller releases the ticket, once the answer is
+        written. Without one, the call holds its own until it returns.
         """
         op = OPERATORS[operator]
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
@@ -226,36 +232,32 @@ class Service:
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
         key = (entry.name, op.name, hint, prep, batch_axis)
-        budget = self.budget
+        own_ticket = ticket is None
+        ticket = self.budget.ticket() if ticket is None else ticket
         try:
-            if found.prep is not None and found.prep.result_bytes >= budget.large_result_bytes:
-                budget.take_large(found.prep.result_bytes)  # before queueing: 503 if all taken
-                try:
-                    results = await self._call(
-                        op, found, key, limit_large=False, info=info, job=job, timeout=timeout
-                    )
-                finally:
-                    budget.give_large()
-            else:
-                results = await self._call(
-                    op, found, key, limit_large=True, info=info, job=job, timeout=timeout
-                )
+            if found.prep is not None:  # before queueing: 503 while the budget is full
+                ticket.reserve_result(found.prep.result_bytes)
+            results = await self._call(op, found, key, ticket, info=info, job=job, timeout=timeout)
         except BaseException:  # a deadline, or the caller gone: stop at the next chunk
             if job is not None:
                 job.cancel()
             raise
+        finally:
+            ticket.computed()
+            if own_ticket:
+                ticket.release()
         if info is not None:
             info.call_end = time.perf_counter()
         return results
 
     async def _call(
-        self, op: OperatorSpec, found: Lookup, key: Hashable, limit_large: bool,
+        self, op: OperatorSpec, found: Lookup, key: Hashable, ticket: Ticket,
         info: observe.RequestInfo | None = None, job: Job | None = None,
         timeout: float | None = None,
     ) -> dict:
-        """Run a looked-up call; ``limit_large``: take a large-result slot if the prep
-        made for it (on a first call) turns out to return a large result. ``info``: the
-        request's record, given the computation's own time (merged batches: not apart)."""
+        """Run a looked-up call. ``ticket``: where a first call reserves its result once
+        its prep is made. ``info``: the request's record, given the computation's own
+        time (merged batches: not apart)."""
         if (
             found.prep is not None and self.workers.batching
             and (job is None or not job.streams) and not found.prep.chunked(op.name)
@@ -272,7 +274,7 @@ class Service:
             return await self.workers.run_grouped(
                 (ready, op.name), found.inputs, run_group, key, holds
             )
-        limit, limits, budget = self.settings.max_result_elements, self.limits, self.budget
+        limit, limits = self.settings.max_result_elements, self.limits
 
         def compute() -> dict:
             start = time.perf_counter()
@@ -280,14 +282,8 @@ class Service:
                 if job is not None:
                     job.check()  # cancelled while it waited: the worker moves on
                 ready = found.prep or found.prepare(self.cache, limit, limits)  # first: compile
-                if not (limit_large and budget.is_large(ready.result_bytes)):
-                    results = results_of(op, ready.run(op.name, *found.inputs, job))
-                else:
-                    budget.take_large(ready.result_bytes)
-                    try:
-                        results = results_of(op, ready.run(op.name, *found.inputs, job))
-                    finally:
-                        budget.give_large()
+                ticket.reserve_result(ready.result_bytes)
+                results = results_of(op, ready.run(op.name, *found.inputs, job))
             except JobCancelled:
                 with self._cancel_lock:
                     self.cancelled[op.name] = self.cancelled.get(op.name, 0) + 1
@@ -343,7 +339,7 @@ class Service:
             with float64_scope():  # as at registration: exports may carry float64 signatures
                 return self.registry.get(function)
 
-        return await run_in_threadpool(load)
+        return await asyncio.to_thread(load)
 
     # --- functions ----------------------------------------------------------------------
     async def register(self, body: dict) -> tuple[dict[str, Any], bool]:
@@ -353,7 +349,7 @@ class Service:
             with float64_scope():
                 return self.registry.register_body(body)
 
-        entry, created = await run_in_threadpool(register_it)
+        entry, created = await asyncio.to_thread(register_it)
         described = entry.describe()
         _log.info(
             "registered %s (%s)%s", entry.name, described.get("kind"), "" if created else ", unchanged",
@@ -364,7 +360,7 @@ class Service:
 
     async def delete(self, name: str) -> str:
         """Remove a registered (not server-side) function; returns its name."""
-        entry = await run_in_threadpool(self.registry.delete, name)
+        entry = await asyncio.to_thread(self.registry.delete, name)
         return entry.name
 
     def function(self, name: Any, field: str = "name") -> dict[str, Any]:

@@ -130,19 +130,21 @@ class Settings(BaseSettings):
     #: 0.005; 0.0002 keeps /health p99 near 3 ms even beside a pure-Python computation,
     #: but costs ~20% of peak throughput (32 concurrent small gradients).
     switch_interval: float = Field(default=0.001, gt=0, le=0.1)
-    #: Connections (see ``http/connections.py``): seconds a request's headers may take to
+    #: The HTTP protocol: "httptools" (uvicorn's, with the bounds below: see
+    #: ``http/protocol.py``) or "h11" (uvicorn's h11 protocol: only uvicorn's own limits).
+    http: Literal["httptools", "h11"] = "httptools"
+    #: Connections (see ``http/protocol.py``): seconds a request's headers may take to
     #: arrive (from the connection opening or the request's first byte), seconds its body
     #: may take once the headers are in (408 and closed past either), most header bytes
-    #: (431), most open connections (503 and closed past it), seconds an idle keep-alive
+    #: (request line and header lines: 431), most open connections (503 and closed past
+    #: it), seconds a client may take nothing of an answer while more waits to be sent
+    #: (then it is disconnected and the answer's memory freed), seconds an idle keep-alive
     #: connection stays open, and the listen backlog.
     header_timeout: float = Field(default=10.0, gt=0)
-    #: Serve operator POSTs from the HTTP protocol itself (``http/lane.py``): the same
-    #: endpoint, answers, headers, metrics and logs, without the ASGI cycle and the
-    #: middleware around it. false sends every request through the ASGI app.
-    operator_lane: bool = True
     body_timeout: float = Field(default=120.0, gt=0)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_connections: int = Field(default=4096, ge=1)
+    write_timeout: float = Field(default=60.0, gt=0)
     keep_alive_timeout: int = Field(default=5, ge=1)
     backlog: int = Field(default=2048, ge=1)
     log_level: str = "info"

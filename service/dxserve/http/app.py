@@ -1,33 +1,40 @@
-"""The FastAPI app: a thin adapter over ``Service``.
+"""The FastAPI app: a thin adapter over ``Service``, through the request layer.
 
-decode -> ``Service`` (resolve function and backend -> prepared executable (cached)
--> device worker) -> encode. The endpoints are in ``routes``; this module builds the
-app: routes, problem handlers, middleware and the OpenAPI document.
+Routes: each operator is a plain ASGI endpoint (``operators``) on its own path, first
+in the route table so the router tries them before anything else; then the registry,
+the service's own routes and the API documents. Errors are answered by the app's
+exception handlers (``problems``), and every request passes one middleware
+(``records``: request id, timing, metrics, log line). The OpenAPI document describes
+the operator endpoints through ``APIRoute`` descriptions of the same paths.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import (
+    get_redoc_html,
+    get_swagger_ui_html,
+    get_swagger_ui_oauth2_redirect_html,
+)
 from fastapi.openapi.utils import get_openapi
-from starlette.concurrency import run_in_threadpool
-from starlette.middleware.errors import ServerErrorMiddleware
-from starlette.responses import Response
+from fastapi.routing import APIRoute
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from dxclient import codec
-from dxclient.operators import OPERATORS
+from dxclient.operators import OPERATORS, OperatorSpec
 
 from .. import __version__
 from ..service import Service
 from ..settings import Settings
 from . import problems, routes, schemas
-from .dispatch import OperatorApp, OperatorRoute
-from .lane import OperatorLane
 from .metrics import Metrics
-from .records import RequestRecord
+from .operators import OperatorEndpoint, PrepareEndpoint
+from .records import RequestRecords
 
 _PROBLEMS = {
     400: "Malformed body", 401: "Missing or invalid bearer token (DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE)",
@@ -35,6 +42,9 @@ _PROBLEMS = {
     413: "Body too large", 415: "Unsupported media type", 422: "Semantically invalid",
     503: "Overloaded (Retry-After)", 504: "Timed out",
 }
+OPENAPI_URL, DOCS_URL, REDOC_URL = "/openapi.json", "/docs", "/redoc"
+TITLE = "dxserve"
+SUMMARY = "Differentiation as a service: DifferentiationInterface-style derivatives over JAX"
 
 
 def create_app(settings: Settings | None = None, *, service: Service | None = None) -> FastAPI:
@@ -48,38 +58,29 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if service.settings.warm_up:  # the first thread hand-off costs ~20-100 ms (anyio's set-up)
-            await run_in_threadpool(int)
+        if service.settings.warm_up:  # the first thread hand-off costs ~20-100 ms
+            await asyncio.to_thread(int)
         yield
         service.close()
 
-    app = OperatorApp(
-        title="dxserve",
-        version=__version__,
-        summary="Differentiation as a service: DifferentiationInterface-style derivatives over JAX",
-        lifespan=lifespan,
+    # The documents are routes of our own, after the operators (see the module).
+    app = FastAPI(
+        title=TITLE, version=__version__, summary=SUMMARY, lifespan=lifespan,
+        openapi_url=None, docs_url=None, redoc_url=None,
     )
     app.state.service = service
     app.state.metrics = metrics
     problems.install(app)
+    app.add_middleware(
+        RequestRecords, metrics=metrics, log_requests=service.settings.log_format == "json"
+    )
+    for name, op in OPERATORS.items():
+        app.router.add_route(f"/{name}", OperatorEndpoint(service, op), methods=["POST"])
+    for name, op in OPERATORS.items():
+        app.router.add_route(f"/prepare/{name}", PrepareEndpoint(service, op), methods=["POST"])
     _add_routes(app)
-    # Outermost, around Starlette's ServerErrorMiddleware too, so that an unexpected
-    # error's 500 is counted, timed and given its request id like any answer.
-    build_stack = app.build_middleware_stack
-    log_requests = service.settings.log_format == "json"
-
-    def build_middleware_stack() -> Any:
-        return _MetricsMiddleware(build_stack(), metrics, app, log_requests)
-
-    def operator_stack(endpoints: Any) -> Any:
-        errors = app.exception_handlers.get(500) or app.exception_handlers.get(Exception)
-        inner = ServerErrorMiddleware(endpoints, handler=errors, debug=app.debug)
-        return _MetricsMiddleware(inner, metrics, app, log_requests)
-
-    app.build_middleware_stack = build_middleware_stack  # type: ignore[method-assign]
-    app.operator_stack = operator_stack
-    if service.settings.operator_lane:
-        app.lane_factory = lambda: OperatorLane(app, metrics, log_requests)
+    _add_documents(app)
+    # FastAPI's documented way to shape the OpenAPI document
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -96,10 +97,11 @@ _EVENT_STREAM = {"text/event-stream": {"schema": {
 }}}
 
 
-def _add_routes(app: FastAPI) -> None:
-    problem_responses = {
-        status: {"model": schemas.Problem, "description": desc} for status, desc in _PROBLEMS.items()
-    }
+def _operator_docs() -> list[APIRoute]:
+    """``APIRoute`` descriptions of the operator endpoints, for the OpenAPI document
+    only (they are served by ``operators``)."""
+    problem_responses = _problem_responses()
+    docs = []
     for name, op in OPERATORS.items():
         body = {
             "requestBody": {
@@ -112,21 +114,51 @@ def _add_routes(app: FastAPI) -> None:
                 },
             }
         }
-        # app.router's add_api_route: FastAPI.add_api_route has no route_class_override.
-        app.router.add_api_route(
-            f"/{name}", routes.OperatorEndpoint(op), methods=["POST"], tags=["operators"],
+        docs.append(APIRoute(
+            f"/{name}", _described(name, _operator_summary(op)), methods=["POST"],
+            tags=["operators"],
             responses={200: {"model": schemas.RESPONSES[op.name], "content": _EVENT_STREAM},
                        **problem_responses},
-            openapi_extra=body, summary=name,
-            route_class_override=OperatorRoute, operation_id=name,
-        )
-        app.router.add_api_route(
-            f"/prepare/{name}", routes.PrepareEndpoint(op), methods=["POST"],
-            tags=["preparation"],
+            openapi_extra=body, summary=name, operation_id=name,
+        ))
+        docs.append(APIRoute(
+            f"/prepare/{name}",
+            _described(f"prepare_{name}", f"Compile `{name}` once for this signature; returns a handle."),
+            methods=["POST"], tags=["preparation"],
             responses={200: {"model": schemas.PrepareResponse}, **problem_responses},
-            openapi_extra=body, summary=f"prepare_{name}",
-            route_class_override=OperatorRoute, operation_id=f"prepare_{name}",
-        )
+            openapi_extra=body, summary=f"prepare_{name}", operation_id=f"prepare_{name}",
+        ))
+    return docs
+
+
+def _operator_summary(op: OperatorSpec) -> str:
+    takes = " and `tangents` (a list)" if op.takes_tangents else ""
+    return (
+        f"`{op.name}` of a registered function at `x`{takes}. "
+        f"Returns {', '.join(f'`{r}`' for r in op.results)}. Arrays may be JSON lists, "
+        "typed base64 objects, or the binary framing (`application/vnd.dxserve.binary`)."
+    )
+
+
+def _described(name: str, doc: str) -> Any:
+    """An endpoint that only describes (its name and docstring feed the document)."""
+
+    async def endpoint(request: Request) -> Response:  # never routed to
+        raise NotImplementedError
+
+    endpoint.__name__ = name
+    endpoint.__doc__ = doc
+    return endpoint
+
+
+def _problem_responses() -> dict:
+    return {
+        status: {"model": schemas.Problem, "description": desc} for status, desc in _PROBLEMS.items()
+    }
+
+
+def _add_routes(app: FastAPI) -> None:
+    problem_responses = _problem_responses()
     # Explicit operationIds: generated clients name their methods after them.
     app.get(
         "/functions", response_model=schemas.FunctionList, tags=["functions"],
@@ -190,10 +222,38 @@ def _document_security(spec: dict) -> None:
                 operation["security"] = [{BEARER: []}, {}]
 
 
+def _add_documents(app: FastAPI) -> None:
+    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, as FastAPI serves them."""
+
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=OPENAPI_URL, title=f"{TITLE} - Swagger UI",
+            oauth2_redirect_url=f"{DOCS_URL}/oauth2-redirect",
+        )
+
+    async def swagger_ui_redirect(request: Request) -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{TITLE} - ReDoc")
+
+    for path, endpoint in (
+        (OPENAPI_URL, openapi), (DOCS_URL, swagger_ui),
+        (f"{DOCS_URL}/oauth2-redirect", swagger_ui_redirect), (REDOC_URL, redoc),
+    ):
+        app.router.add_route(path, endpoint, methods=["GET", "HEAD"], include_in_schema=False)
+
+
 def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema:
         return app.openapi_schema
-    spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    spec = get_openapi(
+        title=app.title, version=app.version, summary=app.summary,
+        routes=[*_operator_docs(), *app.routes],
+    )
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     models = [*schemas.REQUESTS.values(), schemas.RegisterFunction]
     for model in models:
@@ -233,58 +293,3 @@ def _document_wire_media(spec: dict) -> None:
     for unused in ("HTTPValidationError", "ValidationError"):
         if f"#/components/schemas/{unused}" not in text:
             components.pop(unused, None)
-
-
-class _MetricsMiddleware:
-    """Pure ASGI: counts and times every HTTP request by route template, and gives
-    every answer an ``X-Request-ID`` (the request's own, else a new one) and a
-    ``Server-Timing`` (total, and decode/queue/compute/encode where the request made a
-    service call). With JSON logs on, one line per request (``event`` "rejected" for
-    4xx/5xx, with the problem's type and detail).
-
-    The operator hot path runs through here: the added work is a context variable,
-    a header scan and two header appends; logging only when JSON logs are on.
-    """
-
-    def __init__(self, app: Any, metrics: Metrics, api: FastAPI, log_requests: bool = False) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.api = api
-        self.log_requests = log_requests
-        self._known: frozenset[str] | None = None
-
-    def known_paths(self) -> frozenset[str]:
-        """Paths of routes without parameters (FastAPI's own /docs and /openapi.json
-        among them), counted under themselves when the route leaves no ``scope["route"]``."""
-        if self._known is None:
-            self._known = frozenset(
-                path for r in self.api.routes
-                if "{" not in (path := getattr(r, "path", "{"))
-            )
-        return self._known
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        record = RequestRecord(scope["headers"])
-        problem: list[bytes] = []
-
-        async def sending(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [
-                    *message.get("headers", ()), *record.answer_headers(message["status"])
-                ]
-            elif self.log_requests and record.status >= 400 and len(problem) < 4:
-                problem.append(message.get("body", b""))
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            route = scope.get("route")
-            if route is not None:
-                path = route.path
-            else:
-                path = scope["path"] if scope["path"] in self.known_paths() else "unmatched"
-            record.finish(scope, path, self.metrics, self.log_requests, b"".join(problem))

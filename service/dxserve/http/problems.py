@@ -118,7 +118,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DxError)
     async def _dx(request: Request, exc: DxError) -> Response:
-        return problem_response(exc, close=getattr(exc, "close", False))
+        return problem_response(exc, close=_closes(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -142,7 +142,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> Response:
         # The client went away (or its connection timed out) mid-body: nobody reads this.
-        return problem_response(MalformedRequestError("the client disconnected", field="body"))
+        return problem_response(
+            MalformedRequestError("the client disconnected", field="body"), close=True
+        )
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
@@ -167,5 +169,17 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
+        # Starlette answers this one outside the app's middleware: the request's record
+        # (``records``) gives the answer its request id and timing here.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem_response(InternalError(f"{type(exc).__name__}; the server logged it"))
+        response = problem_response(InternalError(f"{type(exc).__name__}; the server logged it"))
+        record = getattr(request.state, "record", None)
+        if record is not None:
+            for name, value in record.answer_headers(500):
+                response.headers[name.decode("latin-1")] = value.decode("latin-1")
+        return response
+
+
+def _closes(request: Request) -> bool:
+    """Was the request's body left unread (see ``operators.close_after_answer``)?"""
+    return getattr(request.state, "close_connection", False)

@@ -5,9 +5,8 @@ and decode/queue/compute/encode where the request made a service call) on the an
 a count and a duration in ``Metrics`` by route template; with JSON logs on, one line
 per request (``event`` "rejected" for 4xx/5xx, with the problem's type and detail).
 
-``RequestRecord`` holds one request's part of that. The ASGI middleware of ``app`` and
-the protocol's operator lane (``lane``) both use it, so an answer carries the same
-headers and leaves the same trace whichever way it was served.
+``RequestRecords`` is the ASGI middleware that does it for every request;
+``RequestRecord`` holds one request's part.
 """
 
 from __future__ import annotations
@@ -17,6 +16,11 @@ import logging
 import random
 import time
 from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dxclient.operators import OPERATORS
 
 from .. import observe
 from .metrics import Metrics
@@ -122,3 +126,62 @@ def log_request(
         "%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1e3,
         extra=fields,
     )
+
+
+#: Metrics labels of the operator routes, by path
+_OPERATOR_ROUTES = {
+    **{f"/{name}": f"/{name}" for name in OPERATORS},
+    **{f"/prepare/{name}": f"/prepare/{name}" for name in OPERATORS},
+}
+
+
+def route_label(scope: Scope) -> str:
+    """The route template a request is counted under: its route's path (``/functions/{name}``),
+    or "unmatched" for a path no route serves."""
+    route = scope.get("route")  # FastAPI's routes leave themselves in the scope
+    if route is not None:
+        return route.path
+    path = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    endpoint = scope.get("endpoint")
+    if endpoint is not None:  # a plain route: operators, and FastAPI's /docs and /openapi.json
+        return _OPERATOR_ROUTES.get(path) or path
+    return "unmatched"
+
+
+class RequestRecords:
+    """Pure ASGI middleware: every HTTP answer gets its ``X-Request-ID`` and
+    ``Server-Timing``, and every request is counted, timed and (with JSON logs on)
+    logged (see the module). The request's ``RequestRecord`` is on ``request.state.record``
+    for handlers that answer outside this middleware (the 500 handler)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = False) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(scope["headers"])
+        Request(scope).state.record = record
+        problem: list[bytes] = []
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [
+                    *message.get("headers", ()), *record.answer_headers(message["status"])
+                ]
+            elif self.log_requests and record.status >= 400 and len(problem) < 4:
+                problem.append(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            record.finish(
+                scope, route_label(scope), self.metrics, self.log_requests, b"".join(problem)
+            )

@@ -29,37 +29,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from dxclient import codec
 from dxclient.errors import DeadlineExceededError, DxError
-from dxclient.operators import OperatorSpec
 
-from ..jobs import Job, JobCancelled
-from ..service import Service
+from ..jobs import Job
+from ..pipeline import OperatorCall, OperatorRequest
+from ..pipeline.operators import PART_BYTES, split_parts
 from .problems import problem_document
-from .wire import OperatorRequest, results_to_wire
 
 log = logging.getLogger("dxserve.http")
 
 EVENT_STREAM = "text/event-stream"
 #: Seconds between progress repeats or keep-alive comments on a quiet stream.
 HEARTBEAT = 1.0
-#: Results above this many bytes are encoded off the event loop.
-_LARGE = 256 * 1024
-
-
-def wants_stream(scope: Scope) -> str | None:
-    """The request's ``Accept`` header if it asks for an event stream, else None."""
-    for name, value in scope["headers"]:
-        if name == b"accept":
-            if b"text/event-stream" in value:
-                return value.decode("latin-1")
-            return None
-    return None
 
 
 def event(name: str, data: bytes) -> bytes:
@@ -68,15 +53,11 @@ def event(name: str, data: bytes) -> bytes:
 
 
 class EventStream:
-    """An ASGI response: the progress of ``service.call(...)``, then its answer."""
+    """An ASGI response: the progress of ``call`` running ``req``, then its answer."""
 
-    def __init__(
-        self, service: Service, op: OperatorSpec, req: OperatorRequest, size: int, accept: str,
-        on_end: Any = None,
-    ) -> None:
-        self.service, self.op, self.req, self.size = service, op, req, size
+    def __init__(self, call: OperatorCall, req: OperatorRequest, accept: str) -> None:
+        self.call, self.req = call, req
         self.encoding = "b64" if "arrays=b64" in accept.lower() else "json"
-        self.on_end = on_end  # called once the computation is over (the body's ticket)
         self.status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -84,12 +65,10 @@ class EventStream:
         wake = asyncio.Event()
         job = Job(streams=True)
         job.listen(loop, wake.set)
-        req, service = self.req, self.service
-        task = loop.create_task(service.call(
-            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
-            req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
-            job=job, timeout=service.settings.stream_timeout,
-        ))
+        call = self.call
+        task = loop.create_task(
+            call.run(self.req, job, timeout=call.service.settings.stream_timeout)
+        )
         gone = loop.create_task(_disconnected(receive))
         task.add_done_callback(lambda _: wake.set())
         gone.add_done_callback(lambda _: wake.set())
@@ -125,42 +104,35 @@ class EventStream:
                     ))
                     last = now
             await _send_reports(send, job, sent)  # the last chunks', before the answer
-            await send(_body(await self._outcome(task)))
+            for part in split_parts([await self._outcome(task)], PART_BYTES):
+                await send(_body(part))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()
             if not task.done():
                 job.cancel()
                 task.cancel()
-            if self.on_end is not None:
-                self.on_end()
 
     async def _outcome(self, task: asyncio.Task) -> bytes:
         """The final ``result`` or ``error`` event of a finished computation."""
         try:
             results = task.result()
-        except JobCancelled:  # stopped at its deadline (the deadline's 504 came first)
-            results = None
-            error: DxError = DeadlineExceededError("the computation was cancelled")
         except DxError as exc:
-            results, error = None, exc
+            return event("error", codec.dumps(problem_document(exc)))
         except Exception as exc:  # noqa: BLE001 - the stream says so; the server goes on
-            log.exception("operator %s failed in a stream", self.op.name)
+            log.exception("operator %s failed in a stream", self.call.op.name)
             return event("error", codec.dumps({
                 "type": "about:blank", "title": "Internal Server Error", "status": 500,
                 "detail": f"{type(exc).__name__}: the computation failed unexpectedly",
             }))
-        if results is None:
+        if results is None:  # stopped at its deadline (the deadline's 504 came first)
+            error = DeadlineExceededError("the computation was cancelled")
             return event("error", codec.dumps(problem_document(error)))
-        payload = results_to_wire(results, self.op)
         try:
-            if sum(getattr(v, "nbytes", 0) for v in results.values()) > _LARGE:
-                body, _, _ = await run_in_threadpool(codec.encode_body, payload, self.encoding)
-            else:
-                body, _, _ = codec.encode_body(payload, self.encoding)
+            answer = await self.call.encode(results, self.encoding)
         except DxError as exc:
             return event("error", codec.dumps(problem_document(exc)))
-        return event("result", body)
+        return event("result", b"".join(answer.parts))
 
 
 def _progress(job: Job, done: int) -> bytes:

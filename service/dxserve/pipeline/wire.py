@@ -1,8 +1,9 @@
-"""From bytes to a validated operator request, and from results back to bytes.
+"""From a decoded body to a validated operator request, and from results to the wire.
 
 The codec (``dxclient.codec``, formats in ``dxclient.encodings``) owns the array
-formats and content negotiation (``response_encoding``, re-exported here); this module
-knows which request fields hold arrays.
+formats; this module knows which fields of an operator request hold arrays, and
+checks each field once (a request repeating the fields of an earlier one is not
+validated again).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import numpy as np
 from dxclient import codec
 from dxclient.backends import Backend, backend_from_json
 from dxclient.encodings.common import mark_sequences
-from dxclient.encodings.negotiation import response_encoding as response_encoding
 from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxclient.lru import LRU
 from dxclient.operators import OperatorSpec
@@ -182,24 +182,6 @@ def _all_binary(obj: dict) -> bool:
     return arrays_only(obj["x"]) and all(
         arrays_only(t) for key in ("tangents", "contexts") for t in obj.get(key) or ()
     )
-
-
-_WIRE_HEADERS = {
-    name: at for at, name in enumerate(
-        (b"content-type", b"accept", codec.HEADER_LENGTH.lower().encode(), b"content-length")
-    )
-}
-
-
-def wire_headers(scope: dict) -> list[str | None]:
-    """``[Content-Type, Accept, Dxserve-Header-Length, Content-Length]`` of an ASGI
-    request, the first of each (as Starlette's ``Headers.get`` gives), in one pass."""
-    found: list[str | None] = [None, None, None, None]
-    for name, value in scope["headers"]:
-        at = _WIRE_HEADERS.get(name)
-        if at is not None and found[at] is None:
-            found[at] = value.decode("latin-1")
-    return found
 
 
 def _array_list(value: Any, field: str) -> tuple:

@@ -1,9 +1,9 @@
-"""The operator hot path (``dxserve.http.routes``) answers exactly like the routed path.
+"""The HTTP routes: each operator a plain ASGI endpoint first in the route table, every
+request through the one middleware and the app's exception handlers.
 
-``OperatorApp`` sends ``POST /{operator}`` straight to the handler, inside the
-metrics and server-error middlewares and outside FastAPI's own stack; these tests pin
-what it must keep: problem documents for handled and unexpected errors, the metrics
-labels, the 405 of other methods, and the clients' cached operator URLs.
+Pinned here: problem documents for handled and unexpected errors (with the request's
+id), the metrics labels, the 405 of other methods and the 404 of unknown paths, and the
+clients' cached operator URLs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from dxclient import Client, JaxReverse
 from dxserve.http import create_app
-from dxserve.http.dispatch import OperatorApp, OperatorRoute
+from dxserve.http.operators import OperatorEndpoint, PrepareEndpoint
 from dxserve.settings import Settings
 
 PROBLEM = "application/problem+json"
@@ -46,26 +46,17 @@ def _count(text: str, route: str, status: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_operator_posts_skip_fastapis_stack(app: Any, http: TestClient) -> None:
-    assert isinstance(app, OperatorApp)
-    ops = [r for r in app.router.routes if isinstance(r, OperatorRoute)]
-    assert {"/gradient", "/prepare/gradient"} <= {r.path for r in ops}
-    seen: list[str] = []
-    stack = app.middleware_stack
+def test_operator_routes_come_first_and_are_plain_asgi_endpoints(
+    app: Any, http: TestClient
+) -> None:
+    from dxclient.operators import OPERATORS
 
-    async def counting(scope: Any, receive: Any, send: Any) -> None:
-        seen.append(f"{scope.get('method')} {scope.get('path')}")
-        await stack(scope, receive, send)
-
-    app.middleware_stack = counting
-    try:
-        ok = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
-        assert ok.status_code == 200 and ok.json()["gradient"] == [-400.0, 200.0]
-        assert "x-request-id" in ok.headers and "server-timing" in ok.headers
-        assert http.get("/health").status_code == 200
-    finally:
-        app.middleware_stack = stack
-    assert seen == ["GET /health"]  # the POST went by the operator stack alone
+    first = app.router.routes[: 2 * len(OPERATORS)]
+    assert [r.path for r in first[: len(OPERATORS)]] == [f"/{n}" for n in OPERATORS]
+    assert all(isinstance(r.endpoint, OperatorEndpoint | PrepareEndpoint) for r in first)
+    ok = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
+    assert ok.status_code == 200 and ok.json()["gradient"] == [-400.0, 200.0]
+    assert "x-request-id" in ok.headers and "server-timing" in ok.headers
 
 
 def test_answers_and_metrics(http: TestClient) -> None:
@@ -85,11 +76,17 @@ def test_answers_and_metrics(http: TestClient) -> None:
         assert _count(after, "/gradient", status) == _count(before, "/gradient", status) + 1
 
 
-def test_other_methods_still_route(http: TestClient) -> None:
+def test_other_methods_and_unknown_paths(http: TestClient) -> None:
     r = http.get("/gradient")
     assert r.status_code == 405
     assert r.headers["content-type"] == PROBLEM
     assert r.headers["allow"] == "POST"
+    assert "x-request-id" in r.headers
+    r = http.post("/jvp", json={})
+    assert r.status_code == 404 and r.headers["content-type"] == PROBLEM
+    assert r.json()["field"] == "path"
+    r = http.post("/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
 
 
 def test_unexpected_error_is_a_logged_500_problem(
@@ -104,16 +101,9 @@ def test_unexpected_error_is_a_logged_500_problem(
     assert r.status_code == 500
     assert r.headers["content-type"] == PROBLEM
     assert "RuntimeError" in r.json()["detail"]
+    assert "x-request-id" in r.headers and "server-timing" in r.headers
     after = http.get("/metrics").text
     assert _count(after, "/gradient", 500) == _count(before, "/gradient", 500) + 1
-
-
-def test_operator_route_needs_a_fixed_path() -> None:
-    async def endpoint(request: Any) -> Any:
-        raise AssertionError
-
-    with pytest.raises(ValueError, match="fixed path"):
-        OperatorRoute("/x/{name}", endpoint, methods=["POST"])
 
 
 def test_client_resolves_operator_urls_like_httpx(app: Any) -> None:
@@ -138,7 +128,7 @@ def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> No
     is validated every time, and a field of another type is never taken for one seen."""
     import json as _json
 
-    from dxserve.http import wire
+    from dxserve.pipeline import wire
 
     url = server.url + "/gradient"
     head = {"content-type": "application/json"}

@@ -1,15 +1,15 @@
-"""The operator lane (``http/lane.py``): operator POSTs served by the protocol.
+"""The server on both HTTP protocols: uvicorn's httptools one with dxserve's bounds
+(``http/protocol.py``, the default) and uvicorn's own h11 one (``DXSERVE_HTTP=h11``).
 
-* Differential, over real sockets: two servers alike but for ``DXSERVE_OPERATOR_LANE``
-  answer the same raw requests (valid ones in every encoding, hostile ones, odd paths,
-  HTTP/1.0, ``Connection: close``, a body past the limit) with the same status, the
-  same headers and the same body bytes, and a gradient's value is the analytic one.
-* In process (uvicorn in a thread, the CLI's protocol): the lane takes operator POSTs
-  and nothing else, answers pipelined requests in order, answers an unexpected error
-  500 and closes, keeps the request record (metrics, request id, JSON log line) and
-  uvicorn's access lines, gives back the in-flight budget a large body held (answered,
-  refused, or its client gone mid-body), and a body that trickles past the body
-  timeout is 408.
+* Differential, over real sockets: two servers alike but for ``DXSERVE_HTTP`` answer the
+  same raw requests (valid ones in every encoding, hostile ones, odd paths, HTTP/1.0,
+  ``Connection: close``, bodies past the limit) with the same status, the same headers
+  and the same body bytes, and a gradient's value is the analytic one.
+* In process (uvicorn in a thread, the CLI's options): pipelined requests are answered in
+  order, every answer keeps its request record (metrics, request id, JSON log line), a
+  large body gives back the in-flight budget it held (answered, refused, or its client
+  gone mid-body), an unexpected error is a 500 and the server goes on, and a body that
+  trickles past the body timeout is 408.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from conftest import start_server, stop_server, uvicorn_in_thread
 import dxserve
 from dxclient import _models
 from dxclient.backends import JaxForward, JaxReverse
+from dxserve.admission import SMALL_BYTES
 from dxserve.cli import connection_options
 from dxserve.examples import rosenbrock
-from dxserve.http import lane as lane_module
-from dxserve.http import routes
 from dxserve.http.app import create_app
+from dxserve.pipeline import OperatorCall
 from dxserve.settings import Settings
 
 PROBLEM = "application/problem+json"
@@ -130,11 +130,11 @@ LIMITS = {"DXSERVE_MAX_BODY_BYTES": str(1 << 20), "DXSERVE_MAX_JSON_BODY_BYTES":
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
-    on = start_server(tmp_path_factory.mktemp("lane-on"), env={**LIMITS, "DXSERVE_OPERATOR_LANE": "true"},
+    on = start_server(tmp_path_factory.mktemp("httptools"), env={**LIMITS, "DXSERVE_HTTP": "httptools"},
                       modules=("dxserve.examples",))
     try:
-        off = start_server(tmp_path_factory.mktemp("lane-off"),
-                           env={**LIMITS, "DXSERVE_OPERATOR_LANE": "false"},
+        off = start_server(tmp_path_factory.mktemp("h11"),
+                           env={**LIMITS, "DXSERVE_HTTP": "h11"},
                            modules=("dxserve.examples",))
         try:
             yield on, off
@@ -159,7 +159,7 @@ def _cases() -> dict[str, bytes]:
         "query string": json_request("/gradient?debug=1", ok),
         "percent-encoded path": json_request("/%67radient", ok),
         "trailing slash": json_request("/gradient/", ok),
-        "request id echoed": json_request("/gradient", ok, **{"x-request-id": "lane-test-1"}),
+        "request id echoed": json_request("/gradient", ok, **{"x-request-id": "proto-test-1"}),
         "behind a proxy": json_request(
             "/gradient", ok, **{"x-forwarded-for": "10.1.2.3", "x-forwarded-proto": "https"}),
         "connection close": json_request("/gradient", ok, connection="close"),
@@ -183,13 +183,15 @@ def _cases() -> dict[str, bytes]:
             "/gradient", b"\0" * 64,
             {"content-type": "application/vnd.dxserve.binary", "dxserve-header-length": "1e3"}),
         "past the body limit": json_request("/gradient", {**ok, "x": [1.0] * 2000}),
-        # received into one buffer: decoded in the endpoint, then through a Request
+        # received into one buffer of the declared size
         "binary, 80 KB": operator_request("gradient", "binary", np.linspace(-1, 1, 10_000)),
         "binary, 400 KB": operator_request("pushforward", "binary", np.linspace(-1, 1, 50_000),
                                            [np.ones(50_000)], JaxForward()),
         "binary, past the body limit": operator_request("gradient", "binary", np.ones(140_000)),
         "b64, past the JSON limit": operator_request("gradient", "b64", np.ones(10_000)),
         "GET on an operator path": request("/gradient", b"", method="GET"),
+        "an unknown operator": json_request("/jvp", ok),
+        "POST on a GET path": request("/health", b""),
     }
     return cases
 
@@ -198,78 +200,68 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_the_lane_answers_as_the_asgi_app_does(servers: tuple[Any, Any], name: str) -> None:
-    on, off = servers
+def test_both_protocols_answer_alike(servers: tuple[Any, Any], name: str) -> None:
+    bounded, h11 = servers
     data = CASES[name]
-    (lane,), lane_closed = exchange(on.port, data)
-    (asgi,), asgi_closed = exchange(off.port, data)
-    assert lane.comparable() == asgi.comparable(), (name, lane.comparable(), asgi.comparable())
-    assert lane_closed == asgi_closed, name
-    assert lane.header(b"x-request-id") and lane.header(b"server-timing", ), lane.headers
-    if lane.status >= 400:
-        assert lane.header(b"content-type") == PROBLEM.encode(), lane.headers
-        doc = json.loads(lane.body)
-        assert doc["status"] == lane.status and doc["detail"], doc
+    (answer,), closed = exchange(bounded.port, data)
+    (other,), other_closed = exchange(h11.port, data)
+    assert answer.comparable() == other.comparable(), (name, answer.comparable(), other.comparable())
+    assert closed == other_closed, name
+    assert answer.header(b"x-request-id") and answer.header(b"server-timing"), answer.headers
+    if answer.status >= 400:
+        assert answer.header(b"content-type") == PROBLEM.encode(), answer.headers
+        doc = json.loads(answer.body)
+        assert doc["status"] == answer.status and doc["detail"], doc
     if name == "request id echoed":
-        assert lane.header(b"x-request-id") == b"lane-test-1"
+        assert answer.header(b"x-request-id") == b"proto-test-1"
     if name in ("http/1.0", "connection close", "past the body limit",
                 "binary, past the body limit", "b64, past the JSON limit"):
-        assert lane_closed and lane.header(b"connection") == b"close", lane.headers
+        assert closed and answer.header(b"connection") == b"close", answer.headers
 
 
-def test_a_lane_gradient_is_the_analytic_one(servers: tuple[Any, Any]) -> None:
-    on, _ = servers
-    for name in ("gradient binary", "gradient b64", "gradient json"):
-        (answer,), closed = exchange(on.port, CASES[name])
-        assert answer.status == 200 and not closed
-        headers = httpx.Headers(answer.headers)
-        got = _models.operator_result("gradient", headers, answer.body)
-        np.testing.assert_allclose(got, GRADIENT, rtol=1e-12)
+def test_a_gradient_is_the_analytic_one(servers: tuple[Any, Any]) -> None:
+    for srv in servers:
+        for name in ("gradient binary", "gradient b64", "gradient json"):
+            (answer,), closed = exchange(srv.port, CASES[name])
+            assert answer.status == 200 and not closed
+            headers = httpx.Headers(answer.headers)
+            got = _models.operator_result("gradient", headers, answer.body)
+            np.testing.assert_allclose(got, GRADIENT, rtol=1e-12)
 
 
-def test_keep_alive_and_pipelining_through_the_lane(servers: tuple[Any, Any]) -> None:
-    on, off = servers
-    # three lane requests, a GET the lane leaves to the app, and a lane request again,
-    # all in one send: answered in order, the connection kept open
+def test_keep_alive_and_pipelining(servers: tuple[Any, Any]) -> None:
+    bounded, h11 = servers
+    # operator requests, a GET and an operator request again, all in one send: answered
+    # in order, the connection kept open
     data = (CASES["gradient json"] + CASES["gradient binary"] + CASES["hessian binary"]
             + request("/health", b"", method="GET") + CASES["bad json"])
-    lane, lane_closed = exchange(on.port, data, answers=5)
-    asgi, asgi_closed = exchange(off.port, data, answers=5)
-    assert [a.comparable() for a in lane] == [a.comparable() for a in asgi]
-    assert [a.status for a in lane] == [200, 200, 200, 200, 400]
-    assert json.loads(lane[3].body) == {"status": "ok"}
-    assert not lane_closed and not asgi_closed
+    answers, closed = exchange(bounded.port, data, answers=5)
+    others, other_closed = exchange(h11.port, data, answers=5)
+    assert [a.comparable() for a in answers] == [a.comparable() for a in others]
+    assert [a.status for a in answers] == [200, 200, 200, 200, 400]
+    assert json.loads(answers[3].body) == {"status": "ok"}
+    assert not closed and not other_closed
 
 
 # --------------------------------------------------------------------------- in process
 
 
 @pytest.fixture
-def lane_server(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> Iterator[tuple[str, list[str]]]:
-    """The app under uvicorn with the CLI's connection options, in this process; and
-    the paths the lane served (in order)."""
-    served: list[str] = []
-    call = lane_module.OperatorLane.__call__
-
-    async def counting(self: Any, scope: dict, receive: Any, send: Any) -> None:
-        served.append(scope["path"])
-        await call(self, scope, receive, send)
-
-    monkeypatch.setattr(lane_module.OperatorLane, "__call__", counting)
+def bounded_server(tmp_path: Any) -> Iterator[str]:
+    """The app under uvicorn with the CLI's connection options, in this process."""
     settings = Settings(functions=["dxserve.examples"], store=str(tmp_path / "store"),
                         compilation_cache="", warm_up=False, body_timeout=1.0, log_format="json")
     options = connection_options(settings, logging.getLogger("test"))
+    assert options["http"] not in ("auto", "h11")  # the bounded protocol
     with uvicorn_in_thread(create_app(settings), log_level="warning", **options) as url:
-        yield url, served
+        yield url
 
 
-def test_the_lane_takes_operator_posts_only(lane_server: tuple[str, list[str]]) -> None:
-    url, served = lane_server
+def test_operator_posts_of_every_kind(bounded_server: str) -> None:
+    url = bounded_server
     ok = {"function": "rosenbrock", "x": X.tolist()}
     with httpx.Client(base_url=url, timeout=30) as http:
-        assert http.post("/gradient", json=ok).status_code == 200
+        assert http.post("/gradient", json=ok).json()["gradient"] == GRADIENT.tolist()
         assert http.post("/prepare/gradient", json={**ok, "backend": "jax-reverse"}).status_code == 200
         big = np.linspace(-1.0, 1.0, 40_000)  # 320 KB: into one buffer, held in the budget
         call = _models.operator_call("gradient", "rosenbrock", JaxReverse(), big, None, (), None, "binary")
@@ -277,30 +269,26 @@ def test_the_lane_takes_operator_posts_only(lane_server: tuple[str, list[str]]) 
         assert r.status_code == 200
         got = _models.operator_result("gradient", r.headers, r.content)
         np.testing.assert_allclose(got, dxserve.gradient(rosenbrock, JaxReverse(), big), rtol=1e-12)
-        assert served == ["/gradient", "/prepare/gradient", "/gradient"]
-        # not the lane's: other routes, event streams, 100-continue
         assert http.get("/health").status_code == 200
         assert http.post("/functions", json={}).status_code >= 400
         with http.stream("POST", "/gradient", json=ok, headers={"accept": "text/event-stream"}) as r:
             assert r.status_code == 200 and b"event: result" in r.read()
         r = http.post("/gradient", json=ok, headers={"expect": "100-continue"})
-        assert r.status_code == 200
-        assert served == ["/gradient", "/prepare/gradient", "/gradient"]
+        assert r.status_code == 200 and r.json()["gradient"] == GRADIENT.tolist()
 
 
-def test_the_lane_keeps_the_request_record(
-    lane_server: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
+def test_every_answer_keeps_its_request_record(
+    bounded_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    url, served = lane_server
+    url = bounded_server
     with httpx.Client(base_url=url, timeout=30) as http:
         before = _requests_counted(http.get("/metrics").text)
         with caplog.at_level(logging.INFO, logger="dxserve.http"):
             ok = http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()},
-                           headers={"x-request-id": "lane-record"})
+                           headers={"x-request-id": "proto-record"})
             bad = http.post("/gradient", content=b"{", headers={"content-type": "application/json"})
         after = _requests_counted(http.get("/metrics").text)
-    assert served == ["/gradient", "/gradient"]
-    assert ok.headers["x-request-id"] == "lane-record"
+    assert ok.headers["x-request-id"] == "proto-record"
     assert ok.headers["server-timing"].startswith("total;dur=")
     assert "compute;dur=" in ok.headers["server-timing"]
     assert len(bad.headers["x-request-id"]) == 16
@@ -308,12 +296,12 @@ def test_the_lane_keeps_the_request_record(
     assert after[("/gradient", "400")] == before.get(("/gradient", "400"), 0) + 1
     lines = [r for r in caplog.records if getattr(r, "route", None) == "/gradient"]
     assert [(r.event, r.status) for r in lines] == [("request", 200), ("rejected", 400)]
-    assert lines[0].request_id == "lane-record" and lines[0].function == "rosenbrock"
+    assert lines[0].request_id == "proto-record" and lines[0].function == "rosenbrock"
     assert lines[1].problem.endswith("malformed-request") and lines[1].detail
 
 
-def test_large_lane_bodies_give_back_what_they_held(tmp_path: Any) -> None:
-    """A body past ``routes.LARGE_BYTES`` is held in the in-flight budget while it is
+def test_large_bodies_give_back_what_they_held(tmp_path: Any) -> None:
+    """A body past ``SMALL_BYTES`` is held in the in-flight budget while it is
     decoded and computed: answered, refused or gone, the budget is whole again."""
     settings = Settings(functions=["dxserve.examples"], store=str(tmp_path / "store"),
                         compilation_cache="", warm_up=False)
@@ -325,7 +313,7 @@ def test_large_lane_bodies_give_back_what_they_held(tmp_path: Any) -> None:
         name: _models.operator_call("gradient", name, JaxReverse(), big, None, (), None, "binary")
         for name in ("rosenbrock", "no-such-function")
     }
-    assert len(bodies["rosenbrock"].body) > routes.LARGE_BYTES
+    assert len(bodies["rosenbrock"].body) > SMALL_BYTES
     with uvicorn_in_thread(app, log_level="warning", **options) as url:
         with httpx.Client(base_url=url, timeout=30) as http:
             for name, status in (("rosenbrock", 200), ("no-such-function", 404)) * 2:
@@ -358,37 +346,6 @@ def _within(seconds: float, condition: Any) -> bool:
     return True
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-def test_the_lane_writes_access_lines_only_at_a_level_that_shows_them(
-    lane_server: tuple[str, list[str]]
-) -> None:
-    url, served = lane_server
-    access = logging.getLogger("uvicorn.access")
-    kept, level = _Kept(), access.level
-    access.addHandler(kept)
-    ok = {"function": "rosenbrock", "x": X.tolist()}
-    try:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            access.setLevel(logging.INFO)
-            assert http.post("/gradient?at=info", json=ok).status_code == 200
-            access.setLevel(logging.WARNING)
-            assert http.post("/gradient?at=warning", json=ok).status_code == 200
-    finally:
-        access.removeHandler(kept)
-        access.setLevel(level)
-    assert served == ["/gradient", "/gradient"]
-    assert [r.args[1:] for r in kept.records] == [("POST", "/gradient?at=info", "1.1", 200)]
-    assert kept.records[0].args[0].startswith("127.0.0.1:")
-
-
 def _requests_counted(text: str) -> dict[tuple[str, str], float]:
     counted = {}
     for line in text.splitlines():
@@ -398,43 +355,38 @@ def _requests_counted(text: str) -> dict[tuple[str, str], float]:
     return counted
 
 
-def test_an_unexpected_error_in_the_lane_is_a_500_and_the_server_goes_on(
-    lane_server: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+def test_an_unexpected_error_is_a_500_and_the_server_goes_on(
+    bounded_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url, served = lane_server
+    url = bounded_server
     port = httpx.URL(url).port
-    original = routes.OperatorEndpoint._results
+    original = OperatorCall.run
 
-    async def broken(self: Any, *args: Any) -> Any:
+    async def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.op.name == "hessian":
             raise RuntimeError("a bug")
-        return await original(self, *args)
+        return await original(self, *args, **kwargs)
 
-    monkeypatch.setattr(routes.OperatorEndpoint, "_results", broken)
+    monkeypatch.setattr(OperatorCall, "run", broken)
     (answer,), closed = exchange(port, CASES["hessian binary"])
-    assert served == ["/hessian"]
     assert answer.status == 500 and closed
     assert answer.header(b"content-type") == PROBLEM.encode()
+    assert answer.header(b"x-request-id")
     assert json.loads(answer.body)["detail"] == "RuntimeError; the server logged it"
     (answer,), closed = exchange(port, CASES["gradient json"])
     assert answer.status == 200 and not closed
 
 
-def test_a_small_body_that_trickles_past_the_body_timeout_is_408(
-    lane_server: tuple[str, list[str]],
-) -> None:
-    url, served = lane_server
+def test_a_small_body_that_trickles_past_the_body_timeout_is_408(bounded_server: str) -> None:
+    url = bounded_server
     port = httpx.URL(url).port
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(b"POST /gradient HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: 1000\r\n\r\n{")
-        start = time.monotonic()
         got = b""
         while chunk := sock.recv(65536):
             got += chunk
-        took = time.monotonic() - start
     assert got.startswith(b"HTTP/1.1 408 "), got[:200]
-    assert 0.8 < took < 5.0, took
-    assert served == []  # nothing reached the endpoint
+    assert b'"field":"body"' in got
     with httpx.Client(base_url=url, timeout=30) as http:  # and others are served
         assert http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()}).status_code == 200

@@ -1,0 +1,263 @@
+"""Bounded connections: uvicorn's httptools protocol with read, write and size limits.
+
+The one module of dxserve that builds on uvicorn's internals, and only here: it
+subclasses ``HttpToolsProtocol`` and is plugged in through uvicorn's public ``http=``
+option (``dxserve serve`` does it; see ``cli.connection_options``). It is written
+against the uvicorn versions the package pins and checked against the lowest and the
+highest of them in CI. With any other version, without httptools, or with
+``DXSERVE_HTTP=h11``, ``bounded_protocol`` returns None: the server runs on uvicorn's own
+protocol and its log says which of these protections are off.
+
+uvicorn closes idle keep-alive connections (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency`` once a request's headers are in. It does not bound how long a
+client may take to send a request's headers or body, so a connection trickling a byte
+every few seconds holds a file descriptor for ever; nothing bounds the headers' size
+with httptools; and an answer to a client that never reads waits in memory for ever.
+The protocol here adds, per connection:
+
+* headers: complete within ``header_timeout`` seconds of the connection opening (first
+  request) or of the request's first byte (later ones), and at most
+  ``max_header_bytes`` bytes (request line and header lines): 408 and 431, then closed;
+* body: complete within ``body_timeout`` seconds once the headers are in: 408, closed;
+* connections: past ``max_connections`` open ones, a new one is answered 503 and closed;
+* writes: a client that takes nothing of an answer for ``write_timeout`` seconds while
+  the server has more to send (the transport's buffer is full) is disconnected, so what
+  was waiting for it is freed.
+
+No read timer runs while the application works on a complete request (the request
+timeout bounds that). The timers cost one ``call_at`` and one ``cancel`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dxclient.codec import dumps
+from dxclient.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
+
+from .problems import PROBLEM_TYPE, problem_document
+
+log = logging.getLogger("dxserve.http")
+
+#: uvicorn versions this module is written and tested against: [lowest, above highest)
+UVICORN_VERSIONS = ((0, 46), (0, 55))
+
+# what the parser of one connection is doing
+_HEAD, _BODY, _APP = "head", "body", "app"
+_END_OF_HEAD = b"\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds ``bounded_protocol`` enforces (seconds, bytes, connections)."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 120.0
+    max_header_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    write_timeout: float = 60.0
+
+    def describe(self) -> str:
+        return (
+            f"headers within {self.header_timeout:g} s and {self.max_header_bytes} bytes, "
+            f"bodies within {self.body_timeout:g} s, {self.max_connections} connections, "
+            f"unread answers dropped after {self.write_timeout:g} s"
+        )
+
+
+#: What is off when ``bounded_protocol`` returns None (the server logs it).
+UNPROTECTED = (
+    "header and body read timeouts, the exact header size limit, the connection cap and "
+    "the write timeout are off (uvicorn's own limits apply: keep-alive timeout, "
+    "limit_concurrency, h11_max_incomplete_event_size); put a proxy in front "
+    "(docker/nginx.conf)"
+)
+
+
+def raw_problem(status: int, reason: str, error: DxError, *headers: str) -> bytes:
+    """A complete ``Connection: close`` HTTP/1.1 response carrying ``error``'s problem
+    document, for answers the protocol writes itself (no application involved)."""
+    body = dumps(problem_document(error, status))
+    lines = [
+        f"HTTP/1.1 {status} {reason}",
+        f"content-type: {PROBLEM_TYPE}",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *headers,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def supported_uvicorn(version: str) -> bool:
+    """Is ``version`` (uvicorn's) one this module is written for?"""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    low, high = UVICORN_VERSIONS
+    return low <= found < high
+
+
+def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with ``limits``, or None where it cannot be built
+    (no httptools, or a uvicorn outside ``UVICORN_VERSIONS``)."""
+    try:
+        import uvicorn
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+    if not supported_uvicorn(uvicorn.__version__):
+        return None
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """``HttpToolsProtocol`` with ``limits`` (see the module)."""
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
+            self._phase = _HEAD
+            self._head_bytes = 0  # of the request whose head is arriving
+            self._tail = b""  # the last bytes of the head so far: a CRLF CRLF may span reads
+            self._deadline = self.loop.time() + limits.header_timeout
+            if len(self.connections) > limits.max_connections:
+                self._refuse(503, "Service Unavailable", OverloadedError(
+                    f"the server holds its limit of {limits.max_connections} open "
+                    "connections; retry shortly", retry_after=1,
+                ), "retry-after: 1")
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            self._stop_write_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._phase == _APP:  # the first bytes of the next request (or of junk)
+                self._begin()
+            if self._phase == _HEAD and self._count_head(data):
+                return
+            super().data_received(data)
+
+        def _count_head(self, data: bytes) -> bool:
+            """Count the head bytes in ``data``; True when past the limit (refused)."""
+            seen = self._tail + data
+            end = seen.find(_END_OF_HEAD)
+            if end < 0:
+                self._head_bytes += len(data)
+                self._tail = seen[-3:]
+            else:  # the head ends in this read: what follows is body, or the next request
+                self._head_bytes += end + len(_END_OF_HEAD) - len(self._tail)
+                self._tail = b""
+            if self._head_bytes <= limits.max_header_bytes:
+                return False
+            self._refuse(431, "Request Header Fields Too Large", MalformedRequestError(
+                f"request headers exceed {limits.max_header_bytes} bytes", field="headers",
+            ))
+            return True
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._phase != _HEAD:  # a pipelined request began mid-read: its own deadline
+                self._begin()
+
+        def on_headers_complete(self) -> None:
+            self._phase = _BODY  # the armed timer moves on to this deadline when it fires
+            self._deadline = self.loop.time() + limits.body_timeout
+            if limits.body_timeout < limits.header_timeout:  # ... unless it comes sooner
+                self._disarm()
+                self._arm()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._phase = _APP
+            self._disarm()
+
+        # --- writes -----------------------------------------------------------------
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.write_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            self._stop_write_timer()
+            super().resume_writing()
+
+        def _stop_write_timer(self) -> None:
+            timer = getattr(self, "_write_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._write_timer = None
+
+        def _stalled(self) -> None:
+            self._write_timer = None
+            log.info(
+                "closing %s: it took nothing of its answer for %g s",
+                self.client, limits.write_timeout,
+            )
+            self.transport.abort()  # close() would wait for the client to read
+
+        # --- read timers ----------------------------------------------------------------
+        def _begin(self) -> None:
+            self._phase = _HEAD
+            self._head_bytes = 0
+            self._tail = b""
+            self._deadline = self.loop.time() + limits.header_timeout
+            self._disarm()
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._deadline, self._expired)
+
+        def _disarm(self) -> None:
+            timer = getattr(self, "_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._timer = None
+
+        def _expired(self) -> None:
+            self._timer = None
+            if self._phase == _APP or self.transport.is_closing():
+                return
+            if self.loop.time() < self._deadline:  # the deadline moved on (headers done)
+                self._arm()
+                return
+            if self.pipeline:  # a pipelined request waits unread behind one still running:
+                self._deadline = self.loop.time() + limits.body_timeout  # not its sender's
+                self._arm()  # fault; the one before it is bounded by the request timeout
+                return
+            if self._phase == _HEAD:
+                what, limit = "headers", limits.header_timeout
+            else:
+                what, limit = "body", limits.body_timeout
+            log.info("closing %s: request %s not received within %g s", self.client, what, limit)
+            error = RequestTimeoutError(
+                f"the request {what} did not arrive within {limit:g} s", field=what
+            )
+            cycle = self.cycle if self._phase == _BODY else None
+            if cycle is None or not cycle.response_started:
+                self.transport.write(raw_problem(408, "Request Timeout", error))
+            self._disconnect_cycle()
+            self.transport.close()
+
+        def _refuse(self, status: int, reason: str, error: DxError, *headers: str) -> None:
+            self._disarm()
+            self._phase = _APP
+            self._disconnect_cycle()
+            self.transport.write(raw_problem(status, reason, error, *headers))
+            self.transport.close()
+
+        def _disconnect_cycle(self) -> None:
+            """The request being served sees its client gone (and sends nothing more)."""
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
+    return BoundedHttpToolsProtocol

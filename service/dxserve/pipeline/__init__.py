@@ -1,0 +1,12 @@
+"""The request layer: decode, validate, admit, run and encode, the same for every door.
+
+A front door (the HTTP app, the Ray handle, a test) turns what it received into a
+``RequestHead`` and a body (or values), and hands them to an ``OperatorCall``; it gets
+back validated requests, results with progress and cancellation, and encoded
+``Answer``s, or typed ``DxError``s to answer with. This layer knows no web framework.
+"""
+
+from .operators import Answer, BodyBuffer, OperatorCall, RequestHead
+from .wire import OperatorRequest
+
+__all__ = ["Answer", "BodyBuffer", "OperatorCall", "OperatorRequest", "RequestHead"]

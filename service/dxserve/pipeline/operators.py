@@ -1,0 +1,281 @@
+"""One operator request, from its head and body to its answer, for every front door.
+
+    call = OperatorCall(service, op, head)   # authorized, body limit, admitted
+    with call.ticket:                        # given back on every exit path
+        body = BodyBuffer(call)              # the door adds the body as it arrives
+        ...
+        req = await call.decode(body.take())  # a validated OperatorRequest
+        results = await call.run(req, job)    # the Service, with progress and cancellation
+        answer = await call.encode(results)   # an Answer: media type, headers, body parts
+
+The HTTP app drives it for plain and event-stream answers, the Ray handle with values
+instead of a body (``parse``), a test with neither. Limits, budgets, errors and progress
+are therefore the same whichever door a request came through. Nothing here knows a web
+framework: a door hands in a ``RequestHead`` and gets back ``Answer``s and ``DxError``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dxclient import codec
+from dxclient.encodings import binary
+from dxclient.encodings.negotiation import decoder_for, response_encoding
+from dxclient.errors import MalformedRequestError, PayloadTooLargeError
+from dxclient.operators import OperatorSpec
+
+from ..admission import SMALL_BYTES
+from ..jobs import Job, JobCancelled
+from ..service import Service
+from .wire import (
+    OperatorRequest,
+    decode_operator_request,
+    parse_operator_request,
+    result_nbytes,
+    results_to_wire,
+)
+
+#: Bytes decoding one body byte may hold at the peak, by the encoding that reads it:
+#: JSON numbers become Python objects (~16x measured for float lists); a binary body's
+#: arrays are views of it.
+DECODE_FACTOR = {"binary": 1}
+DEFAULT_DECODE_FACTOR = 16
+#: Encoded bytes per result byte, beside the result itself: JSON text of float64 is up
+#: to ~3x its binary size, base64 4/3, and the binary framing sends the arrays' memory.
+ENCODE_FACTOR = {"json": 3.0, "b64": 2.0, "binary": 0.0}
+DEFAULT_ENCODE_FACTOR = 3.0
+#: A JSON body up to this size whose arrays are long base64 strings decodes (and such
+#: an answer encodes) quickly enough for the event loop: ~0.1 ms per MB.
+B64_INLINE_BYTES = 16 * 1024 * 1024
+#: Bodies declaring at least this many bytes are received into one buffer of their size.
+ONE_BUFFER_BYTES = 64 * 1024
+#: Answers are handed to the door in parts of at most this many bytes, so a door that
+#: waits for its client between parts never has more than one part unwritten.
+PART_BYTES = 1024 * 1024
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """What a door knows of a request before its body."""
+
+    content_type: str | None = None
+    accept: str | None = None
+    #: the binary framing's JSON header length (``Dxserve-Header-Length``)
+    header_length: str | None = None
+    #: the declared body size; None when the request declares none
+    content_length: int | None = None
+    #: the bearer token presented ("" for another scheme, None for none)
+    token: str | None = None
+
+
+@dataclass(slots=True)
+class Answer:
+    """An encoded answer: its body as consecutive bytes-like parts of ``nbytes`` in all."""
+
+    media_type: str
+    parts: list[Any]
+    nbytes: int
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int = 200
+
+
+class OperatorCall:
+    """One request for ``op`` (see the module). Creating it authorizes the caller (when
+    the server asks a token for computing), picks the body's limit from its media type
+    (415 for one no encoding reads), refuses a declared length past it (413) and holds
+    what that body takes to decode in the budget (503 past it); nothing of the body has
+    been read yet when these are raised."""
+
+    def __init__(self, service: Service, op: OperatorSpec, head: RequestHead) -> None:
+        self.service, self.op, self.head = service, op, head
+        settings = service.settings
+        if settings.require_token_for_compute:
+            service.authorize(head.token, "compute")
+        decoder = decoder_for(head.content_type)
+        self.binary = decoder.name == "binary"
+        self.limit = (
+            settings.max_body_bytes if self.binary
+            else min(settings.max_body_bytes, settings.max_json_body_bytes)
+        )
+        self.decode_factor = DECODE_FACTOR.get(decoder.name, DEFAULT_DECODE_FACTOR)
+        declared = head.content_length
+        if declared is not None and declared > self.limit:
+            raise PayloadTooLargeError(
+                f"body of {declared} bytes exceeds the limit of {self.limit} bytes", field="body"
+            )
+        self.ticket = service.budget.ticket()
+        if declared is not None:
+            self.ticket.hold_body(declared * self.decode_factor)
+        #: the answer's encoding, known once the body is decoded
+        self.encoding = "json"
+        self.size = 0
+
+    # --- the body ----------------------------------------------------------------
+    async def decode(self, body: bytes | bytearray | memoryview) -> OperatorRequest:
+        """The validated request in ``body`` (400/413/415/422 naming the field)."""
+        head = self.head
+        self.size = len(body)
+        self.encoding = response_encoding(head.content_type, head.accept, body)
+        self.ticket.encode_factor = ENCODE_FACTOR.get(self.encoding, DEFAULT_ENCODE_FACTOR)
+        if len(body) > SMALL_BYTES and not decodes_quickly(body, self.binary, head.header_length):
+            req = await asyncio.to_thread(
+                decode_operator_request, body, head.content_type, head.header_length, self.op
+            )
+        else:
+            req = decode_operator_request(body, head.content_type, head.header_length, self.op)
+        self.ticket.hold_body(len(body))  # decoded: the inputs take about the body's size
+        return req
+
+    def parse(self, message: dict) -> OperatorRequest:
+        """The validated request in ``message``, a request object of values already in
+        memory (a door without a body, such as the Ray handle); its inputs are held in
+        the budget as a body of their size would be."""
+        req = parse_operator_request(message, self.op)
+        self.ticket.hold_body(result_nbytes(message))
+        return req
+
+    # --- the computation ------------------------------------------------------------
+    async def run(
+        self, req: OperatorRequest, job: Job | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """``{result name: value}`` from the ``Service``; None if ``job`` was cancelled
+        (its client went away). ``timeout``: seconds before 504 (the service's default)."""
+        try:
+            return await self.service.call(
+                self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+                req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
+                job=job, timeout=timeout, ticket=self.ticket,
+            )
+        except JobCancelled:
+            return None
+
+    async def prepare(self, req: OperatorRequest) -> dict[str, Any]:
+        """``POST /prepare/{op}``'s answer: a handle to pass as ``prep``."""
+        return await self.service.prepare(
+            self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+            batch_axis=req.batch_axis,
+        )
+
+    # --- the answer -------------------------------------------------------------------
+    async def encode(self, results: dict[str, Any], encoding: str | None = None) -> Answer:
+        """``results`` in the answer's encoding (``encoding``: another one), as parts of at
+        most ``PART_BYTES``; large ones are encoded off the event loop when that takes long."""
+        encoding = encoding or self.encoding
+        payload = results_to_wire(results, self.op)
+        nbytes = result_nbytes(payload)
+        if nbytes <= SMALL_BYTES:
+            body, media, headers = codec.encode_body(payload, encoding)
+            return Answer(media, [body], len(body), headers)
+        if (
+            encoding == "binary" and binary.encodes_as_views(payload)  # no copies
+            or encoding == "b64" and nbytes <= B64_INLINE_BYTES * 3 // 4  # 4/3 in text
+        ):
+            parts, media, headers = codec.encode_body_parts(payload, encoding)
+        else:
+            parts, media, headers = await asyncio.to_thread(
+                codec.encode_body_parts, payload, encoding
+            )
+        parts = split_parts(parts, PART_BYTES)
+        return Answer(media, parts, sum(len(p) for p in parts), headers)
+
+
+def decodes_quickly(
+    body: bytes | bytearray | memoryview, binary_body: bool, header_length: str | None
+) -> bool:
+    """Does decoding ``body`` take no longer than a small one? A binary body with a small
+    header (views of itself), or a JSON body whose arrays are long base64 strings
+    (lifted out before parsing), up to ``B64_INLINE_BYTES``."""
+    if binary_body:
+        return binary.decodes_as_views(header_length)
+    return len(body) <= B64_INLINE_BYTES and codec.parsed_bytes(body) <= SMALL_BYTES
+
+
+def split_parts(parts: list[Any], most: int) -> list[Any]:
+    """``parts`` as byte views of at most ``most`` bytes each, empty ones dropped."""
+    out: list[Any] = []
+    for part in parts:
+        view = part if isinstance(part, bytes) else _byte_view(part)
+        if len(view) <= most:
+            if len(view):
+                out.append(view)
+            continue
+        view = memoryview(view)
+        out.extend(view[start:start + most] for start in range(0, len(view), most))
+    return out
+
+
+def _byte_view(part: Any) -> memoryview:
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class BodyBuffer:
+    """A request body as its door receives it, within the call's limit.
+
+    A body declaring at least ``ONE_BUFFER_BYTES`` is received into one buffer of its
+    declared size, allocated when its first bytes arrive; for the binary framing it is
+    64-byte aligned, so the arrays decoded from it (views at 64-byte offsets) are used
+    by the device as they are. Smaller bodies are kept as received (usually one piece).
+    A body without a declared length is held in the budget as it grows.
+    """
+
+    __slots__ = ("call", "declared", "got", "pieces", "buffer")
+
+    def __init__(self, call: OperatorCall) -> None:
+        self.call = call
+        self.declared = call.head.content_length
+        self.got = 0
+        self.pieces: list[bytes] = []
+        self.buffer: Any = None
+
+    def add(self, data: bytes) -> None:
+        """``data``, the next bytes of the body (413 past the limit, 400 past the
+        declared length)."""
+        if not data:
+            return
+        end = self.got + len(data)
+        call = self.call
+        if end > call.limit:
+            raise PayloadTooLargeError(
+                f"body exceeds the limit of {call.limit} bytes", field="body"
+            )
+        declared = self.declared
+        if declared is None:
+            call.ticket.hold_body(end * call.decode_factor)
+        elif end > declared:
+            raise MalformedRequestError(
+                f"the body is longer than its Content-Length of {declared}", field="body"
+            )
+        elif declared >= ONE_BUFFER_BYTES:
+            if self.buffer is None:
+                self.buffer = aligned_buffer(declared) if call.binary else bytearray(declared)
+            self.buffer[self.got:end] = data
+            self.got = end
+            return
+        self.pieces.append(data)
+        self.got = end
+
+    def take(self) -> bytes | bytearray | memoryview:
+        """The whole body (the declared length must have arrived: 400 otherwise)."""
+        if self.declared is not None and self.got != self.declared:
+            raise MalformedRequestError(
+                f"the body ended after {self.got} of its {self.declared} bytes", field="body"
+            )
+        if self.buffer is not None:
+            return self.buffer
+        pieces = self.pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def aligned_buffer(size: int, align: int = 64) -> memoryview:
+    """A writable ``size``-byte buffer whose first byte is ``align``-byte aligned.
+
+    Not zeroed (a body is received into all of it before it is read): a ``bytearray``
+    would write every byte once more, 8 MB at n = 10^6."""
+    raw = np.empty(size + align - 1, np.uint8)
+    start = -raw.ctypes.data % align
+    return memoryview(raw)[start:start + size]
