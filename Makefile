@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-slow test-cluster lint openapi clean docker-test
+.PHONY: serve test test-slow test-cluster test-protocol lint openapi clean docker-test
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,17 @@ test: $(STAMP)
 # The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+
+# The bounded HTTP protocol (service/dxserve/http/protocol.py) against the lowest and the
+# highest uvicorn that pyproject.toml allows, each installed apart and put first on the path.
+UVICORN_RANGE := $(shell sed -n 's/.*"uvicorn\[standard\]\(.*\)",/\1/p' pyproject.toml)
+UVICORN_LOWEST := $(shell echo '$(UVICORN_RANGE)' | sed -n 's/^>=\([0-9.]*\).*/\1/p')
+test-protocol: $(STAMP)
+	for spec in 'uvicorn==$(UVICORN_LOWEST)' 'uvicorn$(UVICORN_RANGE)'; do \
+	  rm -rf .uvicorn-pinned && $(PY) -m pip install -q --no-deps --target .uvicorn-pinned "$$spec" || exit 1; \
+	  PYTHONPATH=.uvicorn-pinned $(PY) -c 'import uvicorn; print("uvicorn", uvicorn.__version__, uvicorn.__file__)' || exit 1; \
+	  PYTHONPATH=.uvicorn-pinned $(PY) -m pytest -q -m protocol || exit 1; \
+	done; rm -rf .uvicorn-pinned
 
 # Several processes on one store (SQLite and a real PostgreSQL that the tests start from
 # Debian's binaries), --workers, and a local Ray cluster: the extras they need first.

@@ -502,6 +502,7 @@ def slow_server(make_server):
                             "DXSERVE_MAX_HEADER_BYTES": "8192"})
 
 
+@pytest.mark.protocol
 def test_slow_headers_and_bodies_are_closed_while_others_are_served(slow_server):
     port = slow_server.port
     idle = [raw_connect(port) for _ in range(20)]  # connect, send nothing
@@ -540,6 +541,7 @@ def test_slow_headers_and_bodies_are_closed_while_others_are_served(slow_server)
         s.close()
 
 
+@pytest.mark.protocol
 def test_keep_alive_request_after_idle_gets_its_own_header_deadline(slow_server):
     s = raw_connect(slow_server.port)
     try:
@@ -556,6 +558,7 @@ def test_keep_alive_request_after_idle_gets_its_own_header_deadline(slow_server)
         s.close()
 
 
+@pytest.mark.protocol
 def test_oversized_headers_are_431(slow_server):
     s = raw_connect(slow_server.port)
     try:
@@ -572,6 +575,7 @@ def test_oversized_headers_are_431(slow_server):
         good_gradient(http)
 
 
+@pytest.mark.protocol
 def test_connection_cap_refuses_with_503_and_recovers(make_server):
     srv = make_server(env={"DXSERVE_MAX_CONNECTIONS": "12", "DXSERVE_HEADER_TIMEOUT": "1.5"})
     held = [raw_connect(srv.port) for _ in range(12)]

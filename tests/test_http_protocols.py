@@ -36,6 +36,8 @@ from dxserve.http.app import create_app
 from dxserve.pipeline import OperatorCall
 from dxserve.settings import Settings
 
+pytestmark = pytest.mark.protocol
+
 PROBLEM = "application/problem+json"
 #: headers whose values differ between any two answers
 VARYING = {b"date", b"x-request-id", b"server-timing"}

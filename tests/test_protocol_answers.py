@@ -14,6 +14,8 @@ from conftest import uvicorn_in_thread
 
 from dxserve.http.protocol import ConnectionLimits, bounded_protocol
 
+pytestmark = pytest.mark.protocol
+
 
 async def _app(scope, receive, send):
     if scope["type"] != "http":
@@ -78,3 +80,35 @@ def test_an_answer_that_fails_after_its_head_closes_the_connection(url: str) -> 
         with pytest.raises(httpx.RemoteProtocolError):
             http.get("/fail")
         assert http.post("/echo", content=b"after").content == b"echo:after"
+
+
+def test_this_uvicorn_is_one_the_protocol_is_written_for() -> None:
+    import uvicorn
+
+    from dxserve.http.protocol import supported_uvicorn
+
+    assert supported_uvicorn(uvicorn.__version__), uvicorn.__version__
+    assert bounded_protocol(ConnectionLimits()) is not None
+
+
+def test_another_uvicorn_runs_without_the_bounds_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import uvicorn
+
+    from dxserve.cli import connection_options
+    from dxserve.http.protocol import supported_uvicorn
+    from dxserve.settings import Settings
+
+    assert not supported_uvicorn("0.99.0") and not supported_uvicorn("1.0") and not supported_uvicorn("x")
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    log = logging.getLogger("test-protocol")
+    with caplog.at_level(logging.WARNING, logger="test-protocol"):
+        options = connection_options(Settings(), log)
+    assert options["http"] == "auto"
+    assert "header and body read timeouts" in caplog.text and "off" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="test-protocol"):
+        options = connection_options(Settings(http="h11"), log)
+    assert options["http"] == "h11" and "DXSERVE_HTTP=h11" in caplog.text

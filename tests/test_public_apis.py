@@ -190,3 +190,12 @@ def test_the_checker_sees_what_it_forbids(tmp_path: Path) -> None:
                  "Route subclasses fastapi.routing.APIRoute", ".build_middleware_stack",
                  ".scope_thing", "setattr"):
         assert any(what in p for p in problems), (what, problems)
+
+
+def test_the_readme_lists_every_module_of_the_http_layer() -> None:
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    table = readme[readme.index("The HTTP layer, module by module"):]
+    table = table[: table.index("\n\n", table.index("| module |"))]
+    listed = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    modules = {p.name for p in (PACKAGE / "http").glob("*.py") if p.name != "__init__.py"}
+    assert listed == modules

@@ -54,7 +54,9 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     priorities, JAX caches, warm-up) is ``runtime.bootstrap``'s, not the app's.
     """
     service = service or Service(settings or Settings())
-    metrics = Metrics(service.cache, service.batcher, service.workers, service.cancelled)
+    metrics = Metrics(
+        service.cache, service.batcher, service.workers, service.cancelled, service.budget
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from ..admission import Budget
 from ..preparation import PrepCache
 from ..request_batching import Batcher
 from ..worker import Workers
@@ -18,7 +19,7 @@ from ..worker import Workers
 class Metrics:
     def __init__(
         self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None,
-        cancelled: dict[str, int] | None = None,
+        cancelled: dict[str, int] | None = None, budget: Budget | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         # process_* (CPU, memory, open files, start time; Linux) and python_info, on this
@@ -34,6 +35,8 @@ class Metrics:
             self.registry.register(_DeviceCollector(workers))
         if cancelled is not None:
             self.registry.register(_CancelCollector(cancelled))
+        if budget is not None:
+            self.registry.register(_BudgetCollector(budget))
 
     def record(self, route: str, status: int, seconds: float) -> None:
         """Count and time one answered request (errors counted by status too)."""
@@ -165,3 +168,28 @@ class _CancelCollector:
         for operator, n in list(self.cancelled.items()):
             family.add_metric([operator], n)
         return [family]
+
+
+class _BudgetCollector:
+    """The in-flight budget (``admission.Budget``), read at scrape time."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def collect(self):
+        budget = self.budget
+        held = GaugeMetricFamily(
+            "dxserve_inflight_bytes", "Bytes held by requests in flight (bodies, results until written)"
+        )
+        held.add_metric([], budget.used)
+        limit = GaugeMetricFamily("dxserve_inflight_limit_bytes", "DXSERVE_MAX_INFLIGHT_BYTES")
+        limit.add_metric([], budget.limit)
+        peak = GaugeMetricFamily("dxserve_inflight_peak_bytes", "Most bytes held at once")
+        peak.add_metric([], budget.peak)
+        large = GaugeMetricFamily("dxserve_large_results", "Large results being computed")
+        large.add_metric([], budget.large)
+        refused = CounterMetricFamily(
+            "dxserve_inflight_refused", "Requests refused (503) because the budget was full"
+        )
+        refused.add_metric([], budget.refused)
+        return [held, limit, peak, large, refused]

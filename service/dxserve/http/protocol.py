@@ -120,9 +120,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self._timer: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
             self._phase = _HEAD
-            self._head_bytes = 0  # of the request whose head is arriving
-            self._tail = b""  # the last bytes of the head so far: a CRLF CRLF may span reads
             self._deadline = self.loop.time() + limits.header_timeout
+            self._begin_head(by_parser=False)
+            #: an oversized head behind a request still being answered: refused after it
+            self._refusing: DxError | None = None
             if len(self.connections) > limits.max_connections:
                 self._refuse(503, "Service Unavailable", OverloadedError(
                     f"the server holds its limit of {limits.max_connections} open "
@@ -137,13 +138,26 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._refusing is not None:  # nothing more is read on this connection
+                return
             if self._phase == _APP:  # the first bytes of the next request (or of junk)
                 self._begin()
-            if self._phase == _HEAD and self._count_head(data):
+            if self._phase == _HEAD and self._count_raw(data):
                 return
             super().data_received(data)
 
-        def _count_head(self, data: bytes) -> bool:
+        # --- the head's size ------------------------------------------------------------
+        # A head that starts where a read starts is counted from the raw bytes, exactly.
+        # One that starts inside a read (pipelined behind a body) is counted from what
+        # the parser reports (request line and header lines as sent with ": "), and its
+        # later reads from the raw bytes as well, so neither can grow past the limit.
+        def _begin_head(self, by_parser: bool) -> None:
+            self._head_bytes = 0  # raw bytes of the head so far
+            self._parsed_bytes = 0  # bytes the parser has reported (by_parser only)
+            self._tail = b""  # the last bytes of the head: a CRLF CRLF may span reads
+            self._by_parser = by_parser
+
+        def _count_raw(self, data: bytes) -> bool:
             """Count the head bytes in ``data``; True when past the limit (refused)."""
             seen = self._tail + data
             end = seen.find(_END_OF_HEAD)
@@ -153,19 +167,51 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             else:  # the head ends in this read: what follows is body, or the next request
                 self._head_bytes += end + len(_END_OF_HEAD) - len(self._tail)
                 self._tail = b""
-            if self._head_bytes <= limits.max_header_bytes:
-                return False
-            self._refuse(431, "Request Header Fields Too Large", MalformedRequestError(
+            return self._head_bytes > limits.max_header_bytes and self._too_large()
+
+        def _count_parsed(self, nbytes: int) -> bool:
+            self._parsed_bytes += nbytes
+            return self._parsed_bytes > limits.max_header_bytes and self._too_large()
+
+        def _too_large(self) -> bool:
+            error = MalformedRequestError(
                 f"request headers exceed {limits.max_header_bytes} bytes", field="headers",
-            ))
+            )
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and self._by_parser:
+                # pipelined behind a request still being answered: answer that one first
+                self._refusing = error
+                self.flow.pause_reading()
+            else:
+                self._refuse(431, "Request Header Fields Too Large", error)
             return True
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self._phase != _HEAD:  # a pipelined request began mid-read: its own deadline
-                self._begin()
+            if self._phase != _HEAD:  # a pipelined request began inside a read
+                self._begin(by_parser=True)
+
+        def on_url(self, url: bytes) -> None:
+            if self._refusing is not None or self.transport.is_closing():
+                return
+            super().on_url(url)
+            if self._by_parser:  # "METHOD url HTTP/1.1\r\n"
+                first = not self._parsed_bytes
+                extra = len(self.parser.get_method()) + len(" HTTP/1.1\r\n") + 1 if first else 0
+                self._count_parsed(len(url) + extra)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._refusing is not None or self.transport.is_closing():
+                return
+            super().on_header(name, value)
+            if self._by_parser:
+                self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
 
         def on_headers_complete(self) -> None:
+            if self._refusing is not None or self.transport.is_closing():
+                return
+            if self._by_parser and self._count_parsed(2):
+                return
             self._phase = _BODY  # the armed timer moves on to this deadline when it fires
             self._deadline = self.loop.time() + limits.body_timeout
             if limits.body_timeout < limits.header_timeout:  # ... unless it comes sooner
@@ -177,6 +223,11 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             super().on_message_complete()
             self._phase = _APP
             self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._refusing is not None and not self.transport.is_closing():
+                self._refuse(431, "Request Header Fields Too Large", self._refusing)
 
         # --- writes -----------------------------------------------------------------
         def pause_writing(self) -> None:
@@ -203,10 +254,9 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
             self.transport.abort()  # close() would wait for the client to read
 
         # --- read timers ----------------------------------------------------------------
-        def _begin(self) -> None:
+        def _begin(self, by_parser: bool = False) -> None:
             self._phase = _HEAD
-            self._head_bytes = 0
-            self._tail = b""
+            self._begin_head(by_parser)
             self._deadline = self.loop.time() + limits.header_timeout
             self._disarm()
             self._arm()
