@@ -42,6 +42,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,13 +194,11 @@ class SqliteStore(SqlStore):
     # -- a full disk ---------------------------------------------------------------------
     def _free_disk(self) -> int:
         """Bytes this process may still write on the store's file system."""
-        stat = os.statvfs(self.root)
-        return stat.f_bavail * stat.f_frsize
+        return shutil.disk_usage(self.root).free
 
     def _disk_bytes(self) -> int:
         """The size of the store's file system."""
-        stat = os.statvfs(self.root)
-        return stat.f_blocks * stat.f_frsize
+        return shutil.disk_usage(self.root).total
 
     def _room_for(self, size: int) -> None:
         # Inside the write transaction, so the processes sharing the disk ask in turn.
