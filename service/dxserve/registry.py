@@ -502,7 +502,7 @@ class Registry:
         try:
             return self.store.record(name) is None and len(self.store) >= self.max_functions
         except OverloadedError:
-            return False  # unreachable now: the put says so, or succeeds
+            return False  # the store is unreachable now: the put reports it
 
     def delete(self, name: str) -> Entry:
         entry = self.lookup(name, "name")  # no need to build what is being deleted
