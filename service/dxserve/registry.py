@@ -30,7 +30,6 @@ from dxclient.errors import (
     FunctionConflictError,
     InvalidArgumentError,
     OverloadedError,
-    TooManyFunctionsError,
     UnknownFunctionError,
 )
 from dxclient.lru import LRU
@@ -39,7 +38,7 @@ from . import executable_cache, kinds
 from .functions import FunctionInfo, module_functions
 from .kinds.expression import expression_content
 from .kinds.module import MODULE
-from .store import FunctionStore, StoredFunction, StoredRecord, validate_name
+from .store import FunctionStore, StoredFunction, StoredRecord, too_many, validate_name
 
 __all__ = ["Entry", "Registry", "expression_content"]
 
@@ -144,8 +143,6 @@ class Registry:
         self._loaded: LRU[str, tuple[Entry, int]] = LRU(self.max_loaded)  # (built, size)
         self._loaded_bytes = 0
         self._lock = threading.Lock()
-        #: new names being registered: each holds a slot under ``max_functions``
-        self._reserved: set[str] = set()
         self._building: dict[str, threading.Lock] = {}  # one build per name at a time
         self.on_remove: list[Callable[[Entry], None]] = []
         self.on_evict: list[Callable[[Entry], None]] = []
@@ -448,35 +445,12 @@ class Registry:
         """Build, persist and publish a function; ``(entry, created)``.
 
         The function is built before anything is written, so content that does
-        not compile is refused without touching the store. A new name takes a slot
-        under ``max_functions`` first, checked and reserved under the lock, so
-        concurrent registrations never pass the cap while they build and write.
+        not compile is refused without touching the store. ``max_functions`` is
+        decided by the store, in the same write transaction as the insert
+        (``store.admit_put``), so it holds across every process sharing the store;
+        a store already at the limit is told before anything is built.
         """
         validate_name(name)
-        with self._lock:
-            reserved = name not in self._entries and name not in self._reserved
-            if reserved:
-                taken = sum(1 for e in self._entries.values() if e.kind != MODULE.name)
-                pending = len(self._reserved - self._entries.keys())  # not yet published
-                if taken + pending >= self.max_functions:
-                    raise TooManyFunctionsError(
-                        f"the server holds its limit of {self.max_functions} functions; "
-                        "delete some",
-                        field="name",
-                    )
-                self._reserved.add(name)
-        try:
-            return self._register(name, kind, content, description, replace=replace)
-        finally:
-            if reserved:
-                with self._lock:
-                    self._reserved.discard(name)
-
-    def _register(
-        self, name: str, kind: str, content: bytes, description: str = "", *,
-        replace: bool = False,
-    ) -> tuple[Entry, bool]:
-        """``register`` once a slot is reserved."""
         if kind not in kinds.stored_names():
             raise InvalidArgumentError(
                 f"kind must be one of {sorted(kinds.stored_names())}, got {kind!r}", field="kind"
@@ -487,6 +461,8 @@ class Registry:
             raise FunctionConflictError(
                 f"{name!r} is a server-side function and cannot be replaced", field="name"
             )
+        if self._store_full_of_names(name):
+            raise too_many(self.max_functions)
         metadata = {"description": description}
         # Built before anything is written: content that does not load never reaches the store.
         built = _build(StoredFunction(name, kind, "", content, metadata, ""))
@@ -495,7 +471,9 @@ class Registry:
         stamp = getattr(kinds.get_kind(kind), "stamp", None)
         if stamp is not None:  # e.g. the export gate's pass, bound to the content's sha256
             metadata.update(stamp(content))
-        record, created = self.store.put(name, kind, content, metadata, replace=replace)
+        record, created = self.store.put(
+            name, kind, content, metadata, replace=replace, max_functions=self.max_functions
+        )
         idempotent = existing is not None and existing.digest == record.digest and not replace
         with self._lock:
             current = self._loaded.peek(name)
@@ -517,6 +495,14 @@ class Registry:
             self._notify(self.on_remove, [old[0]])
         self._notify(self.on_evict, evicted)
         return entry, created
+
+    def _store_full_of_names(self, name: str) -> bool:
+        """A cheap look before building: would the store refuse ``name`` as one too many?
+        (Advisory: the store's ``put`` decides, under its lock.)"""
+        try:
+            return self.store.record(name) is None and len(self.store) >= self.max_functions
+        except OverloadedError:
+            return False  # the store is unreachable now: the put reports it
 
     def delete(self, name: str) -> Entry:
         entry = self.lookup(name, "name")  # no need to build what is being deleted

@@ -66,6 +66,7 @@ class Settings(BaseSettings):
     #: (binary bodies decode without copying, so they get ``max_body_bytes``).
     max_json_body_bytes: int = 32 * 1024 * 1024
     max_upload_bytes: int = 32 * 1024 * 1024
+    #: Most stored functions, counted in the store shared by every process (429 past it).
     max_functions: int = 1000
     #: Most numbers one operator call may return (Jacobians and Hessians grow as n²;
     #: a sparse backend's count its nonzeros).

@@ -37,13 +37,16 @@ Unreadable name records and records whose object is missing are skipped at
 open, and a record whose object fails its hash check when read is dropped from
 the index, each with a logged warning, never an exception.
 
-Quota: with ``quota_bytes`` set, the distinct objects the names refer to (an
-object shared by several names counts once) never total more than it.  A put
-that would pass it raises ``StorageFullError`` (HTTP 507), or
-``PayloadTooLargeError`` (413) when its content alone is larger than the quota;
-the check and the write happen under the store's lock, so concurrent puts
-cannot overshoot together.  Replacing a function frees its old object's bytes
-unless another name still refers to it.
+Limits (``admit_put``, the rule every backend applies): with ``quota_bytes`` set,
+the distinct objects the names refer to (an object shared by several names counts
+once) never total more than it, and with ``put(..., max_functions=N)`` a new name
+is refused once N names are held.  A put that would pass either raises
+``StorageFullError`` (HTTP 507) or ``TooManyFunctionsError`` (429);
+``PayloadTooLargeError`` (413) when its content alone is larger than the quota.
+The check and the write happen under the store's lock, so concurrent puts cannot
+overshoot together (one process owns a directory store, so that lock is the only one
+needed).  Replacing a function frees its old object's bytes unless another name
+still refers to it; deleting is never refused by a limit.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import os
 import re
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,6 +73,7 @@ from dxclient.errors import (
     InvalidArgumentError,
     PayloadTooLargeError,
     StorageFullError,
+    TooManyFunctionsError,
 )
 
 from .kinds import stored_names
@@ -145,6 +150,7 @@ class FunctionStore(Protocol):
         metadata: dict[str, Any],
         *,
         replace: bool = False,
+        max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]: ...
 
     def get(self, name: str) -> StoredFunction | None: ...
@@ -240,6 +246,42 @@ def store_full(used: int, quota: int, needed: int) -> StorageFullError:
         f"{needed} more; delete or replace functions (DXSERVE_STORE_QUOTA_BYTES sets the quota)",
         field="body",
     )
+
+
+def too_many(limit: int) -> TooManyFunctionsError:
+    """The 429 for a new name past the store's function limit."""
+    return TooManyFunctionsError(
+        f"the server holds its limit of {limit} functions; delete some "
+        "(DXSERVE_MAX_FUNCTIONS sets the limit)",
+        field="name",
+    )
+
+
+def admit_put(
+    *,
+    new_name: bool,
+    max_functions: int | None,
+    names: Callable[[], int],
+    growth: int,
+    quota_bytes: int | None,
+    used: Callable[[], int],
+) -> None:
+    """Raise unless a put may happen: the one rule every store applies, inside its own
+    write lock or transaction so that concurrent writers cannot pass a limit together.
+
+    ``new_name``: the put binds a name the store does not hold; ``names()``: how many
+    it holds now (asked only then). ``growth``: bytes the distinct objects grow by
+    (negative when a replacement frees more than it adds); ``used()``: their bytes now
+    (asked only when ``growth > 0``). A put that adds no name and no bytes is always
+    allowed, even past a limit lowered since, so a full store can still be rearranged.
+    Raises ``TooManyFunctionsError`` (429) or ``StorageFullError`` (507).
+    """
+    if new_name and max_functions is not None and names() >= max_functions:
+        raise too_many(max_functions)
+    if growth > 0 and quota_bytes is not None:
+        now = used()
+        if now + growth > quota_bytes:
+            raise store_full(now, quota_bytes, growth)
 
 
 def with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
@@ -379,6 +421,7 @@ class DirectoryStore:
         metadata: dict[str, Any],
         *,
         replace: bool = False,
+        max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]:
         content, metadata, digest = checked_put(name, kind, content, metadata, self.quota_bytes)
         size = len(content)
@@ -390,7 +433,11 @@ class DirectoryStore:
                 return with_content(old, content), False
             if old is not None and not same and not replace:
                 raise conflict(old)
-            self._check_quota(digest, size, old)
+            admit_put(
+                new_name=old is None, max_functions=max_functions, names=self._index.__len__,
+                growth=self._growth(digest, size, old), quota_bytes=self.quota_bytes,
+                used=lambda: self._used,
+            )
             created = old.created if same else _now()
             record = StoredRecord(name, kind, digest, size, metadata, created)
             self._write_object(digest, content)
@@ -485,16 +532,14 @@ class DirectoryStore:
         # Records are frozen but metadata is a dict: hand out private copies.
         return dataclasses.replace(rec, metadata=copy.deepcopy(rec.metadata))
 
-    def _check_quota(self, digest: str, size: int, old: StoredRecord | None) -> None:
-        """Raise StorageFullError if binding a name to ``digest`` would pass the quota."""
-        if self.quota_bytes is None:
-            return
+    def _growth(self, digest: str, size: int, old: StoredRecord | None) -> int:
+        """Bytes the distinct objects grow by if a name now bound to ``old`` is bound to
+        ``digest`` (negative when the old object goes and was larger)."""
         added = 0 if self._refs.get(digest) else size
         freed = 0
         if old is not None and old.digest != digest and self._refs.get(old.digest) == 1:
             freed = self._sizes.get(old.digest, 0)
-        if self._used + added - freed > self.quota_bytes:
-            raise store_full(self._used, self.quota_bytes, added - freed)
+        return added - freed
 
     def _ref(self, digest: str, size: int) -> None:
         count = self._refs.get(digest, 0)

@@ -9,7 +9,8 @@ Tables (the same in both databases)::
 
 Every write is one transaction, serialized across processes (SQLite: ``BEGIN
 IMMEDIATE``; PostgreSQL: a transaction-scoped advisory lock), so the 409/``replace``
-rules and the quota are decided on what is committed, never on a process's stale view.
+rules, the function limit and the quota (``store.admit_put``) are decided on what is
+committed, never on a process's stale view.
 ``objects`` holds exactly the contents some name refers to (an object is removed in the
 transaction that drops its last name), so the quota check is one ``SUM``.
 
@@ -37,10 +38,10 @@ from ..store import (
     StoredFunction,
     StoredRecord,
     _now,
+    admit_put,
     checked_put,
     conflict,
     content_digest,
-    store_full,
     with_content,
 )
 
@@ -85,6 +86,17 @@ class SqlStore:
     def _is_unavailable(self, exc: BaseException) -> bool:
         """Is this driver error the database being unreachable or busy (try again)?"""
         return False
+
+    def _room_for(self, size: int) -> None:
+        """Raise ``StorageFullError`` if the disk cannot take ``size`` more bytes now;
+        called inside a put's write transaction (default: the database says so itself)."""
+
+    def _make_room(self) -> bool:
+        """Free some disk for a write that found it full (a delete); True if it did."""
+        return False
+
+    def _after_write(self, *, deleted: bool) -> None:
+        """Housekeeping once a write committed (SQLite: checkpoint the write-ahead log)."""
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Any]:
@@ -132,9 +144,13 @@ class SqlStore:
         metadata: dict[str, Any],
         *,
         replace: bool = False,
+        max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]:
         """Bind ``name`` to ``content``: the rules of ``DirectoryStore.put``, committed
-        (durably, see the backend) before it returns."""
+        (durably, see the backend) before it returns. The function limit and the quota
+        (``store.admit_put``) are decided on the committed rows inside the serialized
+        write transaction, so every process of every server sharing the store keeps
+        them exactly."""
         content, metadata, digest = checked_put(name, kind, content, metadata, self.quota_bytes)
         size = len(content)
         q = self._sql
@@ -155,13 +171,15 @@ class SqlStore:
             if old is not None and not same and not replace:
                 raise conflict(old)
             frees_old = old is not None and old.digest != digest and self._refs(cur, old.digest) == 1
-            if self.quota_bytes is not None:
-                cur.execute("SELECT COALESCE(SUM(size), 0) FROM objects")
-                used = int(cur.fetchone()[0])
-                added = 0 if have_object else size
-                freed = old.size if frees_old else 0
-                if used + added - freed > self.quota_bytes:
-                    raise store_full(used, self.quota_bytes, added - freed)
+            admit_put(
+                new_name=old is None, max_functions=max_functions,
+                names=lambda: self._scalar(cur, "SELECT COUNT(*) FROM functions"),
+                growth=(0 if have_object else size) - (old.size if frees_old else 0),
+                quota_bytes=self.quota_bytes,
+                used=lambda: self._scalar(cur, "SELECT COALESCE(SUM(size), 0) FROM objects"),
+            )
+            if not have_object:
+                self._room_for(size)
             created = old.created if same else _now()
             record = StoredRecord(name, kind, digest, size, metadata, created)
             if not have_object:
@@ -184,6 +202,7 @@ class SqlStore:
             if frees_old:
                 cur.execute(q("DELETE FROM objects WHERE digest = ?"), (old.digest,))
             self._log_change(cur, name)
+        self._after_write(deleted=False)
         return with_content(record, content), not same
 
     def get(self, name: str) -> StoredFunction | None:
@@ -212,6 +231,21 @@ class SqlStore:
         return [_record(row) for row in rows]
 
     def delete(self, name: str) -> bool:
+        """Remove ``name`` (False: absent). Never refused by a limit, and a disk too full
+        for even this small write is given the backend's reserve (``_make_room``) and
+        the delete tried once more: deleting is how a full store is freed."""
+        try:
+            found = self._delete(name)
+        except StorageFullError:
+            if not self._make_room():
+                raise
+            log.warning("store: the disk was full; released the reserve to delete %r", name)
+            found = self._delete(name)
+        if found:
+            self._after_write(deleted=True)
+        return found
+
+    def _delete(self, name: str) -> bool:
         q = self._sql
         with self._writing() as cur:
             cur.execute(q("SELECT digest FROM functions WHERE name = ?"), (name,))
@@ -282,7 +316,11 @@ class SqlStore:
             cur.execute(self._sql("DELETE FROM changes WHERE seq <= ?"), (newest - KEEP_CHANGES,))
 
     def _refs(self, cur: Any, digest: str) -> int:
-        cur.execute(self._sql("SELECT COUNT(*) FROM functions WHERE digest = ?"), (digest,))
+        return self._scalar(cur, "SELECT COUNT(*) FROM functions WHERE digest = ?", (digest,))
+
+    def _scalar(self, cur: Any, statement: str, params: tuple = ()) -> int:
+        """One integer read in the transaction of ``cur``."""
+        cur.execute(self._sql(statement), params)
         return int(cur.fetchone()[0])
 
 
