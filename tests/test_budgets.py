@@ -71,24 +71,30 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
     stop = threading.Event()
 
     def poll() -> None:
-        with httpx.Client(base_url=srv.url, timeout=30) as c:
+        # a quartic that ran would hold the worker for ~25 s: past this timeout
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
             while not stop.is_set():
                 t = time.perf_counter()
                 r = c.post("/gradient", json=small)
                 latencies.append(time.perf_counter() - t)
-                assert r.status_code == 200
+                assert r.status_code == 200 and r.json()["gradient"] == [-400.0, 1002.0, -200.0]
                 time.sleep(0.01)
 
-    poller = threading.Thread(target=poll)
+    poller_ok = False
+
+    def poll_checked() -> None:
+        nonlocal poller_ok
+        poll()
+        poller_ok = True
+
+    poller = threading.Thread(target=poll_checked)
     poller.start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             for name, (_, ops) in QUARTICS.items():
                 for op in ops:
                     for n in (160, 200):
-                        t = time.perf_counter()
                         r = c.post(f"/{op}", json={"function": name, "x": [0.5] * n})
-                        took = time.perf_counter() - t
                         assert r.status_code == 422, (name, op, n, r.text)
                         problem = r.json()
                         assert problem["type"].endswith(":budget-exceeded")
@@ -96,12 +102,10 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
                             "max_request_memory_bytes", "max_request_flops", "request_timeout"
                         )
                         assert "DXSERVE_" in problem["detail"] and problem["estimate"] > 0
-                        assert took < 10, (name, op, n, took)  # compiled, never run (~25 s+)
     finally:
         stop.set()
         poller.join()
-    assert len(latencies) >= 10
-    assert max(latencies) < 1.0, max(latencies)
+    assert poller_ok and len(latencies) >= 10  # small gradients answered all along
     # never ran: no multi-gigabyte intermediate was ever allocated
     assert _rss(srv.proc.pid)["VmHWM"] - before["VmHWM"] < 512 * 2**20
 
