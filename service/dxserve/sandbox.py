@@ -3,11 +3,14 @@
 A ``Sandbox`` is a *fork server*, started lazily with ``python -I`` and a minimal
 environment (nothing of the server's: no tokens, no paths but those passed). It imports
 what its jobs need once, runs ``prepare`` once (e.g. to load compiled code), then forks
-one child per job. The child sets its own limits (``RLIMIT_AS``: the fork server's
-address space plus ``memory_bytes``; ``RLIMIT_CPU``; no core file; killed if the fork
-server exits), runs the job and writes its answer; the fork server kills it at the
-wall-clock deadline and reports how it ended (``Outcome``). Jobs run one at a time,
-which bounds a sandbox's memory to one child.
+one child per job, ahead of time: the next child is forked as soon as the last job is
+answered and runs ``warm`` while it waits (what every job needs but the fork server
+must not do, e.g. start JAX's backend), so a job pays only for itself. Given its job,
+the child sets its own limits (``RLIMIT_AS``: its address space plus
+``memory_bytes``; ``RLIMIT_CPU``; no core file; killed if the fork server exits), runs
+the job and writes its answer; the fork server kills it at the wall-clock deadline and
+reports how it ended (``Outcome``). Jobs run one at a time, which bounds a sandbox's
+memory to one running child (and one waiting).
 
 A job is a function ``job(header: dict, payload: bytes) -> (reply: dict, payload: bytes)``
 of an importable module, named ``"module:function"``. Headers and replies are JSON,
@@ -82,7 +85,7 @@ _BOOT = """\
 import os, sys
 sys.path[:0] = [p for p in sys.argv[1].split(os.pathsep) if p]
 from dxserve.sandbox import _fork_server_main
-_fork_server_main(sys.argv[2], sys.argv[3], sys.argv[4])
+_fork_server_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
 """
 
 
@@ -111,15 +114,17 @@ class Sandbox:
 
     ``paths``: ``sys.path`` entries the fork server imports from (``-I`` ignores
     ``PYTHONPATH``); by default the directories holding dxserve and dxclient.
-    ``prepare``: "module:function" the fork server runs once before its first job
-    ("" for none). ``name`` goes into log lines.
+    ``prepare``: "module:function" the fork server runs once before its first job;
+    ``warm``: one each child runs before it is given its job, while the server is idle
+    (things the fork server must not do, like starting JAX's backend); "" for none.
+    ``name`` goes into log lines.
     """
 
     def __init__(
-        self, job: str, *, prepare: str = "", paths: Sequence[str] | None = None,
-        name: str = "sandbox",
+        self, job: str, *, prepare: str = "", warm: str = "",
+        paths: Sequence[str] | None = None, name: str = "sandbox",
     ) -> None:
-        self.job, self.prepare, self.name = job, prepare, name
+        self.job, self.prepare, self.warm, self.name = job, prepare, warm, name
         self.paths = list(paths) if paths is not None else _own_paths()
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -186,7 +191,7 @@ class Sandbox:
         self._workdir = self._workdir or tempfile.TemporaryDirectory(prefix=f"dxserve-{self.name}-")
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _BOOT, os.pathsep.join(self.paths), self.job,
-             self.prepare, self.name],
+             self.prepare, self.warm, self.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,  # the children's crash messages go to the server's log
@@ -275,8 +280,10 @@ def _read_exact(fd: int, n: int) -> bytes:
     return bytes(out)
 
 
-def _fork_server_main(job: str, prepare: str, name: str) -> None:
-    """Import the job once, run ``prepare``, then fork one child per job read from stdin.
+def _fork_server_main(job: str, prepare: str, warm: str, name: str) -> None:
+    """Import the job once, run ``prepare``, then hand each job read from stdin to a
+    child: a *spare* forked ahead of time, which ran ``warm`` while it waited (so the
+    job does not pay for it), or a fresh child if the spare died.
 
     It exits at EOF on stdin, i.e. when the server exits. (No ``PR_SET_PDEATHSIG``
     here: it fires when the *thread* that started this process exits, and the server
@@ -284,7 +291,9 @@ def _fork_server_main(job: str, prepare: str, name: str) -> None:
     """
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a dead spare: EPIPE, not death
     fn = _resolve(job)
+    warm_fn = _resolve(warm) if warm else None
     if prepare:
         try:
             _resolve(prepare)()
@@ -292,18 +301,24 @@ def _fork_server_main(job: str, prepare: str, name: str) -> None:
             print(f"{name}: prepare failed: {e!r}", file=sys.stderr)
     reply.write(_READY)
     reply.flush()
+    spare = _Spare.fork(fn, warm_fn)
     while True:
         try:
             nh, nb = _FRAME.unpack(_read_exact(0, _FRAME.size))
             frame = json.loads(_read_exact(0, nh))
             payload = _read_exact(0, nb)
         except EOFError:
+            spare.discard()
             os._exit(0)
-        outcome, body = _fork_and_run(fn, frame, payload)
+        if not spare.give(frame, payload):  # it died while it waited: a fresh one
+            spare = _Spare.fork(fn, None)
+            spare.give(frame, payload)
+        outcome, body = spare.wait(frame)
         head = json.dumps(outcome).encode()
         reply.write(_FRAME.pack(len(head), len(body)) + head)
         reply.write(body)
         reply.flush()
+        spare = _Spare.fork(fn, warm_fn)  # warms while the server is idle
 
 
 def _vm_size() -> int:
@@ -323,21 +338,148 @@ def _die_with_parent() -> None:
 
 
 def _limit(memory: int, seconds: float) -> None:
+    """Address space: what this process has now plus ``memory``; CPU: what it used so
+    far (a spare's warm-up) plus ``seconds``; no core file."""
     import resource
 
     space = _vm_size() + memory
     resource.setrlimit(resource.RLIMIT_AS, (space, space))
-    cpu = max(1, math.ceil(seconds))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + seconds))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _child(fn: Any, frame: dict[str, Any], payload: bytes, w: int) -> None:
-    """In the child: limits, the job, one framed answer on ``w``; never returns."""
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Spare:
+    """A forked child waiting for one job on a pipe (in the fork server)."""
+
+    def __init__(self, pid: int, jobs: int, answer: int, stderr: int) -> None:
+        self.pid, self.jobs, self.answer, self.stderr = pid, jobs, answer, stderr
+        self.started = 0.0
+
+    @classmethod
+    def fork(cls, fn: Any, warm: Any) -> _Spare:
+        jr, jw = os.pipe()  # the job, in
+        r, w = os.pipe()  # the answer, out
+        er, ew = os.pipe()  # its stderr: kept, and its tail reported when it crashes
+        pid = os.fork()
+        if pid == 0:
+            os.close(jw)
+            os.close(r)
+            os.close(er)
+            os.dup2(ew, 2)
+            _die_with_parent()
+            _spare_main(fn, warm, jr, w)
+        for fd in (jr, w, ew):
+            os.close(fd)
+        return cls(pid, jw, r, er)
+
+    def give(self, frame: dict[str, Any], payload: bytes) -> bool:
+        """Hand it the job; False if it is gone (it died while it waited)."""
+        self.started = time.monotonic()
+        head = json.dumps(frame).encode()
+        try:
+            _write_all(self.jobs, _FRAME.pack(len(head), len(payload)) + head)
+            _write_all(self.jobs, payload)
+        except OSError:
+            self.discard()
+            return False
+        os.close(self.jobs)
+        self.jobs = -1
+        return True
+
+    def discard(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        for fd in (self.jobs, self.answer, self.stderr):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.jobs = self.answer = self.stderr = -1
+
+    def wait(self, frame: dict[str, Any]) -> tuple[dict, bytes]:
+        """Its answer, or how it ended: killed at the deadline, or past the reply bound."""
+        seconds = float(frame.get("seconds", 60.0))
+        limit = int(frame.get("reply_bytes", 0)) + MAX_HEADER_BYTES + _FRAME.size
+        r, er = self.answer, self.stderr
+        deadline = self.started + seconds
+        out, err = bytearray(), b""
+        open_fds = {r, er}
+        ended = ""
+        while r in open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ended = "timeout"
+                break
+            ready, _, _ = select.select(list(open_fds), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    open_fds.discard(fd)
+                elif fd == r:
+                    out += chunk
+                    if len(out) > limit:
+                        ended = "too_large"
+                else:
+                    err = (err + chunk)[-4096:]
+            if ended:
+                break
+        took = round(time.monotonic() - self.started, 6)
+        if ended:
+            self.discard()
+            return {"status": ended, "seconds": took}, b""
+        for fd in (r, er):
+            os.close(fd)
+        self.answer = self.stderr = -1
+        _, status = os.waitpid(self.pid, 0)  # the pipe closed: it has exited or is exiting
+        tail = err.decode("utf-8", "replace")[-600:]
+        if os.WIFSIGNALED(status):
+            return {"status": "crashed", "signal": os.WTERMSIG(status), "detail": tail,
+                    "seconds": took}, b""
+        try:
+            nh, nb = _FRAME.unpack_from(out, 0)
+            if _FRAME.size + nh + nb != len(out):
+                raise ValueError("a short answer")
+            result = json.loads(bytes(out[_FRAME.size:_FRAME.size + nh]))
+            if not isinstance(result, dict):
+                raise ValueError("not an object")
+        except (ValueError, struct.error):
+            code = os.WEXITSTATUS(status)
+            return {"status": "memory" if code == 3 else "failed", "code": code,
+                    "detail": tail, "seconds": took}, b""
+        result["seconds"] = took
+        if result.get("status") != "ok":
+            result.setdefault("detail", tail)
+            return result, b""
+        return result, bytes(out[_FRAME.size + nh:])
+
+
+def _spare_main(fn: Any, warm: Any, jobs: int, w: int) -> None:
+    """In a spare child: warm up, wait for one job, run it within its limits, answer on
+    ``w``; never returns."""
+    if warm is not None:
+        try:
+            warm()
+        except Exception as e:  # noqa: BLE001 - the job pays for it instead
+            print(f"sandbox: warm-up failed: {e!r}", file=sys.stderr)
+    try:
+        nh, nb = _FRAME.unpack(_read_exact(jobs, _FRAME.size))
+        frame = json.loads(_read_exact(jobs, nh))
+        payload = _read_exact(jobs, nb)
+    except (EOFError, OSError, ValueError):
+        os._exit(0)  # the fork server is gone, or this spare was never used
+    os.close(jobs)
     code = 0
     body = b""
     try:
-        _die_with_parent()
         _limit(int(frame["memory"]), float(frame["seconds"]))
         answer, body = fn(frame["job"], payload)
         result: dict[str, Any] = {"status": "ok", "reply": answer}
@@ -350,77 +492,3 @@ def _child(fn: Any, frame: dict[str, Any], payload: bytes, w: int) -> None:
         _write_all(w, _FRAME.pack(len(head), len(body)) + head)
         _write_all(w, body)
     os._exit(code)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _fork_and_run(fn: Any, frame: dict[str, Any], payload: bytes) -> tuple[dict, bytes]:
-    """Fork a child for one job and wait for it (bounded); ``(outcome, payload)``."""
-    seconds = float(frame.get("seconds", 60.0))
-    limit = int(frame.get("reply_bytes", 0)) + MAX_HEADER_BYTES + _FRAME.size
-    r, w = os.pipe()
-    er, ew = os.pipe()  # the child's stderr: kept, and its tail reported when it crashes
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        os.close(er)
-        os.dup2(ew, 2)
-        _child(fn, frame, payload, w)
-    os.close(w)
-    os.close(ew)
-    deadline = started + seconds
-    out, err = bytearray(), b""
-    open_fds = {r, er}
-    ended = ""
-    while r in open_fds:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            ended = "timeout"
-            break
-        ready, _, _ = select.select(list(open_fds), [], [], left)
-        for fd in ready:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                open_fds.discard(fd)
-            elif fd == r:
-                out += chunk
-                if len(out) > limit:
-                    ended = "too_large"
-            else:
-                err = (err + chunk)[-4096:]
-        if ended:
-            break
-    for fd in (r, er):
-        os.close(fd)
-    took = round(time.monotonic() - started, 6)
-    if ended:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return {"status": ended, "seconds": took}, b""
-    _, status = os.waitpid(pid, 0)  # the pipe closed: the child has exited or is exiting
-    tail = err.decode("utf-8", "replace")[-600:]
-    if os.WIFSIGNALED(status):
-        return {"status": "crashed", "signal": os.WTERMSIG(status), "detail": tail,
-                "seconds": took}, b""
-    try:
-        nh, nb = _FRAME.unpack_from(out, 0)
-        if _FRAME.size + nh + nb != len(out):
-            raise ValueError("a short answer")
-        result = json.loads(bytes(out[_FRAME.size:_FRAME.size + nh]))
-        if not isinstance(result, dict):
-            raise ValueError("not an object")
-    except (ValueError, struct.error):
-        code = os.WEXITSTATUS(status)
-        return {"status": "memory" if code == 3 else "failed", "code": code, "detail": tail,
-                "seconds": took}, b""
-    result["seconds"] = took
-    if result.get("status") != "ok":
-        result.setdefault("detail", tail)
-        return result, b""
-    return result, bytes(out[_FRAME.size + nh:])

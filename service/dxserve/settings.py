@@ -79,9 +79,10 @@ class Settings(BaseSettings):
     #: element of each intermediate), so 2 GiB finds patterns of a few million nonzeros.
     sparse_detection_memory_bytes: int = Field(default=2 << 30, ge=64 << 20)
     #: Most nonzeros of a sparsity pattern, given or detected (422 ``budget-exceeded``
-    #: above; 0: no limit). A prep holds ~80 bytes per nonzero (index arrays on the host
-    #: and the device, the compiled gather, the wire form), so 2^23 is ~0.7 GB at most.
-    max_nnz: int = Field(default=2**23, ge=0)
+    #: above; 0: no limit). A prep holds ~200 bytes per nonzero (index arrays on the host
+    #: and the device, the compiled gather's constants), so one at 2^22 holds ~0.8 GB:
+    #: a server with a few GB survives it, and a tridiagonal n = 10^6 (3e6) fits.
+    max_nnz: int = Field(default=2**22, ge=0)
     #: Bytes of device memory one compiled operator may need by XLA's own estimate
     #: (arguments, outputs, temporaries, code; 422 ``budget-exceeded`` above; 0: no limit).
     max_request_memory_bytes: int = 4 * 1024**3

@@ -68,8 +68,8 @@ class ChildDetector:
         self.origin_of, self.content_of = origin_of, content_of
         paths = [os.getcwd() if p == "" else p for p in sys.path if isinstance(p, str)]
         self.sandbox = Sandbox(
-            f"{__name__}:child_job", prepare=f"{__name__}:warm_up", paths=paths,
-            name="sparsity detector",
+            f"{__name__}:child_job", prepare=f"{__name__}:warm_up",
+            warm=f"{__name__}:warm_child", paths=paths, name="sparsity detector",
         )
 
     def close(self) -> None:
@@ -286,3 +286,17 @@ def warm_up() -> None:
     ax.color_cols(tiny)
     ax.color_rows(tiny)
     ax.color_symmetric(tiny)
+
+
+def warm_child() -> None:
+    """In each child while it waits for its job: start JAX's backend and detect, colour
+    and encode a tiny pattern once, so the job finds JAX's caches filled."""
+    import jax
+    import jax.numpy as jnp
+
+    job = PatternJob("jacobian", (4, 4), "column")
+    with jax.enable_x64(True):
+        pattern, colouring = analyse_here(
+            job, lambda v: jnp.sin(v) * jnp.cumsum(v), np.zeros(4), (), DetectionBudget()
+        )
+    encode(pattern, colouring)

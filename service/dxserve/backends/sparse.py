@@ -44,7 +44,7 @@ from dxclient.errors import (
 
 from .engine import Engine, Fn
 from .plugins import PLUGINS
-from .sparse_detection import Detector, InProcessDetector, PatternJob, asdex
+from .sparse_detection import BYTES_PER_NONZERO, Detector, InProcessDetector, PatternJob, asdex
 
 __all__ = ["BCOO", "SparseEngine", "register", "sparse_wire"]
 
@@ -217,20 +217,16 @@ class SparseEngine(Engine):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this engine holds for its pattern: asdex's pattern and colouring, the
-        device indices, the wire form (what a byte-bounded prep cache counts)."""
-        arrays: list[Any] = [self.indices]
-        if self.pattern is not None:
-            arrays += [self.pattern.rows, self.pattern.cols]
-        c = self.coloring
-        if c is not None:
-            arrays += [c.colors, getattr(c, "_gather_indices", None),
-                       getattr(c, "_seed_matrix", None)]
-            star = c.star_set
-            if star is not None:
-                arrays += [star.star, star.hub, star.edge_lo, star.edge_hi, star.edge_pos]
-        arrays += [v for v in (self.wire or {}).values() if isinstance(v, np.ndarray)]
-        return sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
+        """Bytes a prep of this engine holds for its pattern, estimated: host and device
+        index arrays and the compiled gather's constants, ``BYTES_PER_NONZERO`` per
+        nonzero (measured), plus the colouring's (colours, dim) seed matrix. What a
+        byte-bounded cache of preps counts."""
+        if self.pattern is None:
+            return 0
+        seeds = 0
+        if self.coloring is not None:
+            seeds = int(self.coloring.num_colors) * int(np.size(self.coloring.colors))
+        return BYTES_PER_NONZERO * int(self.pattern.nnz) + 9 * seeds  # bool + float64
 
     def _choose_dense(self) -> None:
         """With ``dense="auto"``, the engine follows the colouring asdex picked."""

@@ -50,10 +50,10 @@ __all__ = [
     "decode", "encode",
 ]
 
-#: Bytes a prep holds per nonzero of its pattern, measured (bench/sparse_detection.py):
-#: the index arrays (asdex's pattern, the BCOO's, the gather indices, the wire form),
-#: the compiled gather's constants, and a result's values.
-BYTES_PER_NONZERO = 80
+#: Bytes a prep holds per nonzero of its pattern, measured (bench/sparse_detection.py:
+#: ~200 at n = 10^5 and 10^6): index arrays (asdex's pattern and colouring, the BCOO's,
+#: the wire form) and the compiled gather, whose indices are constants of the program.
+BYTES_PER_NONZERO = 200
 #: Greedy colouring steps per second assumed when refusing a colouring in advance:
 #: several times what numba does here (about 3.5e8/s), so a refusal means the colouring
 #: could not have finished on any machine, not that it might be slow.
