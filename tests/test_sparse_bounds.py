@@ -126,6 +126,31 @@ def _sin_cumsum(v):
     return jnp.sin(v) * jnp.cumsum(v)
 
 
+def test_an_export_is_rebuilt_in_the_child_and_its_refusal_says_what_to_do(
+    srv: ServerProcess,
+) -> None:
+    import base64
+
+    from dxclient.export import export_function
+
+    bundle = export_function(lambda v: 2.0 * jnp.sin(v), np.zeros(6))
+    body = {"name": "bounds_export", "export": base64.b64encode(bundle).decode()}
+    assert httpx.post(srv.url + "/functions", json=body, timeout=120).status_code in (200, 201)
+    x = np.linspace(0.1, 0.6, 6)
+    # the child loads the export, and asdex has no rule for its call: a 422, not a 500
+    r = _post(srv, "/jacobian", {"function": "bounds_export", "backend": "sparse",
+                                 "x": x.tolist()})
+    problem = _refused(r, "sparsity-detection")
+    assert "asdex cannot detect" in problem["detail"] and "sparsity=" in problem["detail"]
+    # the advice works: with the pattern given, only the colouring runs in the child
+    eye = {"format": "coo", "shape": [6, 6], "indices": [[i, i] for i in range(6)]}
+    ok = _post(srv, "/jacobian", {"function": "bounds_export", "x": x.tolist(),
+                                  "backend": {"type": "sparse", "sparsity": eye}})
+    assert ok.status_code == 200, ok.text
+    np.testing.assert_allclose(_csr(ok.json()["jacobian"]), np.diag(2.0 * np.cos(x)),
+                               rtol=1e-6)
+
+
 # --- one small request must not take the server's memory --------------------------------------
 @pytest.mark.parametrize("path", ["/sparsity", "/jacobian"])
 def test_softmax_8000_is_refused_and_the_server_stays_small(
@@ -181,13 +206,13 @@ def test_health_answers_while_patterns_are_found_and_coloured(srv: ServerProcess
     finally:
         poller.stop.set()
         poller.join(timeout=5)
+    assert not poller.failed, f"/health went unanswered {len(poller.failed)} times"
+    assert polled >= 3 and len(poller.answered) >= polled + 3
+    assert set(poller.answered) == {200}
     assert heavy.status_code != 500 and colouring.status_code != 500
     _refused(heavy, "sparsity-detection", "budget-exceeded")
     problem = _refused(colouring, "sparsity-detection", "budget-exceeded")
-    assert "10 s" in problem["detail"], problem
-    assert not poller.failed, poller.failed[:3]
-    assert polled >= 3 and len(poller.answered) >= polled + 3
-    assert set(poller.answered) == {200}
+    assert "10 s" in problem["detail"], problem  # stopped mid-colouring, at the deadline
     _alive(srv)
 
 
@@ -286,3 +311,57 @@ def test_in_process_patterns_take_whole_numbers_only() -> None:
     assert nan.value.field == "backend.sparsity.cols"
     whole = SparsePattern([0.0, 1.0], [1, 0], (2, 2))  # whole floats are indices
     assert whole.rows.tolist() == [0, 1] and whole.cols.tolist() == [1, 0]
+
+
+# --- what comes back from the child is checked before it is used -------------------------------
+def test_an_inconsistent_answer_from_the_child_is_refused() -> None:
+    from dxclient.errors import SparsityDetectionError
+    from dxserve.backends.sparse_detection import (
+        DetectionBudget,
+        InProcessDetector,
+        PatternJob,
+        analyse_here,
+        decode,
+        encode,
+    )
+
+    job = PatternJob("jacobian", (8, 8), "column")
+    x = np.full(8, 0.5)
+    pattern, colouring = analyse_here(job, sf.sp_tridiagonal, x, (), DetectionBudget())
+    header, payload = encode(pattern, colouring)
+    good, coloured = decode(header, payload, job, DetectionBudget())  # the honest answer
+    reference = InProcessDetector().analyse(job, sf.sp_tridiagonal, x, ())
+    assert good.nnz == reference.pattern.nnz == 22
+    assert coloured.num_colors == reference.coloring.num_colors
+
+    def tampered(name: str, value: int, at: int = 0) -> tuple[dict, bytes]:
+        arrays = {n: np.frombuffer(payload, "<i4", size, 4 * sum(
+            s for _, s in header["arrays"][:i])).copy()
+            for i, (n, size) in enumerate(header["arrays"])}
+        arrays[name][at] = value
+        return header, b"".join(a.astype("<i4").tobytes() for a in arrays.values())
+
+    bad = [
+        tampered("rows", 8),  # outside the shape
+        tampered("cols", -1),
+        tampered("rows", 5, at=3),  # no longer sorted row-major
+        tampered("colors", 99),  # a colour that does not exist
+        (header, payload[:-4]),  # truncated
+        (header, payload + b"\0\0\0\0"),  # bytes left over
+        ({**header, "arrays": [["rows", -1]]}, payload),
+        ({**header, "mode": "sideways"}, payload),
+        ({**header, "num_colors": 10**9}, payload),
+    ]
+    for h, p in bad:
+        with pytest.raises(SparsityDetectionError, match="inconsistent"):
+            decode(h, p, job, DetectionBudget())
+
+
+def test_a_refusal_from_the_child_keeps_only_known_fields() -> None:
+    from dxclient.errors import BudgetExceededError
+    from dxserve.sparse_sandbox import _refusal
+
+    err = _refusal({"type": "budget-exceeded", "detail": "over",
+                    "extra": {"limit": "max_nnz", "estimate": 5, "field": "x", "status": 200}})
+    assert isinstance(err, BudgetExceededError) and err.field == "backend"
+    assert err.extra == {"limit": "max_nnz", "estimate": 5}

@@ -112,7 +112,7 @@ class ChildDetector:
         outcome = self.sandbox.run(header, b"".join(parts), self._limits(job))
         reply = _check(outcome, self)
         pattern, coloring = decode(reply, outcome.payload, job, self.budget)
-        return Analysis(pattern, coloring, time.perf_counter() - started, "child")
+        return Analysis(pattern, coloring, time.perf_counter() - started)
 
     def _limits(self, job: PatternJob) -> Limits:
         nnz = self.budget.max_nnz
@@ -145,26 +145,31 @@ def _check(outcome: Outcome, detector: ChildDetector) -> dict[str, Any]:
         if isinstance(refused, dict):  # a typed refusal, rebuilt here
             raise _refusal(refused)
         return reply
-    if outcome.status == "timeout" or (
-        outcome.status == "crashed" and outcome.signal in (signal.SIGXCPU, signal.SIGKILL)
-        and seconds is not None and outcome.seconds >= 0.9 * seconds
-    ):
+    crashed = outcome.status == "crashed"
+    if outcome.status == "timeout" or (crashed and (
+        outcome.signal == signal.SIGXCPU  # its CPU-time limit
+        or (outcome.signal == signal.SIGKILL and seconds is not None
+            and outcome.seconds >= 0.9 * seconds)  # the hard CPU limit after SIGXCPU
+    )):
         raise SparsityDetectionError(
             f"sparsity detection and colouring took longer than {seconds:g} s and were "
             f"stopped; {_FIX}, or raise DXSERVE_SPARSE_DETECTION_SECONDS",
             field="backend",
         )
-    if outcome.status in ("memory", "crashed", "too_large"):
-        why = {
-            "memory": "ran out of its memory limit",
-            "crashed": f"crashed ({_signame(outcome.signal)}), most likely out of its "
-                       "memory limit",
-            "too_large": "answered more than the pattern limit allows",
-        }[outcome.status]
+    if outcome.status in ("memory", "too_large"):
+        why = ("ran out of its memory limit" if outcome.status == "memory"
+               else "answered more than DXSERVE_MAX_NNZ allows")
         raise SparsityDetectionError(
             f"sparsity detection {why} ({memory >> 20} MiB, "
             f"DXSERVE_SPARSE_DETECTION_MEMORY_BYTES): the pattern is too large to find; "
             f"{_FIX}, or raise DXSERVE_SPARSE_DETECTION_MEMORY_BYTES",
+            field="backend",
+        )
+    if crashed:
+        raise SparsityDetectionError(
+            f"the process detecting the pattern crashed ({_signame(outcome.signal)}; native "
+            f"code failing, often for want of memory: its limit is {memory >> 20} MiB, "
+            f"DXSERVE_SPARSE_DETECTION_MEMORY_BYTES); {_FIX}",
             field="backend",
         )
     if outcome.status == "unavailable":
@@ -186,7 +191,9 @@ _REFUSALS: dict[str, type[DxError]] = {
 
 def _refusal(refused: dict[str, Any]) -> DxError:
     cls = _REFUSALS.get(str(refused.get("type")), SparsityDetectionError)
-    extra = refused.get("extra") if isinstance(refused.get("extra"), dict) else {}
+    given = refused.get("extra") if isinstance(refused.get("extra"), dict) else {}
+    extra = {k: given[k] for k in ("limit", "estimate")
+             if isinstance(given.get(k), str | int | float) and not isinstance(given[k], bool)}
     return cls(str(refused.get("detail", "refused"))[:1000], field="backend", **extra)
 
 

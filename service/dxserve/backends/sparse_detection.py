@@ -23,7 +23,8 @@ What each step costs, and what bounds it (``DetectionBudget``):
   in linear time, and a colouring that could not finish within the time left even at
   ``STEPS_PER_SECOND`` is refused before it starts.
 * a colouring of ``k`` colours makes the operator hold a ``(k, dim)`` seed matrix:
-  refused past ``max_seed_bytes`` before it is built.
+  refused past ``max_seed_bytes``, from a lower bound on ``k`` (``fewest_colours``)
+  before colouring, and from ``k`` itself before the matrix is built.
 
 Refusals are 422s naming ``backend``: ``BudgetExceededError`` (``limit`` names the
 setting) or ``SparsityDetectionError``, each with the fix (pass the pattern as
@@ -85,16 +86,20 @@ class PatternJob:
     colour: bool = True
     given: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def symmetric(self) -> bool:
+        """Star colouring: asked for, or a Hessian's default."""
+        return self.coloring == "star" or (self.kind == "hessian" and self.coloring != "column")
+
 
 @dataclass(frozen=True)
 class Analysis:
-    """asdex's ``SparsityPattern`` and ``ColoredPattern`` (None when not coloured);
-    ``seconds`` spent finding them, ``where`` it happened ("process" or "child")."""
+    """asdex's ``SparsityPattern`` and ``ColoredPattern`` (None when not coloured), and
+    the ``seconds`` spent finding them."""
 
     pattern: Any
     coloring: Any
     seconds: float
-    where: str = "process"
 
 
 @dataclass(frozen=True)
@@ -127,9 +132,9 @@ class DetectionBudget:
         if steps / STEPS_PER_SECOND > left:
             raise BudgetExceededError(
                 f"colouring this pattern takes about {steps:.3g} steps, more than "
-                f"{left:.3g} s allows even at {STEPS_PER_SECOND:.0e} steps/s "
-                "(DXSERVE_SPARSE_DETECTION_SECONDS); pass a colouring-friendly pattern, use "
-                "a dense backend, or raise DXSERVE_SPARSE_DETECTION_SECONDS",
+                f"{max(left, 0):.3g} s left allows even at {STEPS_PER_SECOND:.0e} steps/s "
+                "(DXSERVE_SPARSE_DETECTION_SECONDS): the pattern is too dense to colour in "
+                "time; use a dense backend, or raise DXSERVE_SPARSE_DETECTION_SECONDS",
                 field="backend", limit="sparse_detection_seconds",
                 estimate=steps / STEPS_PER_SECOND,
             )
@@ -190,6 +195,8 @@ def analyse_here(
         return pattern, None
     left = None if budget.seconds is None else budget.seconds - (time.perf_counter() - started)
     budget.check_steps(colouring_steps(pattern.rows, pattern.cols, job.shape, job), left)
+    fewest, dim = fewest_colours(pattern.rows, pattern.cols, job)
+    budget.check_seeds(fewest, dim)  # before colouring, from what any colouring needs
     colouring = colour_arrays(pattern, job)
     budget.check_seeds(int(colouring.count), int(colouring.colors.size))
     return pattern, colouring
@@ -222,16 +229,32 @@ def colouring_steps(
         counts = np.bincount(index, minlength=size).astype(np.float64)
         return int(2 * float(counts @ counts))
 
-    if job.kind == "hessian" or job.coloring == "star":
+    if job.symmetric:
         off = rows != cols
-        if job.kind == "hessian" and job.coloring == "column":
-            return pairs(rows, m)
         return pairs(np.concatenate([rows[off], cols[off]]), n)
-    if job.coloring == "column":
+    if job.coloring == "column" or job.kind == "hessian":
         return pairs(rows, m)
     if job.coloring == "row":
         return pairs(cols, n)
     return pairs(rows, m) + pairs(cols, n)  # both, the fewer colours kept
+
+
+def fewest_colours(rows: np.ndarray, cols: np.ndarray, job: PatternJob) -> tuple[int, int]:
+    """``(colours, dim)``: a lower bound on the colours of ``job``'s colouring (the entries
+    of one row need distinct column colours, of one column distinct row colours) and
+    the length of the seeds; star colourings are bounded only by 2 here."""
+    m, n = job.shape
+    if rows.size == 0:
+        return 0, n
+    if job.symmetric:
+        return (2 if (rows != cols).any() else 1), n
+    by_cols = int(np.bincount(rows, minlength=m).max())
+    if job.coloring == "column" or job.kind == "hessian":
+        return by_cols, n
+    by_rows = int(np.bincount(cols, minlength=n).max())
+    if job.coloring == "row":
+        return by_rows, m
+    return (by_cols, n) if by_cols * n <= by_rows * m else (by_rows, m)
 
 
 @dataclass(frozen=True)
@@ -251,9 +274,8 @@ def colour_arrays(pattern: Any, job: PatternJob) -> Colouring:
     without building the ``ColoredPattern``."""
     ax = asdex()
     m, n = job.shape
-    symmetric = job.coloring == "star" or (job.kind == "hessian" and job.coloring != "column")
     mode = "fwd_over_rev" if job.kind == "hessian" else "fwd"
-    if symmetric:
+    if job.symmetric:
         if pattern.nnz == 0:
             return Colouring(np.full(n, -1, np.int32), 0, mode, True)
         colors, count, star = ax.color_symmetric(pattern)
