@@ -7,9 +7,6 @@ constraint Jacobians from the service.
 
 from __future__ import annotations
 
-import gc
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -22,9 +19,17 @@ from fastapi.testclient import TestClient
 import dxserve
 from dxclient import Client
 from dxclient import sparse as wire
-from dxclient.errors import ResultTooLargeError, ShapeMismatchError, SparsityDetectionError
+from dxclient.errors import BudgetExceededError, ResultTooLargeError, ShapeMismatchError
 from dxserve import JaxForward, JaxReverse, SecondOrder, Sparse
 from dxserve.backends import sparse as sparse_backend
+from dxserve.backends.sparse_detection import (
+    BYTES_PER_NONZERO,
+    DetectionBudget,
+    InProcessDetector,
+    PatternJob,
+    colouring_steps,
+)
+from dxserve.budget import ComputeLimits
 from dxserve.http import create_app
 from dxserve.preparation import prepare
 from dxserve.settings import Settings
@@ -128,40 +133,58 @@ def test_result_limit_counts_nonzeros() -> None:
         prepare("jacobian", sf.sp_tridiagonal, Sparse(), x, None, (), None, 3 * n)
 
 
-# the timeout, raised where exceptions are dropped, is not reported as an error
-@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-def test_detection_time_is_bounded() -> None:
-    sparse_backend.configure_detection(0.05)
-    started = time.perf_counter()
-    try:
-        with pytest.raises(SparsityDetectionError, match="longer than"):
-            dxserve.prepare_jacobian(sf.sp_tridiagonal, Sparse(), sf.example_x(300_000))
-        # stopped, not waited for: detection at this size takes ~7 s here
-        assert time.perf_counter() - started < 3.0
-    finally:
-        sparse_backend.configure_detection(60.0)
-    # the thread that was interrupted goes on working
-    assert dxserve.prepare_jacobian(sf.sp_tridiagonal, Sparse(), sf.example_x(50)).report
+def test_library_budget_refuses_before_colouring() -> None:
+    """The library's detector runs in this thread and takes a budget: a pattern over
+    max_nnz is refused before it is coloured, and a colouring that cannot finish in time
+    (counted from the pattern) before it starts."""
+    x = sf.example_x(300)
+    f = sf.sp_tridiagonal
+    detector = InProcessDetector(DetectionBudget(max_nnz=100))
+    limits = ComputeLimits(sparsity=detector)
+    with pytest.raises(BudgetExceededError) as refused:
+        prepare("jacobian", f, Sparse(), x, None, (), limits=limits)
+    assert refused.value.field == "backend" and refused.value.extra["limit"] == "max_nnz"
+    assert refused.value.extra["estimate"] == 3 * 300 - 2
+    band = np.abs(np.subtract.outer(np.arange(300), np.arange(300))) <= 1
+    with pytest.raises(BudgetExceededError, match="DXSERVE_MAX_NNZ"):  # a given one too
+        prepare("jacobian", f, Sparse(sparsity=band), x, None, (), limits=limits)
+    dense = InProcessDetector(DetectionBudget(seconds=1e-9))
+    with pytest.raises(BudgetExceededError) as slow:
+        prepare("jacobian", f, Sparse(), x, None, (), limits=ComputeLimits(sparsity=dense))
+    assert slow.value.extra["limit"] == "sparse_detection_seconds"
+    assert slow.value.extra["estimate"] > 0
+    # the pattern alone needs no colouring: not refused by the colouring's time
+    prep = prepare("sparsity", f, Sparse(), x, None, (), limits=ComputeLimits(sparsity=dense))
+    assert prep.report["sparsity"]["nnz"] == 3 * 300 - 2
 
 
-@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-def test_a_timeout_lost_in_a_callback_is_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    reported: list[type] = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_type))
-    sparse_backend._drop_lost_timeouts()
-    sparse_backend._drop_lost_timeouts()  # once: not wrapped twice
+def test_library_refuses_a_seed_matrix_over_budget() -> None:
+    x = sf.example_x(50)
+    # the arrow-head needs 50 colours by columns: a (50, 50) float64 seed matrix
+    detector = InProcessDetector(DetectionBudget(max_seed_bytes=8 * 50 * 49))
+    with pytest.raises(BudgetExceededError) as refused:
+        prepare("jacobian", sf.sp_arrowhead, Sparse(JaxForward()), x, None, (),
+                limits=ComputeLimits(sparsity=detector))
+    assert refused.value.extra["limit"] == "max_request_memory_bytes"
 
-    class Lost:
-        def __init__(self, error: type[BaseException]) -> None:
-            self.error = error
 
-        def __del__(self) -> None:
-            raise self.error
+def test_colouring_steps_count_pairs_sharing_a_row() -> None:
+    rows, cols = np.array([0, 0, 0, 1]), np.array([0, 1, 2, 2])
+    job = PatternJob("jacobian", (2, 3), "column")
+    assert colouring_steps(rows, cols, (2, 3), job) == 2 * (3 * 3 + 1 * 1)
+    by_rows = PatternJob("jacobian", (2, 3), "row")
+    assert colouring_steps(rows, cols, (2, 3), by_rows) == 2 * (1 + 1 + 2 * 2)
 
-    Lost(sparse_backend._DetectionTimeout)
-    Lost(ValueError)
-    gc.collect()
-    assert reported == [ValueError]  # everything else still goes to the hook before
+
+def test_engine_holds_its_wire_form_and_counts_its_bytes() -> None:
+    x = sf.example_x(100)
+    prep = dxserve.prepare_jacobian(sf.sp_tridiagonal, Sparse(), x)
+    engine = prep.compiler
+    assert engine.nbytes >= BYTES_PER_NONZERO * (3 * 100 - 2)  # what a prep cache counts
+    J = dxserve.jacobian(sf.sp_tridiagonal, Sparse(), x, prep=prep)
+    obj = sparse_backend.sparse_wire(J)
+    assert obj["indices"] is engine.wire["indices"]  # made once, not per call
+    np.testing.assert_array_equal(obj["data"], np.asarray(J.data))
 
 
 # --- over HTTP -------------------------------------------------------------------------

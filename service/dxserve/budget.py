@@ -130,6 +130,9 @@ class ComputeLimits:
     #: basis vectors (or batch items) from which a chunkable operator runs in chunks
     #: even when it fits (None: ``chunking.CHUNK_FROM``; 0: only past the budget)
     chunk_from: int | None = None
+    #: how a ``Sparse`` backend finds and colours its pattern, within which bounds (a
+    #: ``backends.sparse_detection.Detector``; None: in the preparing thread, unbounded)
+    sparsity: Any = None
 
     def seconds(self, est: Estimate) -> float:
         traffic = est.bytes_accessed + ALLOCATION_WEIGHT * est.memory_bytes

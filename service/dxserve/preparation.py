@@ -432,7 +432,7 @@ def _prepare(
     spec = FAMILIES[family]
     inputs = Inputs(px, pt, contexts, y)
     spec.check(inputs)
-    engine.prepare(family, f, inputs)  # e.g. sparsity detection and colouring, once
+    engine.prepare(family, f, inputs, limits)  # e.g. sparsity detection and colouring, once
     elements = _check_result_size(family, inputs, max_result_elements, engine, points)
     signature = Signature.of(x, tangents, contexts, batch_axis)
     twin_key = (f, operator, resolved, signature)

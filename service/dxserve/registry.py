@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from . import executable_cache, kinds
 from .functions import FunctionInfo, module_functions
 from .kinds.expression import expression_content
 from .kinds.module import MODULE
+from .origins import Origin, module_origin, stored_origin
 from .store import FunctionStore, StoredFunction, StoredRecord, too_many, validate_name
 
 __all__ = ["Entry", "Registry", "expression_content"]
@@ -86,6 +88,11 @@ def _build(record: StoredFunction) -> Entry:
         record.digest,
         record.created,
     )
+
+
+def _origin_of(kind: str, name: str, digest: str) -> Origin | None:
+    found = kinds.get_kind(kind)
+    return stored_origin(found, name, digest) if found is not None else None
 
 
 def _index_entry(record: StoredRecord | StoredFunction) -> Entry:
@@ -146,6 +153,8 @@ class Registry:
         self._building: dict[str, threading.Lock] = {}  # one build per name at a time
         self.on_remove: list[Callable[[Entry], None]] = []
         self.on_evict: list[Callable[[Entry], None]] = []
+        #: built callable -> how to build it again elsewhere (see ``origins``)
+        self._origins: weakref.WeakKeyDictionary[Callable, Origin] = weakref.WeakKeyDictionary()
 
     # --- loading -----------------------------------------------------------
     def add_module(self, module: str) -> list[str]:
@@ -160,6 +169,7 @@ class Registry:
         """Register one server-side callable (kind ``module``, never stored)."""
         built = MODULE.wrap(fn)
         entry = Entry(info.name, MODULE.name, built.fn, info.description, built.signature)
+        self._remember(built.fn, module_origin(built.fn))
         with self._lock:
             self._entries[info.name] = entry
         return entry
@@ -276,6 +286,7 @@ class Registry:
                 field=field_name,
             ) from None
         entry = dataclasses.replace(index, fn=built.fn)
+        self._remember(built.fn, _origin_of(record.kind, record.name, record.digest))
         with self._lock:
             if self._entries.get(index.name) is not index:
                 return entry  # replaced meanwhile: serve this call, keep nothing
@@ -315,6 +326,29 @@ class Registry:
         for entry in entries:
             for callback in callbacks:
                 callback(entry)
+
+    # --- origins: rebuilding a function in another process ---------------------
+    def _remember(self, fn: Callable, origin: Origin | None) -> None:
+        if origin is None:
+            return
+        try:
+            with self._lock:
+                self._origins[fn] = origin
+        except TypeError:  # not weak-referenceable: it has no origin then
+            pass
+
+    def origin(self, fn: Callable) -> Origin | None:
+        """How the registered callable ``fn`` can be built again (None: it cannot)."""
+        try:
+            with self._lock:
+                return self._origins.get(fn)
+        except TypeError:
+            return None
+
+    def content(self, origin: Origin) -> bytes | None:
+        """A stored function's content bytes, if the store still holds that version."""
+        record = self.store.get(origin.name)
+        return record.content if record is not None and record.digest == origin.digest else None
 
     def loaded_count(self) -> int:
         """How many stored functions are built in memory now."""
@@ -474,6 +508,7 @@ class Registry:
         record, created = self.store.put(
             name, kind, content, metadata, replace=replace, max_functions=self.max_functions
         )
+        self._remember(built.fn, _origin_of(kind, name, record.digest))
         idempotent = existing is not None and existing.digest == record.digest and not replace
         with self._lock:
             current = self._loaded.peek(name)

@@ -35,7 +35,8 @@ from dxclient.platforms import export_platform
 from . import export_gate, observe
 from .admission import Budget, Ticket
 from .backends import backend_table
-from .backends.sparse import BCOO, configure_detection, sparse_wire
+from .backends.sparse import BCOO, sparse_wire
+from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .jobs import Job, JobCancelled
 from .precision import float64_scope
@@ -44,6 +45,7 @@ from .registry import Registry
 from .request_batching import Batcher
 from .settings import Settings
 from .signature import Signature
+from .sparse_sandbox import ChildDetector
 from .stores import open_store
 from .worker import Workers
 
@@ -114,13 +116,20 @@ class Service:
             settings.max_batch, settings.batch_wait, settings.compute_nice,
         )
         self._tokens = settings.tokens()
-        configure_detection(settings.sparse_detection_seconds)
+        #: sparsity detection and colouring, in a bounded child process (sparse_sandbox)
+        self.detector = ChildDetector(
+            DetectionBudget(
+                settings.max_nnz or None, settings.sparse_detection_seconds,
+                settings.max_request_memory_bytes or None,
+            ),
+            settings.sparse_detection_memory_bytes, self.registry.origin, self.registry.content,
+        )
         #: per-request bounds on XLA's estimate of each compiled operator (see budget.py)
         self.limits = ComputeLimits(
             settings.max_request_memory_bytes or None, settings.max_request_flops or None,
             settings.request_timeout, settings.assumed_flops_per_second,
             settings.assumed_bytes_per_second, chunk_memory_bytes=settings.chunk_memory_bytes,
-            chunk_from=settings.chunk_from,
+            chunk_from=settings.chunk_from, sparsity=self.detector,
         )
         #: operator -> computations stopped early (client gone or past the deadline)
         self.cancelled: dict[str, int] = {}
@@ -390,6 +399,7 @@ class Service:
 
     def close(self) -> None:
         self.workers.close()
+        self.detector.close()
         self.store.close()
 
 

@@ -72,8 +72,18 @@ class Settings(BaseSettings):
     #: a sparse backend's count its nonzeros).
     max_result_elements: int = 2**27
     #: Seconds sparsity detection and colouring (``Sparse`` backends, at preparation) may
-    #: take before the request is refused with 422 ``sparsity-detection``.
+    #: take, in their child process (wall clock and CPU time), before the request is
+    #: refused with 422 ``sparsity-detection``.
     sparse_detection_seconds: float = Field(default=60.0, gt=0)
+    #: Address space (bytes) the child process that detects and colours a pattern may
+    #: add to its own (RLIMIT_AS); detection holds ~150-700 bytes per nonzero (and per
+    #: element of each intermediate), so 2 GiB finds patterns of a few million nonzeros.
+    sparse_detection_memory_bytes: int = Field(default=2 << 30, ge=64 << 20)
+    #: Most nonzeros of a sparsity pattern, given or detected (422 ``budget-exceeded``
+    #: above; 0: no limit). A prep holds ~200 bytes per nonzero (index arrays on the host
+    #: and the device, the compiled gather's constants), so one at 2^22 holds ~0.8 GB:
+    #: a server with a few GB survives it, and a tridiagonal n = 10^6 (3e6) fits.
+    max_nnz: int = Field(default=2**22, ge=0)
     #: Bytes of device memory one compiled operator may need by XLA's own estimate
     #: (arguments, outputs, temporaries, code; 422 ``budget-exceeded`` above; 0: no limit).
     max_request_memory_bytes: int = 4 * 1024**3

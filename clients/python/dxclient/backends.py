@@ -131,6 +131,62 @@ class Auto:
         return {"type": self.type}
 
 
+def _pattern_shape(value: Any, field: str) -> tuple[int, int]:
+    """``(m, n)`` of a pattern: two whole numbers in [0, ``SparsePattern.MAX_DIMENSION``]."""
+    dims = index_array(value, field, SparsePattern.MAX_DIMENSION + 1, "dimensions")
+    if dims.shape != (2,):
+        raise InvalidBackendError(
+            f"a sparsity pattern's shape is [m, n], got {value!r}"[:200], field=field
+        )
+    return int(dims[0]), int(dims[1])
+
+
+def index_array(value: Any, field: str, bound: int, what: str = "indices") -> np.ndarray:
+    """``value`` (nested lists, a numpy array) as int64 indices in ``[0, bound)``.
+
+    Floats are accepted only when whole; booleans, strings, NaN, infinities, numbers
+    past int64 and negative or out-of-range indices raise ``InvalidBackendError``
+    naming ``field``.
+    """
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged or unreadable
+        raise InvalidBackendError(f"{what} must be an array of integers: {exc}"[:300],
+                                  field=field) from None
+    kind = a.dtype.kind
+    if a.size == 0:
+        return np.zeros(a.shape, dtype=np.int64)
+    if kind == "f":
+        if not np.isfinite(a).all():
+            raise InvalidBackendError(f"{what} must be finite integers (got NaN or an infinity)", field=field)
+        if (a != np.floor(a)).any():
+            raise InvalidBackendError(f"{what} must be whole numbers, got a fraction",
+                                      field=field)
+    elif kind == "O":  # Python ints past 64 bits, None, nested objects
+        bad = next((v for v in a.flat if not isinstance(v, int | np.integer)
+                    or isinstance(v, bool) or not -(2**63) <= v < 2**63), a.flat[0])
+        raise InvalidBackendError(
+            f"{what} must be integers within 64 bits, got {repr(bad)[:40]}", field=field
+        )
+    elif kind not in "iu":  # bool, str, complex
+        raise InvalidBackendError(f"{what} must be integers, got {a.dtype}", field=field)
+    low, high = a.min(), a.max()
+    if low < 0 or high >= bound:  # compared before any cast: nothing overflows
+        bad = low if low < 0 else high
+        shown = f"{bad:g}" if kind == "f" else str(int(bad))
+        raise InvalidBackendError(f"{what} must be in [0, {bound - 1}], got {shown}",
+                                  field=field)
+    return a.astype(np.int64)
+
+
+def _below(values: np.ndarray, bound: int, field: str, what: str) -> None:
+    if values.size and int(values.max()) >= bound:
+        raise InvalidBackendError(
+            f"a {what} index is {int(values.max())}, outside the shape ({what}s < {bound})",
+            field=field,
+        )
+
+
 class SparsePattern:
     """A sparsity pattern given by the user: an ``(m, n)`` boolean structure, no values.
 
@@ -140,19 +196,30 @@ class SparsePattern:
     ``{"format": "csr", "shape", "indptr", "indices"}`` (a ``"data"`` member is ignored).
     Entries are kept sorted row-major and unique (``rows``, ``cols``: int64, (nnz,)).
     Equal patterns compare and hash equal by content (a digest computed once).
+
+    Every index must be a non-negative integer inside the shape (a float only when it
+    is whole), each dimension at most ``MAX_DIMENSION``: anything else is an
+    ``InvalidBackendError`` naming the field (``backend.sparsity.indices``, ...).
     """
 
     __slots__ = ("rows", "cols", "shape", "_digest")
 
-    def __init__(self, rows: Any, cols: Any, shape: tuple[int, int]) -> None:
-        m, n = (int(d) for d in shape)
-        r = np.asarray(rows, dtype=np.int64).reshape(-1)
-        c = np.asarray(cols, dtype=np.int64).reshape(-1)
-        if r.shape != c.shape or (r.size and (r.min() < 0 or c.min() < 0 or r.max() >= m or c.max() >= n)):
+    #: Largest dimension of a pattern: the sparse engine indexes entries with int32.
+    MAX_DIMENSION = 2**31 - 1
+
+    def __init__(
+        self, rows: Any, cols: Any, shape: Any, field: str = "backend.sparsity"
+    ) -> None:
+        m, n = _pattern_shape(shape, f"{field}.shape")
+        r = index_array(rows, f"{field}.rows", m, "row indices")
+        c = index_array(cols, f"{field}.cols", n, "column indices")
+        if r.ndim != 1 or c.ndim != 1 or r.shape != c.shape:
             raise InvalidBackendError(
-                f"sparsity: rows and cols must be equally long and inside the shape {[m, n]}",
-                field="backend.sparsity",
+                f"sparsity: rows and cols must be 1-D and equally long, got {r.shape} "
+                f"and {c.shape}",
+                field=field,
             )
+        # m, n < 2**31, so a row-major key fits in int64
         keys = np.unique(r * max(n, 1) + c)  # sorted row-major, duplicates dropped
         self.rows, self.cols = keys // max(n, 1), keys % max(n, 1)
         self.rows.flags.writeable = self.cols.flags.writeable = False
@@ -174,38 +241,66 @@ class SparsePattern:
             return cls._from_json(value, field)
         if hasattr(value, "tocoo") and hasattr(value, "shape"):  # scipy.sparse
             coo = value.tocoo()
-            return cls(coo.row, coo.col, coo.shape)
+            return cls(coo.row, coo.col, coo.shape, field)
         if hasattr(value, "indices") and hasattr(value, "nse"):  # BCOO
             idx = np.asarray(value.indices)
-            return cls(idx[:, 0], idx[:, 1], value.shape)
-        a = np.asarray(value)
-        if a.ndim != 2:
+            if idx.ndim != 2 or idx.shape[1] != 2:
+                raise InvalidBackendError(
+                    f"sparsity: a 2-D BCOO's indices are (nnz, 2), got {idx.shape}",
+                    field=f"{field}.indices",
+                )
+            return cls(idx[:, 0], idx[:, 1], value.shape, field)
+        try:
+            a = np.asarray(value)
+        except (TypeError, ValueError, OverflowError) as exc:  # ragged lists, say
             raise InvalidBackendError(
-                f"sparsity must be a 2-D pattern (m, n), got {a.ndim} dimensions", field=field
+                f"sparsity must be a 2-D 0/1 array or a pattern object: {exc}", field=field
+            ) from None
+        if a.ndim != 2 or a.dtype.kind not in "biuf":
+            raise InvalidBackendError(
+                f"sparsity must be a 2-D pattern (m, n) of numbers, got {a.ndim} "
+                f"dimensions of {a.dtype}",
+                field=field,
             )
         r, c = np.nonzero(a)
-        return cls(r, c, a.shape)
+        return cls(r, c, a.shape, field)
 
     @classmethod
     def _from_json(cls, obj: dict, field: str) -> SparsePattern:
-        try:
-            fmt, shape = obj["format"], obj["shape"]
-            if fmt == "coo":
-                idx = np.asarray(obj["indices"], dtype=np.int64).reshape(-1, 2)
-                return cls(idx[:, 0], idx[:, 1], tuple(shape))
-            if fmt == "csr":
-                indptr = np.asarray(obj["indptr"], dtype=np.int64)
-                cols = np.asarray(obj["indices"], dtype=np.int64)
-                if indptr.size != int(shape[0]) + 1 or indptr[-1] != cols.size:
-                    raise ValueError("indptr must have m + 1 entries ending at nnz")
-                return cls(np.repeat(np.arange(int(shape[0])), np.diff(indptr)), cols, tuple(shape))
-        except InvalidBackendError:
-            raise
-        except (KeyError, TypeError, ValueError, IndexError) as exc:  # IndexError: a 0-d indptr
-            raise InvalidBackendError(f"sparsity: {exc}", field=field) from None
-        raise InvalidBackendError(
-            f"sparsity format must be 'coo' or 'csr', got {fmt!r}", field=f"{field}.format"
-        )
+        fmt = obj.get("format")
+        if fmt not in ("coo", "csr"):
+            raise InvalidBackendError(
+                f"sparsity format must be 'coo' or 'csr', got {fmt!r}", field=f"{field}.format"
+            )
+        for key in ("shape", "indices", *(("indptr",) if fmt == "csr" else ())):
+            if key not in obj:
+                raise InvalidBackendError(
+                    f"a {fmt} sparsity pattern needs {key!r}", field=f"{field}.{key}"
+                )
+        m, n = _pattern_shape(obj["shape"], f"{field}.shape")
+        if fmt == "coo":
+            idx = index_array(obj["indices"], f"{field}.indices", max(m, n))
+            if idx.size == 0:
+                idx = idx.reshape(0, 2)
+            if idx.ndim != 2 or idx.shape[1] != 2:
+                raise InvalidBackendError(
+                    f"coo indices are [[row, col], ...] (nnz, 2), got shape {list(idx.shape)}",
+                    field=f"{field}.indices",
+                )
+            _below(idx[:, 0], m, f"{field}.indices", "row")
+            _below(idx[:, 1], n, f"{field}.indices", "column")
+            return cls(idx[:, 0], idx[:, 1], (m, n), field)
+        cols = index_array(obj["indices"], f"{field}.indices", n).reshape(-1)
+        indptr = index_array(obj["indptr"], f"{field}.indptr", cols.size + 1, "row pointers")
+        if indptr.shape != (m + 1,) or indptr[0] != 0 or indptr[-1] != cols.size:
+            raise InvalidBackendError(
+                f"csr indptr must have m + 1 = {m + 1} entries from 0 to nnz = {cols.size}",
+                field=f"{field}.indptr",
+            )
+        counts = np.diff(indptr)
+        if (counts < 0).any():
+            raise InvalidBackendError("csr indptr must not decrease", field=f"{field}.indptr")
+        return cls(np.repeat(np.arange(m, dtype=np.int64), counts), cols, (m, n), field)
 
     def to_json(self) -> dict[str, Any]:
         """``{"format": "csr", "shape": [m, n], "indptr": [...], "indices": [...]}``."""

@@ -164,10 +164,17 @@ class Engine:
         return y, _tangents.unstack_tuple(out, len(tangents))
 
     # --- preparation hooks ----------------------------------------------------------
-    def prepare(self, family: str, f: Callable, inputs: Any) -> None:
+    def prepare(self, family: str, f: Callable, inputs: Any, limits: Any = None) -> None:
         """Look at the function once, at preparation, before the operator is built
-        (``inputs``: ``preparation.Inputs``). Plain engines need nothing; the sparse
-        engine detects and colours the pattern here."""
+        (``inputs``: ``preparation.Inputs``; ``limits``: the server's ``ComputeLimits``,
+        None in the library). Plain engines need nothing; the sparse engine detects and
+        colours the pattern here, with ``limits.sparsity``."""
+
+    @property
+    def nbytes(self) -> int:
+        """Host and device bytes this engine holds beyond compiled code (a sparse
+        engine's pattern); what a byte-bounded cache of preps counts."""
+        return 0
 
     def result_elements(self, family: str, n: int, m: int, k: int) -> int | None:
         """Numbers ``family``'s results hold here, when this engine knows better than

@@ -1,31 +1,23 @@
 """Sparse Jacobians and Hessians (``Sparse``, DI's ``AutoSparse``) with asdex.
 
-At preparation, ``SparseEngine.prepare`` finds the pattern once (asdex's jaxpr-based
-``jacobian_sparsity`` / ``hessian_sparsity``, or the pattern the descriptor carries)
-and colours it (asdex's greedy column/row colouring, star colouring for symmetric
-Hessians). The compiled operator then does one pass of the dense engine per colour
-(pushforwards for column colourings, pullbacks for row colourings, HVPs for Hessians)
-on the 0/1 seed matrix, and asdex's ``decompress_data`` gathers the nonzeros from the
-compressed products. Results are ``jax.experimental.sparse.BCOO`` matrices of the
-flattened map, ``(y.size, x.size)`` (``(x.size, x.size)`` for Hessians), entries sorted
-row-major; the compiled executable returns only their ``data`` and the constant
-indices are attached afterwards, so nothing but nnz values leaves the device.
-
-Detection is bounded in time (``configure_detection``, ``DXSERVE_SPARSE_DETECTION_SECONDS``):
-it runs in the preparing thread and a timer raises an exception in that thread when
-the bound passes (``_bounded``), answered as 422 ``sparsity-detection``.
-
-asdex is imported on first use: it pulls in numba, which a server that never sees a
-sparse backend need not load.
+At preparation, ``SparseEngine.prepare`` has its pattern found once (asdex's jaxpr-based
+``jacobian_sparsity`` / ``hessian_sparsity``, or the pattern the descriptor carries) and
+coloured (asdex's greedy column/row colouring, star colouring for symmetric Hessians)
+by a ``sparse_detection.Detector``: in the preparing thread for the library, in a
+bounded child process for a server (``ComputeLimits.sparsity``; see
+``sparse_detection`` and ``dxserve.sparse_sandbox``). The compiled operator then does
+one pass of the dense engine per colour (pushforwards for column colourings, pullbacks
+for row colourings, HVPs for Hessians) on the 0/1 seed matrix, and asdex's
+``decompress_data`` gathers the nonzeros from the compressed products. Results are
+``jax.experimental.sparse.BCOO`` matrices of the flattened map, ``(y.size, x.size)``
+(``(x.size, x.size)`` for Hessians), entries sorted row-major; the compiled executable
+returns only their ``data`` and the constant indices are attached afterwards, so
+nothing but nnz values leaves the device. The engine keeps the results' wire form
+without data too (``sparse_wire``), so only ``data`` is new per call.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
-import threading
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -47,122 +39,20 @@ from dxclient.backends import (
 from dxclient.errors import (
     InvalidBackendError,
     ShapeMismatchError,
-    SparsityDetectionError,
     UnsupportedOperatorError,
 )
-from dxclient.lru import LRU
 
 from .engine import Engine, Fn
 from .plugins import PLUGINS
+from .sparse_detection import BYTES_PER_NONZERO, Detector, InProcessDetector, PatternJob, asdex
 
-__all__ = [
-    "BCOO", "SparseEngine", "configure_detection", "register", "sparse_wire",
-]
+__all__ = ["BCOO", "SparseEngine", "register", "sparse_wire"]
 
 #: families the sparse engine computes; every other one runs on the dense backend
 SPARSE_FAMILIES = frozenset({"jacobian", "hessian", "sparsity"})
 
-_DETECTION_SECONDS = [60.0]
-
-
-def configure_detection(seconds: float) -> None:
-    """Bound sparsity detection and colouring to ``seconds`` per preparation (process-wide;
-    the server sets it from ``Settings.sparse_detection_seconds``)."""
-    _DETECTION_SECONDS[0] = float(seconds)
-
-
-_ASDEX: list[Any] = []
-
-
-def _asdex() -> Any:
-    """asdex, imported once (numba comes with it)."""
-    if not _ASDEX:
-        import asdex
-
-        _ASDEX.append(asdex)
-    return _ASDEX[0]
-
-
-# --- a time bound on detection ---------------------------------------------------
-class _DetectionTimeout(BaseException):
-    """Raised inside the detecting thread by the timer (a BaseException so no
-    ``except Exception`` in between swallows it)."""
-
-
-def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
-    )
-
-
-def _drop_lost_timeouts() -> None:
-    """Install (once) an unraisable-exception hook that drops a ``_DetectionTimeout``
-    raised where exceptions are reported and dropped (a gc callback, a ``__del__``, a
-    weakref callback): the timer asks again, and it is not an error to print.
-    Everything else goes to the hook that was there."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_detection_timeouts", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if isinstance(unraisable.exc_type, type) and issubclass(
-            unraisable.exc_type, _DetectionTimeout
-        ):
-            return
-        previous(unraisable)
-
-    hook.drops_detection_timeouts = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
-def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
-    """``fn()``, or ``SparsityDetectionError`` once it has run ``seconds``.
-
-    A Python thread cannot be killed, so the timer asks the interpreter to raise
-    ``_DetectionTimeout`` in this thread at its next bytecode: detection is Python
-    (asdex walks the jaxpr with index sets) and stops within milliseconds; a long
-    call into native code (numba's colouring) finishes first and is then refused.
-    """
-    _drop_lost_timeouts()
-    target = threading.get_ident()
-    lock = threading.Lock()
-    state: dict[str, Any] = {"done": False, "fired": False, "timer": None}
-
-    def fire() -> None:
-        with lock:
-            if state["done"]:
-                return
-            state["fired"] = True
-            _set_async_exc(target, _DetectionTimeout)
-            # Raised inside a callback that drops exceptions (JAX's gc callback, a
-            # __del__), it is lost (``_drop_lost_timeouts``): ask again until the
-            # thread has stopped.
-            state["timer"] = threading.Timer(0.05, fire)
-            state["timer"].daemon = True
-            state["timer"].start()
-
-    state["timer"] = threading.Timer(seconds, fire)
-    state["timer"].daemon = True
-    state["timer"].start()
-    result: Any = None
-    try:
-        try:
-            result = fn()
-        finally:
-            with lock:
-                state["done"] = True
-                if state["fired"]:
-                    _set_async_exc(target, None)  # clear it if it is still pending
-                state["timer"].cancel()
-    except _DetectionTimeout:
-        state["fired"] = True
-    if state["fired"]:
-        raise SparsityDetectionError(
-            f"{what} took longer than {seconds:g} s; pass the pattern "
-            "(Sparse(dense, sparsity=...)), or raise DXSERVE_SPARSE_DETECTION_SECONDS",
-            field="backend",
-        )
-    return result
+#: the library's detector: asdex in the preparing thread, no budget
+IN_PROCESS = InProcessDetector()
 
 
 # --- resolution and engines ----------------------------------------------------
@@ -244,6 +134,9 @@ class SparseEngine(Engine):
         self.indices: Any = None
         self.y_shape: tuple[int, ...] = ()
         self._report: dict[str, Any] = {}
+        #: the results' wire object without ``data`` (see ``sparse_wire``)
+        self.wire: dict[str, Any] | None = None
+        self.values = True  # False for the sparsity operator: a pattern has no data
 
     # the primitives: the dense engine's (other operators never reach this engine)
     def pushforward(self, g: Fn, x: Any, tx: Any) -> tuple[Any, Any]:
@@ -258,7 +151,9 @@ class SparseEngine(Engine):
         return self.dense
 
     # --- preparation: the pattern and its colouring, once ----------------------
-    def prepare(self, family: str, f: Callable, inputs: Any) -> None:
+    def prepare(self, family: str, f: Callable, inputs: Any, limits: Any = None) -> None:
+        """Find and colour the pattern with ``limits.sparsity`` (a ``Detector``; the
+        library's: in this thread, unbounded)."""
         x, contexts, y = inputs.x, inputs.contexts, inputs.y
         for tree, field, what in ((x, "x", "input"), (y, "function", "output")):
             if isinstance(tree, dict | list | tuple) or not hasattr(tree, "shape"):
@@ -268,7 +163,7 @@ class SparseEngine(Engine):
                     "backend for Jacobian/Hessian blocks of pytrees",
                     field=field,
                 )
-        asdex = _asdex()
+        detector: Detector = getattr(limits, "sparsity", None) or IN_PROCESS
         n, m = int(np.size(x)), int(np.prod(np.shape(y), dtype=np.int64))
         self.y_shape = tuple(np.shape(y))
         if family == "sparsity":
@@ -276,8 +171,14 @@ class SparseEngine(Engine):
         else:
             self.kind = family
         shape = (n, n) if self.kind == "hessian" else (m, n)
-        started = time.perf_counter()
+        colour = family != "sparsity"
+        if colour and self.kind == "jacobian" and self.backend.coloring == "star" and m != n:
+            raise InvalidBackendError(
+                f"star colouring needs a square Jacobian, this one is {list(shape)}",
+                field="backend.coloring",
+            )
         given = self.backend.sparsity
+        pair = None
         if given is not None:
             if tuple(given.shape) != shape:
                 raise ShapeMismatchError(
@@ -285,57 +186,47 @@ class SparseEngine(Engine):
                     f"{self.kind} is {list(shape)} (flattened: y.size by x.size)",
                     field="backend.sparsity",
                 )
+            detector.budget.check_nnz(given.nnz, "given")
             rows, cols = given.rows, given.cols
             if self.kind == "hessian":  # a Hessian is symmetric: so is its pattern
                 keys = np.unique(np.concatenate([rows * n + cols, cols * n + rows]))
                 rows, cols = keys // max(n, 1), keys % max(n, 1)
-            pattern = asdex.SparsityPattern.from_coo(rows, cols, shape)
-        else:
-            detect = asdex.hessian_sparsity if self.kind == "hessian" else asdex.jacobian_sparsity
-            pattern = _bounded(
-                lambda: _detect(detect, f, x, contexts), _DETECTION_SECONDS[0],
-                "sparsity detection",
-            )
-        detected = time.perf_counter()
-        self.pattern, self.shape = pattern, shape
+            pair = (rows, cols)
+        job = PatternJob(self.kind, shape, self.backend.coloring, colour, pair)
+        found = detector.analyse(job, f, x, contexts)
+        self.pattern, self.coloring, self.shape = found.pattern, found.coloring, shape
         report: dict[str, Any] = {
-            "of": self.kind, "shape": list(shape), "nnz": int(pattern.nnz),
+            "of": self.kind, "shape": list(shape), "nnz": int(found.pattern.nnz),
             "source": "given" if given is not None else "detected",
         }
-        if family != "sparsity":
-            remaining = max(_DETECTION_SECONDS[0] - (detected - started), 0.001)
-            with warnings.catch_warnings():  # asdex warns when colours == columns: reported
-                warnings.simplefilter("ignore", asdex.DenseColoringWarning)
-                self.coloring = _bounded(lambda: self._color(pattern), remaining, "colouring")
+        if colour:
             self._choose_dense()
             report.update(
                 colors=int(self.coloring.num_colors), coloring=self._coloring_name(),
                 mode=self._mode_name(),
             )
-        report["seconds"] = round(time.perf_counter() - started, 6)
+        report["seconds"] = round(found.seconds, 6)
         self._report = {"sparsity": report}
         with jax.ensure_compile_time_eval():
-            rows = np.asarray(pattern.rows, dtype=np.int32)
-            cols = np.asarray(pattern.cols, dtype=np.int32)
+            rows = np.asarray(found.pattern.rows, dtype=np.int32)
+            cols = np.asarray(found.pattern.cols, dtype=np.int32)
             self.indices = jnp.asarray(np.stack([rows, cols], axis=1).reshape(-1, 2))
-        _remember_wire(
-            self.indices, self.backend.format, shape, rows, cols, values=family != "sparsity"
-        )
+        # the results' wire form without data, made once (only data is new per call)
+        self.wire = wire.wire_object(self.backend.format, shape, rows, cols)
+        self.values = colour
 
-    def _color(self, pattern: Any) -> Any:
-        asdex = _asdex()
-        coloring = self.backend.coloring
-        if self.kind == "hessian":
-            return asdex.hessian_coloring_from_sparsity(pattern, symmetric=coloring != "column")
-        if coloring == "star":
-            if pattern.m != pattern.n:
-                raise InvalidBackendError(
-                    f"star colouring needs a square Jacobian, this one is {list(pattern.shape)}",
-                    field="backend.coloring",
-                )
-            return asdex.jacobian_coloring_from_sparsity(pattern, symmetric=True, mode="fwd")
-        mode = {"column": "fwd", "row": "rev", None: None}[coloring]
-        return asdex.jacobian_coloring_from_sparsity(pattern, mode=mode)
+    @property
+    def nbytes(self) -> int:
+        """Bytes a prep of this engine holds for its pattern, estimated: host and device
+        index arrays and the compiled gather's constants, ``BYTES_PER_NONZERO`` per
+        nonzero (measured), plus the colouring's (colours, dim) seed matrix. What a
+        byte-bounded cache of preps counts."""
+        if self.pattern is None:
+            return 0
+        seeds = 0
+        if self.coloring is not None:
+            seeds = int(self.coloring.num_colors) * int(np.size(self.coloring.colors))
+        return BYTES_PER_NONZERO * int(self.pattern.nnz) + 9 * seeds  # bool + float64
 
     def _choose_dense(self) -> None:
         """With ``dense="auto"``, the engine follows the colouring asdex picked."""
@@ -387,13 +278,15 @@ class SparseEngine(Engine):
         else:  # one pushforward per colour of columns
             y, out = dense.pushforward(g, x, jnp.reshape(seeds, (k, *np.shape(x))))
         compressed = jnp.reshape(out, (k, -1))
-        data = _asdex().decompress_data(compressed, c)
+        data = asdex().decompress_data(compressed, c)
         return y, self._bcoo(data)
 
     def _bcoo(self, data: Any) -> BCOO:
-        return BCOO(
+        matrix = BCOO(
             (data, self.indices), shape=self.shape, indices_sorted=True, unique_indices=True
         )
+        matrix._dxserve_engine = self  # its wire form, for sparse_wire
+        return matrix
 
     def pattern_bcoo(self) -> BCOO:
         """The pattern alone: a BCOO of int8 ones (int8, not bool, so ``todense`` works)."""
@@ -426,38 +319,15 @@ def _direction(b: Backend) -> str:
     return {"jax-forward": "forward", "jax-reverse": "reverse"}.get(b.type, b.type)
 
 
-def _detect(detect: Callable, f: Callable, x: Any, contexts: tuple) -> Any:
-    """asdex's detection with contexts as (undifferentiated) arguments: the pattern then
-    holds for every value of them, as a prep (made per shapes, not values) needs."""
-    try:
-        return detect(f, x, *contexts, argnums=0)
-    except NotImplementedError as exc:  # a primitive asdex has no rule for
-        raise SparsityDetectionError(
-            f"asdex cannot detect this pattern ({str(exc).splitlines()[0][:200]}); "
-            "pass it as Sparse(dense, sparsity=...)",
-            field="backend",
-        ) from exc
-
-
 # --- results on the wire ---------------------------------------------------------------
-#: indices array id -> (the array, wire form without data, values?): what each prep's
-#: results carry (a pattern's wire form has no data)
-_WIRE: LRU[int, tuple[Any, dict[str, Any], bool]] = LRU(256)
-
-
-def _remember_wire(
-    indices: Any, fmt: str, shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
-    *, values: bool = True,
-) -> None:
-    _WIRE.put(id(indices), (indices, wire.wire_object(fmt, shape, rows, cols), values))
-
-
 def sparse_wire(matrix: BCOO) -> dict[str, Any]:
     """A BCOO result -> its wire object (``dxclient.sparse``) with numpy arrays; the index
-    arrays made at preparation are reused, only ``data`` is new."""
-    known = _WIRE.get(id(matrix.indices))
-    if known is not None and known[0] is matrix.indices:
-        return {**known[1], "data": np.asarray(matrix.data)} if known[2] else known[1]
+    arrays the engine made at preparation are reused, only ``data`` is new."""
+    engine = getattr(matrix, "_dxserve_engine", None)
+    if isinstance(engine, SparseEngine) and engine.wire is not None and (
+        matrix.indices is engine.indices
+    ):
+        return {**engine.wire, "data": np.asarray(matrix.data)} if engine.values else engine.wire
     data = np.asarray(matrix.data)
     # another BCOO (a batched call's row): sort its entries row-major
     idx = np.asarray(matrix.indices).reshape(-1, 2).astype(np.int64)
