@@ -26,8 +26,10 @@ def test_bearer_scheme_on_every_token_checked_route() -> None:
     for operation in writes:
         assert "403" in operation["responses"]
     assert "429" in SPEC["paths"]["/functions"]["post"]["responses"]  # the function limit
-    for path in ("/health", "/ready", "/functions", "/backends", "/metrics"):
+    for path in ("/health", "/ready", "/backends"):
         assert "security" not in SPEC["paths"][path]["get"], path
+    for path in ("/functions", "/functions/{name}", "/metrics"):  # DXSERVE_PRIVATE_METADATA
+        assert SPEC["paths"][path]["get"]["security"] == [{"bearer": []}, {}], path
 
 
 def _union(name: str) -> dict:

@@ -49,7 +49,7 @@ from .sparse_sandbox import ChildDetector
 from .stores import open_store
 from .worker import Workers
 
-Action = Literal["compute", "write"]
+Action = Literal["compute", "write", "read"]
 
 
 _log = logging.getLogger("dxserve.service")
@@ -144,12 +144,23 @@ class Service:
         """Raise ``UnauthorizedError`` unless ``token`` may do ``action``.
 
         Registry writes need a token whenever tokens are configured; computations
-        only when ``require_token_for_compute`` is set. With no token configured,
-        registry writes are refused (``ForbiddenError``) on a server that listens
-        beyond loopback, unless ``allow_anonymous_registration`` is set: secure by
-        default. ``token`` is the bearer token the caller presented (None: none).
+        only when ``require_token_for_compute`` is set, and reading the registry, the
+        metrics and the API documents only with ``private_metadata``. With no token
+        configured, registry writes are refused (``ForbiddenError``) on a server that
+        listens beyond loopback, unless ``allow_anonymous_registration`` is set: secure
+        by default; so is reading with ``private_metadata``. ``token`` is the bearer
+        token the caller presented (None: none).
         """
+        if action == "read" and not self.settings.private_metadata:
+            return
         if not self._tokens:
+            if action == "read":
+                raise ForbiddenError(
+                    "DXSERVE_PRIVATE_METADATA is set but no token is configured: set "
+                    "DXSERVE_TOKEN (or DXSERVE_TOKENS_FILE) and send "
+                    "'Authorization: Bearer <token>'",
+                    field="Authorization",
+                )
             if action == "write" and not self.anonymous_writes():
                 raise ForbiddenError(
                     f"registration is closed: this server listens on {self.settings.host!r} "

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     token: str | None = None
     tokens_file: Path | None = None
     require_token_for_compute: bool = False
+    #: Also require the token to read what the server holds: ``GET /functions``,
+    #: ``/functions/{name}``, ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
+    #: (``/health`` and ``/ready`` stay open for probes). Needs a token configured.
+    private_metadata: bool = False
     #: With no token configured, registry writes (POST/DELETE /functions) are accepted
     #: only when the server listens on a loopback address; set this to accept them
     #: from anyone on any address (e.g. behind a proxy that authenticates).

@@ -164,13 +164,14 @@ def _add_routes(app: FastAPI) -> None:
     # Explicit operationIds: generated clients name their methods after them.
     app.get(
         "/functions", response_model=schemas.FunctionList, tags=["functions"],
-        operation_id="list_functions",
+        responses=_private_problems(), operation_id="list_functions",
     )(
         routes.list_functions
     )
     app.get(
         "/functions/{name}", response_model=schemas.FunctionInfoModel, tags=["functions"],
-        responses={404: {"model": schemas.Problem}}, operation_id="get_function",
+        responses={404: {"model": schemas.Problem}, **_private_problems()},
+        operation_id="get_function",
     )(routes.get_function)
     app.post(
         "/functions", tags=["functions"], status_code=201,
@@ -193,8 +194,18 @@ def _add_routes(app: FastAPI) -> None:
     app.get("/health", tags=["service"], operation_id="health")(routes.health)
     app.get("/ready", tags=["service"], operation_id="ready")(routes.ready)
     app.get(
-        "/metrics", tags=["service"], response_class=Response, operation_id="metrics"
+        "/metrics", tags=["service"], response_class=Response, responses=_private_problems(),
+        operation_id="metrics",
     )(routes.prometheus)
+
+
+def _private_problems() -> dict:
+    return {
+        401: {"model": schemas.Problem,
+              "description": "Missing or invalid bearer token (DXSERVE_PRIVATE_METADATA)"},
+        403: {"model": schemas.Problem,
+              "description": "DXSERVE_PRIVATE_METADATA without a token configured"},
+    }
 
 
 def _registry_problems() -> dict:
@@ -228,9 +239,11 @@ def _add_documents(app: FastAPI) -> None:
     """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, as FastAPI serves them."""
 
     async def openapi(request: Request) -> JSONResponse:
+        routes.authorize(request, "read")
         return JSONResponse(app.openapi())
 
     async def swagger_ui(request: Request) -> HTMLResponse:
+        routes.authorize(request, "read")
         return get_swagger_ui_html(
             openapi_url=OPENAPI_URL, title=f"{TITLE} - Swagger UI",
             oauth2_redirect_url=f"{DOCS_URL}/oauth2-redirect",
@@ -240,6 +253,7 @@ def _add_documents(app: FastAPI) -> None:
         return get_swagger_ui_oauth2_redirect_html()
 
     async def redoc(request: Request) -> HTMLResponse:
+        routes.authorize(request, "read")
         return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{TITLE} - ReDoc")
 
     for path, endpoint in (

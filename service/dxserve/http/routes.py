@@ -53,11 +53,13 @@ async def read_upload(request: Request, limit: int) -> bytes:
 
 async def list_functions(request: Request) -> dict:
     """Every registered function with its kind, signature and description."""
+    authorize(request, "read")
     return {"functions": service_of(request).functions()}
 
 
 async def get_function(name: str, request: Request) -> dict:
     """One function's kind, signature and description."""
+    authorize(request, "read")
     return service_of(request).function(name)
 
 
@@ -104,4 +106,5 @@ async def prometheus(request: Request) -> Response:
     """Prometheus text exposition."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+    authorize(request, "read")
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,50 @@
+"""``DXSERVE_PRIVATE_METADATA``: what a server holds (its functions, metrics and API
+documents) is shown only to callers with a token; probes and computing stay open."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+PRIVATE = ("/functions", "/functions/rosenbrock", "/metrics", "/docs", "/redoc", "/openapi.json")
+OPEN = ("/health", "/ready")
+TOKEN = "s3cret-token"
+
+
+def test_private_metadata_needs_the_token(make_server: Any) -> None:
+    srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for path in PRIVATE:
+            anonymous = http.get(path)
+            assert anonymous.status_code == 401, (path, anonymous.text)
+            assert anonymous.headers["content-type"] == "application/problem+json"
+            assert anonymous.json()["field"] == "Authorization"
+            wrong = http.get(path, headers={"authorization": "Bearer nope"})
+            assert wrong.status_code == 401, path
+            ok = http.get(path, headers={"authorization": f"Bearer {TOKEN}"})
+            assert ok.status_code == 200, (path, ok.text)
+        assert "rosenbrock" in {
+            f["name"] for f in http.get(
+                "/functions", headers={"authorization": f"Bearer {TOKEN}"}).json()["functions"]
+        }
+        for path in OPEN:
+            assert http.get(path).status_code == 200, path
+        r = http.post("/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0, 3.0]})
+        assert r.json() == {"gradient": [-400.0, 1002.0, -200.0]}  # computing stays open
+
+
+def test_private_metadata_without_a_token_is_closed_and_says_how_to_open(make_server: Any) -> None:
+    srv = make_server(env={"DXSERVE_PRIVATE_METADATA": "true"})
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for path in PRIVATE:
+            r = http.get(path)
+            assert r.status_code == 403, path
+            assert "DXSERVE_TOKEN" in r.json()["detail"]
+        assert http.get("/health").status_code == 200
+
+
+def test_metadata_is_open_by_default(server: Any) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path in PRIVATE:
+            assert http.get(path).status_code == 200, path
