@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,6 +185,9 @@ class InFlight:
         self.max_large_results = max_large_results
         self.large = 0
         self._lock = threading.Lock()  # large slots only: a worker thread may take one
+        #: told of the bytes each ``give`` hands back (the server trims its heap after
+        #: large ones: ``memory.Trimmer``)
+        self.on_give: Callable[[int], None] | None = None
 
     # --- bytes (event loop only) -------------------------------------------------
     def take(self, nbytes: int, what: str = "request") -> None:
@@ -207,6 +211,8 @@ class InFlight:
 
     def give(self, nbytes: int) -> None:
         self.used -= nbytes
+        if self.on_give is not None:
+            self.on_give(nbytes)
 
     # --- large results (any thread) -------------------------------------------------
     def is_large(self, result_bytes: int) -> bool:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -52,6 +53,7 @@ from dxclient.errors import (
 )
 from dxclient.lru import LRU
 
+from ..footprint import array_bytes
 from .engine import Engine, Fn
 from .plugins import PLUGINS
 
@@ -242,6 +244,7 @@ class SparseEngine(Engine):
         self.pattern: Any = None  # asdex SparsityPattern
         self.shape: tuple[int, int] = (0, 0)
         self.indices: Any = None
+        self.wire: tuple[dict[str, Any], bool] | None = None  # see ``_remember_wire``
         self.y_shape: tuple[int, ...] = ()
         self._report: dict[str, Any] = {}
 
@@ -318,9 +321,7 @@ class SparseEngine(Engine):
             rows = np.asarray(pattern.rows, dtype=np.int32)
             cols = np.asarray(pattern.cols, dtype=np.int32)
             self.indices = jnp.asarray(np.stack([rows, cols], axis=1).reshape(-1, 2))
-        _remember_wire(
-            self.indices, self.backend.format, shape, rows, cols, values=family != "sparsity"
-        )
+        _remember_wire(self, shape, rows, cols, values=family != "sparsity")
 
     def _color(self, pattern: Any) -> Any:
         asdex = _asdex()
@@ -366,6 +367,9 @@ class SparseEngine(Engine):
 
     def report(self) -> dict[str, Any]:
         return self._report
+
+    def held_bytes(self) -> int:
+        return array_bytes(self.pattern, self.coloring, self.indices, self.wire, self.backend)
 
     # --- the compiled maths ----------------------------------------------------------
     def jacobian(self, g: Fn, x: Any) -> tuple[Any, Any]:
@@ -419,6 +423,7 @@ class SparseEngine(Engine):
                 out[i] = self._bcoo(out[i])
             return jax.tree_util.tree_unflatten(treedef, out)
 
+        run.__wrapped__ = exe  # type: ignore[attr-defined]  # its size: footprint
         return run
 
 
@@ -440,24 +445,28 @@ def _detect(detect: Callable, f: Callable, x: Any, contexts: tuple) -> Any:
 
 
 # --- results on the wire ---------------------------------------------------------------
-#: indices array id -> (the array, wire form without data, values?): what each prep's
-#: results carry (a pattern's wire form has no data)
-_WIRE: LRU[int, tuple[Any, dict[str, Any], bool]] = LRU(256)
+#: indices array id -> the engine that made it (weakly: the engine's prep owns the
+#: arrays, and a cache evicting the prep frees them; these entries hold nothing)
+_WIRE: LRU[int, weakref.ref[SparseEngine]] = LRU(256)
 
 
 def _remember_wire(
-    indices: Any, fmt: str, shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
+    engine: SparseEngine, shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray,
     *, values: bool = True,
 ) -> None:
-    _WIRE.put(id(indices), (indices, wire.wire_object(fmt, shape, rows, cols), values))
+    """Keep on ``engine`` its results' wire form without data (a pattern's has none)."""
+    engine.wire = (wire.wire_object(engine.backend.format, shape, rows, cols), values)
+    _WIRE.put(id(engine.indices), weakref.ref(engine))
 
 
 def sparse_wire(matrix: BCOO) -> dict[str, Any]:
     """A BCOO result -> its wire object (``dxclient.sparse``) with numpy arrays; the index
     arrays made at preparation are reused, only ``data`` is new."""
-    known = _WIRE.get(id(matrix.indices))
-    if known is not None and known[0] is matrix.indices:
-        return {**known[1], "data": np.asarray(matrix.data)} if known[2] else known[1]
+    ref = _WIRE.get(id(matrix.indices))
+    engine = ref() if ref is not None else None
+    if engine is not None and engine.indices is matrix.indices and engine.wire is not None:
+        known, values = engine.wire
+        return {**known, "data": np.asarray(matrix.data)} if values else known
     data = np.asarray(matrix.data)
     # another BCOO (a batched call's row): sort its entries row-major
     idx = np.asarray(matrix.indices).reshape(-1, 2).astype(np.int64)
