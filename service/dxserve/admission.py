@@ -22,6 +22,7 @@ and may be called more than once, so every exit path simply calls it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from dxclient.errors import OverloadedError
@@ -43,6 +44,8 @@ class Budget:
         self.refused = 0
         #: large results being computed now
         self.large = 0
+        #: told the bytes each time some are given back (the service's memory trimmer)
+        self.on_give: Callable[[int], None] | None = None
         self._lock = threading.Lock()
 
     def ticket(self, encode_factor: float = 0.0) -> Ticket:
@@ -67,6 +70,8 @@ class Budget:
             self.used = used
             if used > self.peak:
                 self.peak = used
+        if delta < 0 and self.on_give is not None:
+            self.on_give(-delta)
 
     def _take_large(self, result_bytes: int) -> None:
         with self._lock:

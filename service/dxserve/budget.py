@@ -1,4 +1,4 @@
-"""Budgets: what one request may cost, known before it runs, and what all may hold at once.
+"""Budgets: what one request may cost, known before it runs.
 
 Per request (``ComputeLimits``): XLA's own analysis of a compiled executable says how
 much device memory it needs (arguments, outputs, temporaries, generated code) and how
@@ -13,30 +13,17 @@ the compiled program states (``known_trip_count``), and a loop whose count depen
 data is counted once. Functions JAX cannot trace (server-side numpy code) have no
 analysis and are not bounded here: they are trusted code.
 
-In total (``InFlight``): bytes held for requests being read and decoded and for results
-until they are sent, and the number of large results being computed at once. Both are
-plain counters: the byte budget is only touched from the event loop, and the large
-result slots, which a worker thread may take, only by requests that are large anyway.
-Small requests (bodies and results up to ``http.routes.LARGE_BYTES``) are not counted.
+What all requests hold at once is ``admission``'s.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dxclient.errors import BudgetExceededError, OverloadedError
-
-#: How many bytes decoding one body byte may hold at the peak, per request media type:
-#: JSON numbers become Python objects (~16x measured for float lists), a binary body is
-#: read in chunks and joined once (2x), and arrays are then views into it.
-DECODE_FACTOR = {"json": 16, "binary": 2}
-#: Encoded bytes per result byte, beside the result itself: JSON text of float64 is up
-#: to ~3x its binary size, base64 4/3, and the binary framing sends the arrays' memory.
-ENCODE_FACTOR = {"json": 3, "b64": 2, "binary": 0}
+from dxclient.errors import BudgetExceededError
 
 #: Each byte an executable needs counts this many bytes of traffic in the time estimate:
 #: fresh buffers are allocated, zeroed by the OS and first touched, which on CPU costs
@@ -167,89 +154,3 @@ class ComputeLimits:
                     field="x", limit="request_timeout", estimate=seconds,
                 )
         return est
-
-
-class InFlight:
-    """Bytes held by requests in flight, and large results being computed.
-
-    ``take(n)`` admits ``n`` more bytes while the total stays within ``limit``, or when
-    nothing else is held (so one request larger than the budget alone still runs);
-    otherwise it raises ``OverloadedError`` (503 with ``Retry-After``). ``force(n)``
-    counts bytes that exist already (a computed result) without refusing.
-    """
-
-    def __init__(self, limit: int, large_result_bytes: int, max_large_results: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self.refused = 0
-        self.large_result_bytes = large_result_bytes
-        self.max_large_results = max_large_results
-        self.large = 0
-        self._lock = threading.Lock()  # large slots only: a worker thread may take one
-
-    # --- bytes (event loop only) -------------------------------------------------
-    def take(self, nbytes: int, what: str = "request") -> None:
-        used = self.used + nbytes
-        if used > self.limit and self.used:
-            self.refused += 1
-            raise OverloadedError(
-                f"{self.used:,} bytes are held by requests in flight; this {what} needs "
-                f"{nbytes:,} more, over the budget of {self.limit:,} "
-                "(DXSERVE_MAX_INFLIGHT_BYTES); retry shortly",
-                field="body", retry_after=1,
-            )
-        self.used = used
-        if used > self.peak:
-            self.peak = used
-
-    def force(self, nbytes: int) -> None:
-        self.used += nbytes
-        if self.used > self.peak:
-            self.peak = self.used
-
-    def give(self, nbytes: int) -> None:
-        self.used -= nbytes
-
-    # --- large results (any thread) -------------------------------------------------
-    def is_large(self, result_bytes: int) -> bool:
-        return result_bytes >= self.large_result_bytes
-
-    def take_large(self, result_bytes: int) -> None:
-        """Take a slot for a result of ``result_bytes`` (503 when all are taken)."""
-        with self._lock:
-            if self.large >= self.max_large_results:
-                self.refused += 1
-                raise OverloadedError(
-                    f"{self.large} results of {self.large_result_bytes:,} bytes or more are "
-                    f"being computed (DXSERVE_MAX_LARGE_RESULTS); this one would be "
-                    f"{result_bytes:,} bytes; retry shortly",
-                    field="x", retry_after=2,
-                )
-            self.large += 1
-
-    def give_large(self) -> None:
-        with self._lock:
-            self.large -= 1
-
-
-class Ticket:
-    """The bytes one request holds in an ``InFlight`` budget; ``hold`` grows or shrinks it."""
-
-    __slots__ = ("budget", "held")
-
-    def __init__(self, budget: InFlight) -> None:
-        self.budget = budget
-        self.held = 0
-
-    def hold(self, nbytes: int, what: str = "request") -> None:
-        """Hold ``nbytes`` in total (503 if growing past the budget)."""
-        if nbytes > self.held:
-            self.budget.take(nbytes - self.held, what)
-        else:
-            self.budget.give(self.held - nbytes)
-        self.held = nbytes
-
-    def release(self) -> None:
-        self.budget.give(self.held)
-        self.held = 0

@@ -117,6 +117,10 @@ class Chunker:
     def total(self) -> int:
         return self.n if self.forward else self.m
 
+    def executables(self) -> list[Any]:
+        """The chunk executables compiled so far (what a cache of preps counts)."""
+        return list(self._executables.values())
+
     @property
     def unit(self) -> str:
         return "columns" if self.forward else "rows"
@@ -325,6 +329,7 @@ class Slicer:
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     fits = Chunker.fits
+    executables = Chunker.executables
 
     def size_for(self, operator: str) -> int | None:
         """Items per chunk, or None to run the one-shot executable."""

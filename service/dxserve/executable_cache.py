@@ -305,7 +305,9 @@ class _Loaded:
 
     def __init__(self, executable: Any, key: Key, fn: Callable, args: tuple) -> None:
         self._executable = executable
-        self._fresh: tuple[Key, Callable, tuple] | None = (key, fn, args)
+        # shapes and dtypes only: a prepared operator not yet run keeps no request's arrays
+        specs = jax.tree_util.tree_map(_spec, args)
+        self._fresh: tuple[Key, Callable, tuple] | None = (key, fn, specs)
 
     def __call__(self, *args: Any) -> Any:
         if self._fresh is None:
@@ -331,6 +333,12 @@ class _Loaded:
 
     def as_text(self) -> Any:
         return self._executable.as_text()
+
+
+def _spec(value: Any) -> Any:
+    return jax.ShapeDtypeStruct(
+        np.shape(value), np.result_type(value), weak_type=bool(getattr(value, "weak_type", False))
+    )
 
 
 def _path(key: Key, suffix: str = SUFFIX) -> Path:

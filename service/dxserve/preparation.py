@@ -5,7 +5,8 @@ resolves the backend, validates the inputs, builds the operator's pure JAX
 function and compiles it. The returned ``Prep`` holds the executable; calls with
 a matching signature run it directly, calls with another signature raise
 ``PreparationMismatchError``. Without an explicit prep, ``call`` keeps compiled
-preps in a bounded LRU keyed by (function, operator, backend, signature).
+preps in an LRU keyed by (function, operator, backend, signature), bounded by count
+and by the bytes the preps keep alive (``Prep.nbytes``).
 
 ``batch_axis=0`` makes x (every leaf) and the tangents carry a leading axis of
 independent points, contexts shared: the family is checked and built for one point
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -43,6 +45,7 @@ from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
+from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .jobs import Job, JobCancelled
 from .precision import float64_scope
 from .signature import Signature
@@ -146,6 +149,28 @@ class Prep:
     result_bytes: int = 0
     #: chunked runs of a dense Jacobian or Hessian (see ``chunking``); None: one-shot only
     chunker: Any = field(default=None, repr=False)
+    #: told (with this prep) when it compiled something more: the cache holding it
+    #: measures it again (``PrepCache``, ``Service``'s handles)
+    on_grow: Callable[[Prep], None] | None = field(default=None, repr=False)
+
+    def nbytes(self) -> int:
+        """The bytes this prep keeps alive, estimated (see ``footprint``): its compiled
+        executables (one-shot, chunked and batched), its engine's arrays (a sparsity
+        pattern, colouring and indices) and ``PREP_BYTES`` of Python objects."""
+        exes = list(self.executables.values())
+        if self.chunker is not None:
+            exes += self.chunker.executables()
+        held = PREP_BYTES + self.compiler.held_bytes()
+        for plan in list(self.batch_plans.values()):
+            exes += [exe for exe in list(plan.executables.values()) if exe is not None]
+            if plan.jaxpr is not None:  # the traced program and its constants
+                held += EXECUTABLE_BYTES + array_bytes(plan.jaxpr.consts)
+        return held + sum(executable_bytes(exe) for exe in exes)
+
+    def grew(self) -> None:
+        """Tell ``on_grow`` that this prep compiled something more."""
+        if self.on_grow is not None:
+            self.on_grow(self)
 
     @property
     def report(self) -> dict[str, Any]:
@@ -184,6 +209,7 @@ class Prep:
         exe = self.executables.get(key)
         if exe is None:
             exe = self.executables[key] = self._compile(operator, x, tangents, contexts)
+            self.grew()
         return exe
 
     def head(self, operator: str, results: tuple[str, ...], x: Tree, tangents: tuple | None,
@@ -194,6 +220,7 @@ class Prep:
         exe = self.executables.get(key)
         if exe is None:
             exe = self.executables[key] = self._compile(operator, x, tangents, contexts, results)
+            self.grew()
         return exe
 
     def _compile(
@@ -263,7 +290,12 @@ class Prep:
                 if chunker is not None:
                     size = chunker.size_for(operator)
                     if size is not None:
-                        return chunker.run(self, operator, x, tangents, contexts, size, job)
+                        compiled = len(chunker.executables())
+                        try:
+                            return chunker.run(self, operator, x, tangents, contexts, size, job)
+                        finally:
+                            if len(chunker.executables()) != compiled:
+                                self.grew()
                 return exe(x, tangents, contexts)
         except (DxError, JobCancelled):
             raise
@@ -328,6 +360,10 @@ def _extent(tree: Tree) -> int:
     with huge other dimensions holds nothing, but XLA still lays out its shape."""
     return sum(math.prod(d or 1 for d in np.shape(v)) for v in jax.tree_util.tree_leaves(tree))
 
+
+#: Bytes a prep's Python objects take beside its executables and arrays (its signature,
+#: output spec, closures and report), counted once per prep.
+PREP_BYTES = 16 * 1024
 
 #: Largest number of result elements one call may produce by default: a Jacobian or
 #: Hessian grows with n², and an out-of-memory device is worse than a clear 422.
@@ -557,16 +593,34 @@ def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
 
 # --- implicit cache and the call path -------------------------------------
 class PrepCache:
-    """Preps keyed by (function, operator, backend, signature), bounded LRUs.
+    """Preps keyed by (function, operator, backend, signature): an LRU of at most
+    ``maxsize`` preps and, with ``max_bytes``, at most that many bytes of them
+    (``Prep.nbytes``, measured again whenever a prep compiles more). A prep larger than
+    ``max_bytes`` alone serves the request that made it and is not kept.
 
-    Beside the requested backend's key, a prep is also kept under its concrete
-    backend, so backends that resolve alike share one compiled executable.
+    Beside the requested backend's key, a prep is indexed weakly under its concrete
+    backend, so backends that resolve alike share one compiled executable for as long
+    as a prep of theirs is cached (or held by a caller); each such twin is counted in
+    full (its shared executables twice: the bound holds). ``on_evict(nbytes)`` is told
+    of each prep evicted to make room.
     """
 
-    def __init__(self, maxsize: int = 512) -> None:
+    def __init__(
+        self, maxsize: int = 512, max_bytes: int | None = None,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
         self.maxsize = maxsize
-        self._items: LRU[tuple, Prep] = LRU(maxsize)
-        self._resolved: LRU[tuple, Prep] = LRU(maxsize)
+        self.max_bytes = max_bytes
+        self._items: LRU[tuple, Prep] = LRU(
+            maxsize, max_bytes, Prep.nbytes,
+            None if on_evict is None else lambda _key, _prep, size: on_evict(size),
+        )
+        self._resolved: weakref.WeakValueDictionary[tuple, Prep] = weakref.WeakValueDictionary()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the cached preps keep alive, as last measured."""
+        return self._items.nbytes
 
     @property
     def hits(self) -> int:
@@ -583,22 +637,33 @@ class PrepCache:
         """``get`` without counting a hit or a miss."""
         return self._items.peek(key)
 
-    def put(self, key: tuple, prep: Prep) -> None:
-        self._items.put(key, prep)
+    def put(self, key: tuple, prep: Prep) -> bool:
+        """Keep ``prep`` under ``key``; False if it alone is over ``max_bytes`` (not kept)."""
+        prep.on_grow = self._grew
+        kept = self._items.put(key, prep)
+        if kept:  # indexed for its twins, unless a live prep of that backend is already
+            twin_key = (prep.function, prep.operator, prep.resolved, prep.signature)
+            self._resolved.setdefault(twin_key, prep)
+        return kept
 
     def get_resolved(self, key: tuple) -> Prep | None:
-        return self._resolved.peek(key)
+        return self._resolved.get(key)
 
     def put_resolved(self, key: tuple, prep: Prep) -> None:
-        self._resolved.put(key, prep)
+        self._resolved[key] = prep
 
     def clear(self) -> None:
         self._items.clear()
         self._resolved.clear()
 
     def forget(self, function: Callable) -> None:
-        for items in (self._items, self._resolved):
-            items.discard_where(lambda key, _: key[0] is function)
+        self._items.discard_where(lambda key, _: key[0] is function)
+        for key in [key for key in list(self._resolved.keys()) if key[0] is function]:
+            self._resolved.pop(key, None)
+
+    def _grew(self, prep: Prep) -> None:
+        # twins share their executables: each is measured again
+        self._items.remeasure(lambda _, cached: cached.executables is prep.executables)
 
     def __len__(self) -> int:
         return len(self._items)

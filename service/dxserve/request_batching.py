@@ -158,6 +158,8 @@ class Batcher:
         plan = prep.batch_plans.get(operator)
         if plan is None:
             plan = prep.batch_plans[operator] = _make_plan(prep, operator, inputs)
+            if plan.jaxpr is not None:
+                prep.grew()  # the traced program is kept: its cache measures it again
         return plan
 
     # --- running ------------------------------------------------------------
@@ -174,10 +176,14 @@ class Batcher:
         slot = (size, jax.config.jax_default_device)  # executables are bound to a device
         if not plan.eligible or plan.executables.get(slot, True) is None:
             return [_alone(prep, operator, inputs) for inputs in group]
+        compiles = self.compiles
         try:
             batched = self._run_batched(plan, slot, group, prep.limits)
         except Exception:  # noqa: BLE001 - e.g. out of memory at B rows: each alone says why
             return [_alone(prep, operator, inputs) for inputs in group]
+        finally:
+            if self.compiles != compiles:  # a batched executable is kept on the prep
+                prep.grew()
         if slot in plan.verified:
             self.batches += 1
             self.batched_requests += len(group)

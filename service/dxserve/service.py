@@ -27,7 +27,12 @@ import jax
 import numpy as np
 
 from dxclient.backends import Backend
-from dxclient.errors import ForbiddenError, UnauthorizedError, UnknownPreparationError
+from dxclient.errors import (
+    BudgetExceededError,
+    ForbiddenError,
+    UnauthorizedError,
+    UnknownPreparationError,
+)
 from dxclient.lru import LRU
 from dxclient.operators import OPERATORS, OperatorSpec
 from dxclient.platforms import export_platform
@@ -39,6 +44,7 @@ from .backends.sparse import BCOO, sparse_wire
 from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .jobs import Job, JobCancelled
+from .memory import Trimmer
 from .precision import float64_scope
 from .preparation import Lookup, Prep, PrepCache, lookup, out_of_memory, prepare
 from .registry import Registry
@@ -55,14 +61,37 @@ Action = Literal["compute", "write", "read"]
 _log = logging.getLogger("dxserve.service")
 
 class PrepHandles:
-    """Handles returned by ``Service.prepare``: a bounded LRU of preps."""
+    """Handles returned by ``Service.prepare``: an LRU of at most ``maxsize`` preps and,
+    with ``max_bytes``, at most that many bytes of them (``Prep.nbytes``: a handle keeps
+    its prep's executables and arrays alive). ``on_evict(nbytes)``: as ``PrepCache``'s."""
 
-    def __init__(self, maxsize: int) -> None:
-        self._items: LRU[str, Prep] = LRU(maxsize)
+    def __init__(
+        self, maxsize: int, max_bytes: int | None = None,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._items: LRU[str, Prep] = LRU(
+            maxsize, max_bytes, Prep.nbytes,
+            None if on_evict is None else lambda _key, _prep, size: on_evict(size),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self._items.nbytes
 
     def add(self, prep: Prep) -> str:
+        """A new handle of ``prep``; ``BudgetExceededError`` if it alone is over ``max_bytes``."""
         handle = secrets.token_urlsafe(12)
-        self._items.put(handle, prep)
+        prep.on_grow = self._grew
+        if not self._items.put(handle, prep):
+            size = prep.nbytes()
+            raise BudgetExceededError(
+                f"this prepared operator would keep an estimated {size:,} bytes alive "
+                f"(compiled executables, sparsity pattern), over the {self.max_bytes:,} bytes "
+                "kept for all prepared operators (DXSERVE_MAX_PREPARED_BYTES); call the "
+                "operator without a prep, or raise the limit",
+                field="x", limit="max_prepared_bytes", estimate=size,
+            )
         return handle
 
     def get(self, handle: str) -> Prep:
@@ -76,6 +105,9 @@ class PrepHandles:
 
     def forget(self, function: Callable) -> None:
         self._items.discard_where(lambda _, prep: prep.function is function)
+
+    def _grew(self, prep: Prep) -> None:
+        self._items.remeasure(lambda _, held: held is prep)
 
 
 class Service:
@@ -97,8 +129,18 @@ class Service:
             for module in settings.functions:
                 self.registry.add_module(module)
             self.registry.load_store()
-        self.cache = PrepCache(settings.cache_size)
-        self.handles = PrepHandles(settings.max_prepared)
+        #: gives freed heap memory back after large requests and evictions; after preps
+        #: were evicted it clears JAX's caches first, where the shapes of their traces and
+        #: eager operations stay otherwise (see ``memory``)
+        self.trimmer = Trimmer(settings.trim_after_bytes, clear=jax.clear_caches)
+
+        def evicted(nbytes: int) -> None:
+            self.trimmer.released(nbytes, evicted=True)
+
+        self.cache = PrepCache(settings.cache_size, settings.cache_bytes or None, evicted)
+        self.handles = PrepHandles(
+            settings.max_prepared, settings.max_prepared_bytes or None, evicted
+        )
         self.registry.on_remove.append(lambda entry: self.cache.forget(entry.fn))
         self.registry.on_remove.append(lambda entry: self.handles.forget(entry.fn))
         # An evicted stored function stays registered; its preps and handles go with it
@@ -138,6 +180,7 @@ class Service:
         self.budget = Budget(
             settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
         )
+        self.budget.on_give = self.trimmer.released
 
     # --- authorization ------------------------------------------------------------
     def authorize(self, token: str | None, action: Action) -> None:
@@ -412,6 +455,7 @@ class Service:
         self.workers.close()
         self.detector.close()
         self.store.close()
+        self.trimmer.close()
 
 
 def is_loopback(host: str) -> bool:

@@ -107,6 +107,19 @@ class Settings(BaseSettings):
     max_large_results: int = Field(default=2, ge=1)
     max_prepared: int = 1024
     cache_size: int = 512
+    #: Bytes the cache of compiled operators (``cache_size`` at most) may keep alive:
+    #: executables, sparsity patterns, colourings and index arrays, as estimated by
+    #: ``footprint``; least recently used evicted past it, and one larger than all of it
+    #: serves its own request without being kept (0: only the count).
+    cache_bytes: int = Field(default=1 << 30, ge=0)
+    #: The same bound for the handles of ``POST /prepare`` (``max_prepared`` at most); a
+    #: prepared operator larger than all of it is refused (422 ``budget-exceeded``).
+    max_prepared_bytes: int = Field(default=1 << 30, ge=0)
+    #: Once large bodies and results (and preps evicted from the caches) have released
+    #: this many bytes, freed heap memory is given back to the operating system (glibc's
+    #: ``malloc_trim``, at most once a second, in a thread of its own; see ``memory``);
+    #: 0: never.
+    trim_after_bytes: int = Field(default=64 << 20, ge=0)
     #: Requests waiting per device worker before 503 + Retry-After.
     queue_size: int = 256
     #: Seconds a computation may take before 504.

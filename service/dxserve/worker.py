@@ -122,6 +122,9 @@ class DeviceWorker:
                 if jobs[0].group is not None and self.max_batch > 1:
                     self._gather(jobs)
             self._execute(jobs)
+            # Their futures hold their results (and the jobs their inputs): not kept
+            # alive while this thread waits for the next job.
+            del jobs
 
     def _gather(self, jobs: list[_Job]) -> None:
         """Add queued jobs of ``jobs[0]``'s group (lock held); maybe wait for more."""

@@ -186,6 +186,12 @@ class Engine:
         (the sparse engine: ``{"sparsity": {...}}``); nothing for plain engines."""
         return {}
 
+    def held_bytes(self) -> int:
+        """Bytes this engine keeps between calls beyond its compiled executables (the
+        sparse engine: its pattern, colouring and index arrays), for the byte bounds of
+        the caches that hold preps; nothing for plain engines."""
+        return 0
+
     # --- compilation --------------------------------------------------------------
     def compile(self, fn: Callable, args: tuple, key: Any = None) -> Callable:
         """``fn`` compiled for ``args`` (or ``fn`` itself where it cannot be traced).

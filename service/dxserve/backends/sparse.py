@@ -42,9 +42,10 @@ from dxclient.errors import (
     UnsupportedOperatorError,
 )
 
+from ..footprint import array_bytes
 from .engine import Engine, Fn
 from .plugins import PLUGINS
-from .sparse_detection import BYTES_PER_NONZERO, Detector, InProcessDetector, PatternJob, asdex
+from .sparse_detection import Detector, InProcessDetector, PatternJob, asdex
 
 __all__ = ["BCOO", "SparseEngine", "register", "sparse_wire"]
 
@@ -215,19 +216,6 @@ class SparseEngine(Engine):
         self.wire = wire.wire_object(self.backend.format, shape, rows, cols)
         self.values = colour
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes a prep of this engine holds for its pattern, estimated: host and device
-        index arrays and the compiled gather's constants, ``BYTES_PER_NONZERO`` per
-        nonzero (measured), plus the colouring's (colours, dim) seed matrix. What a
-        byte-bounded cache of preps counts."""
-        if self.pattern is None:
-            return 0
-        seeds = 0
-        if self.coloring is not None:
-            seeds = int(self.coloring.num_colors) * int(np.size(self.coloring.colors))
-        return BYTES_PER_NONZERO * int(self.pattern.nnz) + 9 * seeds  # bool + float64
-
     def _choose_dense(self) -> None:
         """With ``dense="auto"``, the engine follows the colouring asdex picked."""
         if self.dense is None:
@@ -257,6 +245,9 @@ class SparseEngine(Engine):
 
     def report(self) -> dict[str, Any]:
         return self._report
+
+    def held_bytes(self) -> int:
+        return array_bytes(self.pattern, self.coloring, self.indices, self.wire, self.backend)
 
     # --- the compiled maths ----------------------------------------------------------
     def jacobian(self, g: Fn, x: Any) -> tuple[Any, Any]:
@@ -312,6 +303,7 @@ class SparseEngine(Engine):
                 out[i] = self._bcoo(out[i])
             return jax.tree_util.tree_unflatten(treedef, out)
 
+        run.__wrapped__ = exe  # type: ignore[attr-defined]  # its size: footprint
         return run
 
 

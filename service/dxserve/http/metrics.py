@@ -103,7 +103,12 @@ class _CacheCollector:
         misses.add_metric([], self.cache.misses)
         size = GaugeMetricFamily("dxserve_compile_cache_entries", "Compiled executables held")
         size.add_metric([], len(self.cache))
-        return [hits, misses, size]
+        held = GaugeMetricFamily(
+            "dxserve_prep_cache_bytes",
+            "Bytes the cached preps keep alive (executables, sparsity patterns), estimated",
+        )
+        held.add_metric([], self.cache.nbytes)
+        return [hits, misses, size, held]
 
 
 class _BatchCollector:
