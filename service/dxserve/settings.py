@@ -175,6 +175,9 @@ class Settings(BaseSettings):
     write_timeout: float = Field(default=60.0, gt=0)
     keep_alive_timeout: int = Field(default=5, ge=1)
     backlog: int = Field(default=2048, ge=1)
+    #: FastAPI's native OpenTelemetry (spans, metrics and logs through the global
+    #: providers); off by default: ``/metrics`` serves Prometheus metrics of its own.
+    opentelemetry: bool = False
     log_level: str = "info"
     #: "text" (default) or "json": one JSON object per line, with a line per request
     #: (method, route, status, seconds, request id, function, operator), registration,

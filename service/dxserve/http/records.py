@@ -154,8 +154,9 @@ def route_label(scope: Scope) -> str:
 class RequestRecords:
     """Pure ASGI middleware: every HTTP answer gets its ``X-Request-ID`` and
     ``Server-Timing``, and every request is counted, timed and (with JSON logs on)
-    logged (see the module). The request's ``RequestRecord`` is on ``request.state.record``
-    for handlers that answer outside this middleware (the 500 handler)."""
+    logged (see the module). A request that fails with an unexpected error leaves its
+    ``RequestRecord`` on ``request.state.record`` for the 500 handler, which answers
+    outside this middleware."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = False) -> None:
         self.app = app
@@ -167,7 +168,6 @@ class RequestRecords:
             await self.app(scope, receive, send)
             return
         record = RequestRecord(scope["headers"])
-        Request(scope).state.record = record
         problem: list[bytes] = []
 
         async def sending(message: Message) -> None:
@@ -181,6 +181,9 @@ class RequestRecords:
 
         try:
             await self.app(scope, receive, sending)
+        except BaseException:
+            Request(scope).state.record = record  # for the 500 handler, further out
+            raise
         finally:
             record.finish(
                 scope, route_label(scope), self.metrics, self.log_requests, b"".join(problem)
