@@ -17,6 +17,7 @@ what was prepared for them), and an evicted one is built again when next used.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import threading
@@ -158,7 +159,7 @@ class Registry:
 
     def add_python(self, info: FunctionInfo, fn: Callable) -> Entry:
         """Register one server-side callable (kind ``module``, never stored)."""
-        built = MODULE.wrap(fn)
+        built = MODULE.wrap(fn, info.example)
         entry = Entry(info.name, MODULE.name, built.fn, info.description, built.signature)
         with self._lock:
             self._entries[info.name] = entry
@@ -230,8 +231,11 @@ class Registry:
                     f"function must be a registered name (a string), got {type(name).__name__}",
                     field=field_name,
                 )
+            with self._lock:
+                close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.75)
+            guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise UnknownFunctionError(
-                f"no function named {name!r}; GET /functions lists them", field=field_name
+                f"no function named {name!r}; {guess}GET /functions lists them", field=field_name
             )
         return entry
 

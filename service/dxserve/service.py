@@ -51,6 +51,10 @@ Action = Literal["compute", "write"]
 
 
 _log = logging.getLogger("dxserve.service")
+#: The module of the example functions (``dxserve serve``'s default ``--functions``).
+EXAMPLES = "dxserve.examples"
+#: Stored functions named one by one in the start-up log; the rest are counted.
+_LISTED = 20
 
 class PrepHandles:
     """Handles returned by ``Service.prepare``: a bounded LRU of preps."""
@@ -92,9 +96,10 @@ class Service:
             max_loaded_bytes=settings.max_loaded_bytes, sync_interval=settings.store_sync_interval,
         )
         with float64_scope():  # stored exports may carry float64 signatures
-            for module in settings.functions:
-                self.registry.add_module(module)
-            self.registry.load_store()
+            #: module -> the names of the functions it registered (``--functions``)
+            self.modules = self._add_modules(settings.functions)
+            stored = self.registry.load_store()
+        self._log_functions(stored)
         self.cache = PrepCache(settings.cache_size)
         self.handles = PrepHandles(settings.max_prepared)
         self.registry.on_remove.append(lambda entry: self.cache.forget(entry.fn))
@@ -129,6 +134,60 @@ class Service:
         self.budget = Budget(
             settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
         )
+
+    # --- start-up -------------------------------------------------------------------
+    def _add_modules(self, modules: Sequence[str]) -> dict[str, list[str]]:
+        """Register each module's ``@dxserve.function``s; warn about a module that has
+        none, and about a name that a later module takes from an earlier one."""
+        added: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for module in modules:
+            names = self.registry.add_module(module)
+            if not names:
+                _log.warning(
+                    "functions: module %s registers no functions: mark them with "
+                    "@dxserve.function (import dxserve)", module,
+                    extra={"event": "functions", "python_module": module, "functions": 0},
+                )
+            for name in names:
+                if name in owner and owner[name] != module:
+                    _log.warning("functions: %s of %s replaces the one of %s", name, module,
+                                 owner[name])
+                    added[owner[name]].remove(name)
+                owner[name] = module
+            added[module] = names
+        return added
+
+    def _log_functions(self, stored: int) -> None:
+        """What this server serves, at start: how many functions, from where, and each
+        module function with its module (stored ones by name, up to ``_LISTED``)."""
+        served = sum(len(names) for names in self.modules.values())
+        sources = ", ".join(self.modules) or "none"
+        _log.info(
+            "functions: %d served: %d from --functions modules (%s), %d stored in %s",
+            served + stored, served, sources, stored, self.settings.store,
+            extra={"event": "functions", "served": served + stored, "modules": served,
+                   "stored": stored},
+        )
+        for module, names in self.modules.items():
+            for name in names:
+                _log.info("function %s: module %s", name, module,
+                          extra={"event": "function", "function": name, "kind": "module",
+                                 "python_module": module})
+        listed = 0
+        for entry in self.registry.list():
+            if entry.kind == "module":
+                continue
+            if listed == _LISTED:
+                _log.info("... and %d more stored functions: GET /functions lists them",
+                          stored - listed)
+                break
+            _log.info("function %s: %s, stored", entry.name, entry.kind,
+                      extra={"event": "function", "function": entry.name, "kind": entry.kind})
+            listed += 1
+        if EXAMPLES not in self.modules and self.modules:
+            _log.info("functions: the examples (%s) are not served: --functions names what "
+                      "is served; add %s to serve them too", EXAMPLES, EXAMPLES)
 
     # --- authorization ------------------------------------------------------------
     def authorize(self, token: str | None, action: Action) -> None:

@@ -20,7 +20,9 @@ class Settings(BaseSettings):
     host: str = Field(default_factory=lambda: os.environ.get("HOST", "127.0.0.1"))
     # validated like DXSERVE_PORT, so a bad PORT is a ValidationError naming the field
     port: int = Field(default_factory=lambda: os.environ.get("PORT", "8000"), validate_default=True)
-    #: Python modules whose ``@dxserve.function``s are registered at start.
+    #: Python modules whose ``@dxserve.function``s are served, comma-separated (the flag
+    #: ``--functions`` may also repeat; the lists add up). The default serves the example
+    #: functions; a list names everything served, so add ``dxserve.examples`` to keep them.
     functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
     #: The persistent function registry: a path (an SQLite database ``<path>/store.db``
     #: that the processes of one machine share), ``postgresql://...`` (processes on many

@@ -123,17 +123,22 @@ class BaseKind:
 
 
 def standard_description(entry: Entry) -> dict[str, Any]:
-    """name, kind, description, signature, and digest and created when stored."""
+    """name, kind, description, signature, digest and created when stored, and what
+    ``dxserve.describe`` tells from the signature: arguments (shapes and dtypes where
+    known), output, operators and an example request."""
+    from ..describe import describe, shown_signature
+
     out = {
         "name": entry.name,
         "kind": entry.kind,
         "description": entry.description,
-        "signature": entry.signature,
+        "signature": shown_signature(entry.signature),
     }
     if entry.digest:
         out["digest"] = entry.digest
     if entry.created:
         out["created"] = entry.created
+    out.update(describe(entry.name, entry.signature))
     return out
 
 
