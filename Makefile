@@ -69,7 +69,7 @@ $(DOCS_STAMP): $(SERVE_STAMP)
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service clients tests bench

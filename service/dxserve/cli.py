@@ -17,7 +17,6 @@ from . import __version__
 from .observe import configure_logging
 from .settings import Settings
 
-
 #: ``--functions``: what is served, and how the example functions come in.
 FUNCTIONS_HELP = (
     "Python modules whose @dxserve.function's are served (importable, or in the working "

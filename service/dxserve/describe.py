@@ -90,9 +90,12 @@ def annotated_args(fn: Callable) -> list[Any] | None:
         note = p.annotation
         if note is float:
             out.append(jax.ShapeDtypeStruct((), np.float64))
-        elif hasattr(note, "shape") and hasattr(note, "dtype"):
+            continue
+        if isinstance(note, type) or not (hasattr(note, "shape") and hasattr(note, "dtype")):
+            return None  # a type (jax.Array, np.ndarray) says no shape
+        try:
             out.append(jax.ShapeDtypeStruct(tuple(note.shape), np.dtype(note.dtype)))
-        else:
+        except (TypeError, ValueError):
             return None
     return out or None
 
