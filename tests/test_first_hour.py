@@ -492,12 +492,41 @@ def test_annotations_describe_a_module_function() -> None:
     def untyped(x: jax.Array):
         return jnp.sum(x)
 
-    d = describe("scaled", MODULE.wrap(scaled).signature)
+    built = MODULE.wrap(scaled)
+    d = describe("scaled", built.signature, built.facts)
     assert d["shapes_from"] == "annotations"
     assert [(a["name"], a["shape"], a["dtype"]) for a in d["arguments"]] == [
         ("x", [4], "float32"), ("a", [], "float64")
     ]
     assert d["example"]["body"]["x"] == {"__ndarray__": [0.5] * 4, "dtype": "float32", "shape": [4]}
-    plain = describe("untyped", MODULE.wrap(untyped).signature)
+    built = MODULE.wrap(untyped)
+    assert built.facts is None
+    plain = describe("untyped", built.signature, built.facts)
     assert plain["shapes_from"] is None and plain["example"] is None
     assert plain["operators"] == list(OPERATORS)
+
+
+def test_descriptions_survive_a_restart_without_a_build(tmp_path: Path) -> None:
+    """A stored function's shapes are kept with its record: the next server describes it
+    from the record alone, before (and without) building it."""
+    from dxserve.precision import float64_scope
+    from dxserve.registry import Registry
+    from dxserve.stores import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    with float64_scope():
+        Registry(store).register_body({"name": "kept", "expression": "jnp.sum(x ** 3)"})
+    store.close()
+    store = open_store(str(tmp_path / "store"))
+    try:
+        registry = Registry(store)
+        registry.load_store()
+        entry = registry.lookup("kept")
+        assert entry.fn is None  # not built
+        d = entry.describe()
+        assert d["shapes_from"] == "probe" and d["arguments"][0]["shape"] == [3]
+        assert d["example"]["body"] == {
+            "function": "kept", "backend": "auto", "x": [0.5, 0.5, 0.5]
+        }
+    finally:
+        store.close()

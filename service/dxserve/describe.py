@@ -14,8 +14,9 @@
 
 Shapes are JSON tree specs (``dxclient.export.tree_spec``): ``{"shape": [3], "dtype":
 "float64"}`` for an array, ``{"dict": {...}}``, ``{"list": [...]}``, ``{"tuple": [...]}``
-for pytrees. A kind other than ``export`` gives them in its signature under
-``FACTS`` (``{"x", "contexts", "output", "from", "example"}``; see ``facts``).
+for pytrees. An export's come from its signature; another kind's build gives them as
+``Built.facts`` (``{"x", "contexts", "output", "from", "example"}``; see ``facts``),
+which the store keeps with the function's signature.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from dxclient import codec
 from dxclient.export import tree_spec
 from dxclient.operators import OPERATORS
 
-#: The signature key under which a kind keeps what ``describe`` shows (not shown itself).
-FACTS = "_describe"
 #: An example request is given for inputs of at most this many numbers in all.
 MAX_EXAMPLE_ELEMENTS = 1024
 #: The size a symbolic dimension takes in an example.
@@ -46,7 +45,7 @@ _ARRAYS = frozenset(n for n, op in OPERATORS.items() if op.family == "sparsity")
 def facts(
     fn: Callable, args: Sequence[Any], source: str, example: Sequence[Any] | None = None
 ) -> dict[str, Any] | None:
-    """The ``FACTS`` of ``fn`` called on ``args`` (arrays or ``jax.ShapeDtypeStruct``s,
+    """What ``describe`` shows of ``fn`` called on ``args`` (arrays or ``jax.ShapeDtypeStruct``s,
     ``(x, *contexts)``): their specs and the output's by ``jax.eval_shape``, and the
     example's JSON (when ``example`` holds values). None if ``fn`` cannot be traced
     on them. Call it in float64 scope: float64 examples stay float64."""
@@ -100,10 +99,12 @@ def annotated_args(fn: Callable) -> list[Any] | None:
     return out or None
 
 
-def describe(name: str, signature: dict[str, Any]) -> dict[str, Any]:
+def describe(
+    name: str, signature: dict[str, Any], facts: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``arguments``, ``output``, ``shapes_from``, ``operators`` and ``example`` of the
-    function ``name`` with this kind's ``signature``."""
-    known = _known(signature)
+    function ``name`` with this kind's ``signature`` and its build's ``facts``."""
+    known = _known(signature, facts)
     names = _argument_names(signature, known)
     arguments = []
     for i, arg in enumerate(names):
@@ -121,16 +122,10 @@ def describe(name: str, signature: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def shown_signature(signature: dict[str, Any]) -> dict[str, Any]:
-    """The kind's signature as ``GET /functions`` shows it (``FACTS`` left out)."""
-    return {k: v for k, v in signature.items() if k != FACTS} if FACTS in signature else signature
-
-
 # --- reading what is known ----------------------------------------------------------------
-def _known(signature: dict[str, Any]) -> dict[str, Any] | None:
-    found = signature.get(FACTS)
-    if isinstance(found, dict) and "x" in found:
-        return found
+def _known(signature: dict[str, Any], facts: dict[str, Any] | None) -> dict[str, Any] | None:
+    if isinstance(facts, dict) and isinstance(facts.get("x"), dict):
+        return facts
     manifest = signature.get("signature")  # an export's: its manifest's signature
     if isinstance(manifest, dict) and isinstance(manifest.get("x"), dict):
         return {

@@ -41,6 +41,9 @@ from .kinds.expression import expression_content
 from .kinds.module import MODULE
 from .store import FunctionStore, StoredFunction, StoredRecord, too_many, validate_name
 
+#: The metadata key of a stored function's ``Entry.facts``.
+FACTS = "describe"
+
 __all__ = ["Entry", "Registry", "expression_content"]
 
 log = logging.getLogger("dxserve.registry")
@@ -58,6 +61,8 @@ class Entry:
     signature: dict[str, Any] = field(default_factory=dict)
     digest: str | None = None
     created: str | None = None
+    #: Shapes and an example, for ``describe`` (``dxserve.describe.facts``); None: unknown.
+    facts: dict[str, Any] | None = field(default=None, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """The JSON of ``GET /functions/{name}``, as this entry's kind describes it."""
@@ -86,6 +91,7 @@ def _build(record: StoredFunction) -> Entry:
         built.signature,
         record.digest,
         record.created,
+        built.facts,
     )
 
 
@@ -99,6 +105,7 @@ def _index_entry(record: StoredRecord | StoredFunction) -> Entry:
         record.metadata.get("signature", {}),
         record.digest,
         record.created,
+        record.metadata.get(FACTS),
     )
 
 
@@ -160,7 +167,9 @@ class Registry:
     def add_python(self, info: FunctionInfo, fn: Callable) -> Entry:
         """Register one server-side callable (kind ``module``, never stored)."""
         built = MODULE.wrap(fn, info.example)
-        entry = Entry(info.name, MODULE.name, built.fn, info.description, built.signature)
+        entry = Entry(
+            info.name, MODULE.name, built.fn, info.description, built.signature, facts=built.facts
+        )
         with self._lock:
             self._entries[info.name] = entry
         return entry
@@ -198,6 +207,8 @@ class Registry:
         if not _json_able(built.signature):
             return _index_entry(full)
         metadata = {**full.metadata, "signature": built.signature}
+        if built.facts is not None and _json_able(built.facts):
+            metadata[FACTS] = built.facts
         stamp = getattr(kinds.get_kind(full.kind), "stamp", None)
         if stamp is not None:  # the export gate's pass, so later starts need not gate it again
             metadata.update(stamp(full.content))
@@ -410,7 +421,7 @@ class Registry:
                     return
                 index = _index_entry(record)  # new metadata, same content: keep what is built
                 self._entries[name] = (
-                    dataclasses.replace(index, signature=current.signature)
+                    dataclasses.replace(index, signature=current.signature, facts=current.facts)
                     if "signature" not in record.metadata else index
                 )
                 return
@@ -472,6 +483,8 @@ class Registry:
         built = _build(StoredFunction(name, kind, "", content, metadata, ""))
         if _json_able(built.signature):  # so GET /functions never needs to build it
             metadata["signature"] = built.signature
+            if built.facts is not None and _json_able(built.facts):
+                metadata[FACTS] = built.facts
         stamp = getattr(kinds.get_kind(kind), "stamp", None)
         if stamp is not None:  # e.g. the export gate's pass, bound to the content's sha256
             metadata.update(stamp(content))

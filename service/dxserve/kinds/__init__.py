@@ -64,6 +64,8 @@ class Built:
 
     fn: Callable = field(repr=False)
     signature: dict[str, Any] = field(default_factory=dict)
+    #: What ``dxserve.describe`` shows of its shapes (``describe.facts``), if known.
+    facts: dict[str, Any] | None = None
 
 
 @runtime_checkable
@@ -126,19 +128,19 @@ def standard_description(entry: Entry) -> dict[str, Any]:
     """name, kind, description, signature, digest and created when stored, and what
     ``dxserve.describe`` tells from the signature: arguments (shapes and dtypes where
     known), output, operators and an example request."""
-    from ..describe import describe, shown_signature
+    from ..describe import describe
 
     out = {
         "name": entry.name,
         "kind": entry.kind,
         "description": entry.description,
-        "signature": shown_signature(entry.signature),
+        "signature": entry.signature,
     }
     if entry.digest:
         out["digest"] = entry.digest
     if entry.created:
         out["created"] = entry.created
-    out.update(describe(entry.name, entry.signature))
+    out.update(describe(entry.name, entry.signature, entry.facts))
     return out
 
 

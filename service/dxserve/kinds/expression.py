@@ -12,7 +12,6 @@ from typing import Any
 
 from pydantic import Field
 
-from ..describe import FACTS
 from . import BaseKind, Built
 
 __all__ = ["EXPRESSION", "ExpressionKind", "expression_content"]
@@ -50,11 +49,8 @@ class ExpressionKind(BaseKind):
 
         spec = json.loads(content)
         fn = compile_expression(spec["expression"], spec["args"])
-        signature: dict[str, Any] = {"args": spec["args"], "expression": spec["expression"]}
-        found = probe(fn, len(spec["args"]))
-        if found is not None:
-            signature[FACTS] = found
-        return Built(fn, signature)
+        signature = {"args": spec["args"], "expression": spec["expression"]}
+        return Built(fn, signature, probe(fn, len(spec["args"])))
 
 
 #: Shapes tried, every argument alike, to find one an expression takes (``probe``).

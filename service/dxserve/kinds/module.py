@@ -39,21 +39,18 @@ class ModuleKind(BaseKind):
     def wrap(self, fn: Callable, example: Sequence[Any] | None = None) -> Built:
         """A server-side callable with its parameter names as the signature, and what
         its ``example`` arguments (else its annotations) tell of its shapes (``describe``)."""
-        from ..describe import FACTS, annotated_args, facts
+        from ..describe import annotated_args, facts
 
         try:
             params = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             params = []
-        signature: dict[str, Any] = {"args": params}
         if example is not None:
             found = facts(fn, example, "example", example)
         else:
             annotated = annotated_args(fn)
             found = facts(fn, annotated, "annotations") if annotated is not None else None
-        if found is not None:
-            signature[FACTS] = found
-        return Built(fn, signature)
+        return Built(fn, {"args": params}, found)
 
 
 MODULE = ModuleKind()
