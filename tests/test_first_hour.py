@@ -530,3 +530,16 @@ def test_descriptions_survive_a_restart_without_a_build(tmp_path: Path) -> None:
         }
     finally:
         store.close()
+
+
+def test_second_argument_is_a_backend_only_when_it_names_one() -> None:
+    from dxclient._positionals import NOT_GIVEN, is_backend, positionals
+
+    for backend in ("auto", JaxReverse(), {"type": "jax-forward", "batch_size": 2}, None):
+        assert is_backend(backend), backend
+    for x in (X, X.astype(np.float32), jnp.ones(3), 1.5, [1.0, 2.0], (X, X), {"w": X}):
+        assert not is_backend(x), type(x)
+    assert positionals("gradient", False, X, W, NOT_GIVEN, (1.0,)) == ("auto", X, None, (W, 1.0))
+    t = [X]
+    assert positionals("hvp", True, X, t, W, ()) == ("auto", X, t, (W,))
+    assert positionals("hvp", True, "auto", X, t, (W,)) == ("auto", X, t, (W,))

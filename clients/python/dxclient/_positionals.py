@@ -2,11 +2,12 @@
 
 The client's operators take the library's order, ``op(f, backend, x, [tangents],
 *contexts)``, and also ``op(f, x, [tangents], *contexts)``: the backend is then
-``"auto"``, as over HTTP. The second argument is the backend when it is one, a
-backend descriptor (``JaxReverse()``), a string (``"jax-reverse"``; an array is never
-a string) or a JSON object with a string ``"type"`` (``{"type": "jax-forward"}``), and
-``x`` otherwise, the rest moving up one place. So a pytree ``x`` that is a dict with a
-string ``"type"`` key must be sent with the backend named: ``op(f, "auto", x)``.
+``"auto"``, as over HTTP. The second argument is the backend when it is one: a
+descriptor (``JaxReverse()``), a string (``"jax-reverse"``; an array is never a
+string) or a JSON object with a string ``"type"`` (``{"type": "jax-forward"}``); None
+stays a backend (and is refused as one, as before). Anything else is ``x``, and the
+rest moves up one place. So a pytree ``x`` that is a dict with a string ``"type"``
+key must be sent with the backend named: ``op(f, "auto", x)``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ NOT_GIVEN: Any = _NotGiven()
 
 def is_backend(value: Any) -> bool:
     """Does ``value`` name a backend (a descriptor, a string, a typed JSON object)?"""
-    if isinstance(value, str):
+    cls = type(value)
+    if cls is str or value is None:  # None: refused as a backend, as it always was
         return True
-    kind = getattr(type(value), "type", None)  # a descriptor, built in or a plug-in's
-    if isinstance(kind, str) and BACKEND_TYPES.get(kind) is type(value):
+    if cls is dict:  # a JSON object names a backend by its "type"; a pytree x has none
+        return isinstance(value.get("type"), str)
+    if cls.__module__.startswith(("numpy", "jax")) or cls in (list, tuple, float, int):
+        return False  # arrays and numbers: the usual x, decided without the checks below
+    kind = getattr(cls, "type", None)  # a descriptor, built in or a plug-in's
+    if isinstance(kind, str) and BACKEND_TYPES.get(kind) is cls:
+        return True
+    if isinstance(value, str):
         return True
     return isinstance(value, Mapping) and isinstance(value.get("type"), str)
 
@@ -44,13 +52,18 @@ def positionals(
     """``(backend, x, tangents, contexts)`` of an operator method's call, with the
     backend ``"auto"`` when the second argument is not a backend (see the module)."""
     if not is_backend(backend):  # the backend was left out: x came second
-        given = (backend, x, tangents) if takes_tangents else (backend, x)
-        given = tuple(a for a in given if a is not NOT_GIVEN) + contexts
-        backend, x = "auto", given[0]
+        # positionals fill in order, so only trailing ones can be NOT_GIVEN
         if takes_tangents:
-            tangents, contexts = (given[1] if len(given) > 1 else NOT_GIVEN), given[2:]
+            if x is NOT_GIVEN:
+                backend, x, tangents = "auto", backend, NOT_GIVEN
+            elif tangents is NOT_GIVEN:
+                backend, x, tangents = "auto", backend, x
+            else:
+                backend, x, tangents, contexts = "auto", backend, x, (tangents, *contexts)
+        elif x is NOT_GIVEN:
+            backend, x = "auto", backend
         else:
-            contexts = given[1:]
+            backend, x, contexts = "auto", backend, (x, *contexts)
     if x is NOT_GIVEN:
         raise TypeError(f"{operator}() needs x: {operator}(f, [backend,] x, ...)")
     if takes_tangents and tangents is NOT_GIVEN:
