@@ -1,20 +1,29 @@
 # Two commands: `make serve` and `make test` each set up .venv on a fresh machine.
+# `make serve` installs the server and the client alone (what running needs); `make test`
+# adds the test extras (pytest, hypothesis, schemathesis, ...) to the same .venv.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# editable installs of the two packages of this repository, without any extra
+SERVE_INSTALL := $(PY) -m pip install -q --config-settings editable_mode=compat -e ./clients/python -e .
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-slow test-cluster test-protocol lint openapi clean docker-test
+.PHONY: serve test test-slow test-cluster test-protocol lint openapi docs clean docker-test
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+$(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(SERVE_INSTALL)
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q --config-settings editable_mode=compat -e './clients/python[test,jax]' -e '.[test]'
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
@@ -46,12 +55,21 @@ test-cluster: $(CLUSTER_STAMP)
 	DXSERVE_REQUIRE_POSTGRES=1 DXSERVE_REQUIRE_RAY=1 $(PY) -m pytest -q -m "cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # Build docker/Dockerfile with podman (no Docker daemon needed) and smoke-test the running
-# container from the host: shared/oci/build-and-run.sh builds, starts and waits for /health,
+# container from the host: docker/oci/build-and-run.sh builds, starts and waits for /health,
 # then docker/smoke_check.py checks it. Docker image format keeps the HEALTHCHECK.
-SHARED      ?= ../shared
 DOCKER_PORT ?= 18080
 docker-test: $(STAMP)
-	BUILDAH_FORMAT=docker bash $(SHARED)/oci/build-and-run.sh -f docker/Dockerfile -c . -p $(DOCKER_PORT) -- $(PY) docker/smoke_check.py
+	BUILDAH_FORMAT=docker bash docker/oci/build-and-run.sh -f docker/Dockerfile -c . -p $(DOCKER_PORT) -- $(PY) docker/smoke_check.py
+
+# The documentation site (mkdocs.yml, docs/): built strictly, so a broken link, a missing
+# page or an API reference that no longer resolves fails the build.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q --config-settings editable_mode=compat -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service clients tests bench
@@ -60,4 +78,4 @@ openapi: $(STAMP)
 	$(PY) -m dxserve.openapi_dump > openapi/openapi.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -1,6 +1,6 @@
 """Smoke check of the running container, from the host.
 
-Run by ``make docker-test`` (and CI) through ``shared/oci/build-and-run.sh``, which
+Run by ``make docker-test`` (and CI) through ``docker/oci/build-and-run.sh``, which
 builds docker/Dockerfile, starts it and sets
 
     DX_URL        http://127.0.0.1:PORT of the healthy container

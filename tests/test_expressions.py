@@ -327,7 +327,11 @@ def test_wrong_number_of_contexts():
     f = compile_expression("jnp.dot(A, x)", ["x", "A"])
     with pytest.raises(InvalidArgumentError) as info:
         f(jnp.ones(3))
-    assert info.value.field == "contexts"
+    assert info.value.field == "contexts[0]"  # the first missing one, by name
+    assert "contexts[0] (A) is missing" in info.value.detail
+    with pytest.raises(InvalidArgumentError) as info:
+        f(jnp.ones(3), jnp.eye(3), jnp.eye(3))
+    assert info.value.field == "contexts[1]"
 
 
 def test_expression_is_a_value():

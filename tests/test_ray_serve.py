@@ -34,7 +34,7 @@ pytestmark = [
 if os.environ.get("DXSERVE_REQUIRE_RAY"):  # make test-cluster: a missing ray is a failure
     import ray
 else:
-    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'dxserve[ray]'")
+    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
 X = [1.0, 2.0, 3.0]
 

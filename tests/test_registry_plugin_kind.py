@@ -20,6 +20,7 @@ from pydantic import Field
 
 import dxserve
 from dxclient.errors import InvalidArgumentError
+from dxclient.operators import OPERATORS
 from dxserve import kinds
 from dxserve.kinds import BaseKind, Built
 from dxserve.registry import Registry
@@ -87,13 +88,20 @@ def test_a_kind_registers_differentiates_and_persists(
         body = {"name": "cubic", "coefficients": COEFFICIENTS, "description": "a cubic"}
         entry, created = registry.register_body(body)
         assert created and entry.kind == "polynomial"
-        assert entry.describe() == {
+        described = entry.describe()
+        assert described == {
             "name": "cubic",
             "kind": "polynomial",
             "description": "a cubic",
             "signature": {"args": ["x"], "coefficients": COEFFICIENTS},
             "digest": entry.digest,
             "created": entry.created,
+            # what dxserve.describe tells from a signature that gives no shapes
+            "arguments": [{"name": "x", "role": "x", "shape": None, "dtype": None}],
+            "output": None,
+            "shapes_from": None,
+            "operators": list(OPERATORS),
+            "example": None,
         }
         g = dxserve.gradient(entry.fn, "jax-reverse", X)
         np.testing.assert_allclose(g, analytic_gradient(X), rtol=1e-13)

@@ -17,15 +17,43 @@ from . import __version__
 from .observe import configure_logging
 from .settings import Settings
 
+#: ``--functions``: what is served, and how the example functions come in.
+FUNCTIONS_HELP = (
+    "Python modules whose @dxserve.function's are served (importable, or in the working "
+    "directory). Repeat the flag or separate modules with commas: the lists add up. "
+    "Default: dxserve.examples, the example functions (rosenbrock, ...). Naming modules "
+    "replaces that default, so the server serves exactly what you name: add "
+    "dxserve.examples to keep the examples (e.g. --functions dxserve.examples "
+    "--functions mymodule). Also DXSERVE_FUNCTIONS=mod1,mod2; the flag wins."
+)
+
+
+def module_list(values: list[str]) -> list[str]:
+    """The modules of repeated ``--functions`` flags, each a comma list, in order and
+    once each: ``["a,b", "c"]`` -> ``["a", "b", "c"]``."""
+    modules: list[str] = []
+    for value in values:
+        for module in value.split(","):
+            if module.strip() and module.strip() not in modules:
+                modules.append(module.strip())
+    return modules
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dxserve", description="Differentiation as a service")
+    parser = argparse.ArgumentParser(
+        prog="dxserve", description="Differentiation as a service",
+        epilog="Every flag has a DXSERVE_* environment variable; see 'dxserve serve --help'.",
+    )
     parser.add_argument("--version", action="version", version=f"dxserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the HTTP server")
+    serve = sub.add_parser(
+        "serve", help="start the HTTP server",
+        description="Start the HTTP server. Every flag has a DXSERVE_* environment variable "
+        "(the flag wins). Without --functions the example functions are served.",
+    )
     serve.add_argument("--host", help="bind address (DXSERVE_HOST or HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (DXSERVE_PORT or PORT, default 8000)")
-    serve.add_argument("--functions", help="comma-separated modules of @dxserve.function's")
+    serve.add_argument("--functions", action="append", metavar="MODULES", help=FUNCTIONS_HELP)
     serve.add_argument(
         "--store", help="registry: a path (SQLite), postgresql://... or dir:///path (DXSERVE_STORE)"
     )
@@ -41,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token", help="bearer token for registry writes (DXSERVE_TOKEN)")
     serve.add_argument("--log-level", help="debug, info, warning, error")
     ray = sub.add_parser("ray", help="serve on Ray Serve: replicas, GPUs, autoscaling "
-                         "(pip install 'dxserve[ray]'; see dxserve.ray_serve)")
+                         "(needs the ray extra: pip install -e '.[ray]' at the repository "
+                         "root; see dxserve.ray_serve)")
     ray.add_argument("--address", help="Ray cluster to join (default: start a local one)")
     ray.add_argument("--host", default="127.0.0.1", help="Ray Serve's HTTP proxy address")
     ray.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP proxy port")
@@ -51,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas")
     ray.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
     ray.add_argument("--store", help="shared registry: an absolute path or postgresql://...")
-    ray.add_argument("--functions", help="comma-separated modules of @dxserve.function's")
+    ray.add_argument("--functions", action="append", metavar="MODULES", help=FUNCTIONS_HELP)
     ray.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
     args = parser.parse_args(argv)
     if args.command == "ray":
@@ -61,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         k: v for k, v in vars(args).items() if k != "command" and v is not None
     }
     if "functions" in overrides:
-        overrides["functions"] = [m.strip() for m in overrides["functions"].split(",") if m.strip()]
+        overrides["functions"] = module_list(overrides["functions"])
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
@@ -132,7 +161,7 @@ def run_ray(args: argparse.Namespace) -> int:
         local = "://" not in args.store
         settings["store"] = os.path.abspath(args.store) if local else args.store
     if args.functions is not None:
-        settings["functions"] = [m.strip() for m in args.functions.split(",") if m.strip()]
+        settings["functions"] = module_list(args.functions)
     if args.compilation_cache is not None:
         settings["compilation_cache"] = args.compilation_cache
     try:
@@ -150,7 +179,10 @@ def run_ray(args: argparse.Namespace) -> int:
 
         from . import ray_serve
     except ImportError:
-        print("dxserve: Ray Serve is not installed: pip install 'dxserve[ray]'", file=sys.stderr)
+        from dxclient.extras import SERVER, install_hint
+
+        print(f"dxserve: Ray Serve is not installed: {install_hint('ray', SERVER)}",
+              file=sys.stderr)
         return 2
     ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True)
     ray_serve.start(

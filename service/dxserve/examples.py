@@ -1,47 +1,65 @@
-"""Example functions registered by ``make serve`` (module ``dxserve.examples``)."""
+"""Example functions registered by ``make serve`` (module ``dxserve.examples``).
+
+Each has example arguments, so ``GET /functions/{name}`` shows its arguments' shapes
+and dtypes and a request to try.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .functions import function
 
+_X3 = np.array([1.0, 2.0, 3.0])
 
-@function(description="extended Rosenbrock, R^n -> R: sum 100(x[i+1]-x[i]^2)^2 + (1-x[i])^2")
+
+@function(
+    description="extended Rosenbrock, R^n -> R: sum 100(x[i+1]-x[i]^2)^2 + (1-x[i])^2",
+    example=(_X3,),
+)
 def rosenbrock(x):
     return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
 
 
-@function(description="sum of squares, R^n -> R")
+@function(description="sum of squares, R^n -> R", example=(_X3,))
 def sum_of_squares(x):
     return jnp.sum(x**2)
 
 
-@function(description="elementwise, R^n -> R^n: sin(x) * cumsum(x)")
+@function(description="elementwise, R^n -> R^n: sin(x) * cumsum(x)", example=(_X3,))
 def sin_cumsum(x):
     return jnp.sin(x) * jnp.cumsum(x)
 
 
-@function(description="one tanh layer, R^n -> R^m: tanh(W @ x); context W is (m, n)")
+@function(
+    description="one tanh layer, R^n -> R^m: tanh(W @ x); context W is (m, n)",
+    example=(_X3, np.array([[0.1, 0.2, 0.3], [-0.3, 0.2, -0.1]])),
+)
 def tanh_layer(x, W):
     return jnp.tanh(W @ x)
 
 
-@function(description="softmax, R^n -> R^n")
+@function(description="softmax, R^n -> R^n", example=(_X3,))
 def softmax(x):
     return jax.nn.softmax(x)
 
 
 @function(
     description="least squares loss of a linear model, pytree input "
-    "{'w': (d, k), 'b': (k,)}; contexts X (N, d), Y (N, k)"
+    "{'w': (d, k), 'b': (k,)}; contexts X (N, d), Y (N, k)",
+    example=(
+        {"w": np.array([[0.5], [-0.5]]), "b": np.array([0.1])},
+        np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+        np.array([[1.0], [0.0], [-1.0]]),
+    ),
 )
 def least_squares(params, X, Y):
     residual = X @ params["w"] + params["b"] - Y
     return 0.5 * jnp.sum(residual**2) / X.shape[0]
 
 
-@function(description="log-density of a standard normal, R^n -> R")
+@function(description="log-density of a standard normal, R^n -> R", example=(_X3,))
 def normal_logpdf(x):
     return -0.5 * jnp.sum(x**2) - 0.5 * x.size * jnp.log(2 * jnp.pi)

@@ -55,6 +55,8 @@ from dxclient.errors import (
 from dxclient.export import ARTIFACTS, split_bundle
 from dxclient.platforms import export_platform
 
+from .arity import wrong_count
+
 __all__ = [
     "ALLOWED_CUSTOM_CALL_TARGETS",
     "DEFAULT_MAX_BUNDLE_BYTES",
@@ -460,7 +462,11 @@ def _make_fn(h: _Artifacts) -> Callable[..., Any]:
                 field="x",
             )
 
+    n_contexts = len(in_tree.children()[0].children()) - 1  # in_tree: ((x, *contexts), {})
+
     def g(x, *contexts):
+        if len(contexts) != n_contexts:
+            raise wrong_count(f"export {h.name!r}", n_contexts, n_contexts, len(contexts))
         leaves, tree = jax.tree_util.tree_flatten(((x, *contexts), {}))
         if tree != in_tree:
             raise ShapeMismatchError(

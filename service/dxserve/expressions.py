@@ -49,7 +49,9 @@ import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
 
-from dxclient.errors import InvalidArgumentError, InvalidExpressionError
+from dxclient.errors import InvalidExpressionError
+
+from .arity import wrong_count
 
 __all__ = [
     "ALLOWED_CONSTANTS",
@@ -872,11 +874,7 @@ class Expression:
 
     def __call__(self, x: Any, *contexts: Any) -> jax.Array:
         if len(contexts) != len(self.args) - 1:
-            raise InvalidArgumentError(
-                f"expression takes {len(self.args) - 1} context(s) {list(self.args[1:])}, "
-                f"got {len(contexts)}",
-                field="contexts",
-            )
+            raise wrong_count("the expression", self.args[1:], len(self.args) - 1, len(contexts))
         env = tuple(
             jax.tree_util.tree_map(jnp.asarray, value)
             if isinstance(value, dict | list | tuple) else jnp.asarray(value)

@@ -1,36 +1,53 @@
 """Server-side functions: the deployer's trusted Python, marked with a decorator.
 
-    @dxserve.function(description="extended Rosenbrock, R^n -> R")
+    @dxserve.function(description="extended Rosenbrock, R^n -> R",
+                      example=(np.array([1.0, 2.0, 3.0]),))
     def rosenbrock(x):
         return jnp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
 
 ``dxserve serve --functions mymodule`` imports ``mymodule`` and registers every
-function so marked (``module_functions``).
+function so marked (``module_functions``). ``example`` (the arguments ``(x,
+*contexts)``) lets ``GET /functions/{name}`` show the arguments' shapes and dtypes, the
+operators they allow and a request to try; without one, parameter annotations that
+are ``jax.ShapeDtypeStruct``s (or ``float``) do the same.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 
 @dataclass(frozen=True)
 class FunctionInfo:
     name: str
     description: str
+    #: example arguments ``(x, *contexts)`` (arrays or pytrees of them), or None
+    example: tuple | None = field(default=None, compare=False, repr=False)
 
 
 def function(
-    fn: Callable | None = None, *, name: str | None = None, description: str | None = None
+    fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
+    example: Sequence[Any] | None = None,
 ) -> Callable:
-    """Mark ``fn(x, *contexts)`` for registration (usable with or without arguments)."""
+    """Mark ``fn(x, *contexts)`` for registration (usable with or without arguments).
+
+    ``example``: arguments ``(x, *contexts)`` it can be called with, shown (shapes,
+    dtypes, a request to try) by ``GET /functions/{name}``.
+    """
+    if example is not None and (isinstance(example, str) or not isinstance(example, Sequence)):
+        raise TypeError("example is the arguments (x, *contexts): a tuple, e.g. (x,)")
 
     def mark(fn: Callable) -> Callable:
         doc = (inspect.getdoc(fn) or "").strip().splitlines()
-        fn.__dxserve__ = FunctionInfo(name or fn.__name__, description or (doc[0] if doc else ""))
+        fn.__dxserve__ = FunctionInfo(
+            name or fn.__name__, description or (doc[0] if doc else ""),
+            tuple(example) if example is not None else None,
+        )
         return fn
 
     return mark(fn) if fn is not None else mark

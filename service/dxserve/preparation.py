@@ -41,6 +41,7 @@ from dxclient.lru import LRU
 from dxclient.operators import OPERATORS
 
 from . import executable_cache
+from .arity import check_contexts
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
@@ -331,6 +332,7 @@ def probe(f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
     known = executable_cache.output_spec(f, x, contexts)  # after a restart: no tracing
     if known is not None:
         return True, known
+    check_contexts(f, contexts)  # a missing context is named, not blamed on x
     try:
         y = jax.eval_shape(f, x, *contexts)
     except _NOT_TRACEABLE:

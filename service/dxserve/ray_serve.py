@@ -1,6 +1,7 @@
-"""dxserve on Ray Serve (``pip install 'dxserve[ray]'``): one deployment whose replicas
-each run the transport-agnostic ``Service`` behind the same FastAPI app as ``dxserve
-serve`` (``http.create_app``), so every route, encoding and error is identical.
+"""dxserve on Ray Serve (the ``ray`` extra: ``pip install -e '.[ray]'`` at the repository
+root): one deployment whose replicas each run the transport-agnostic ``Service`` behind
+the same FastAPI app as ``dxserve serve`` (``http.create_app``), so every route,
+encoding and error is identical.
 
 Three ways to run it::
 
@@ -47,7 +48,9 @@ def _serve() -> Any:
     try:
         from ray import serve
     except ImportError as exc:  # pragma: no cover - the extra is missing
-        raise RuntimeError("dxserve on Ray needs Ray Serve: pip install 'dxserve[ray]'") from exc
+        from dxclient.extras import SERVER, install_hint
+
+        raise RuntimeError(f"dxserve on Ray needs Ray Serve: {install_hint('ray', SERVER)}") from exc
     return serve
 
 

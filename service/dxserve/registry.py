@@ -17,6 +17,7 @@ what was prepared for them), and an evicted one is built again when next used.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import threading
@@ -42,6 +43,9 @@ from .kinds.module import MODULE
 from .origins import Origin, module_origin, stored_origin
 from .store import FunctionStore, StoredFunction, StoredRecord, too_many, validate_name
 
+#: The metadata key of a stored function's ``Entry.facts``.
+FACTS = "describe"
+
 __all__ = ["Entry", "Registry", "expression_content"]
 
 log = logging.getLogger("dxserve.registry")
@@ -59,6 +63,8 @@ class Entry:
     signature: dict[str, Any] = field(default_factory=dict)
     digest: str | None = None
     created: str | None = None
+    #: Shapes and an example, for ``describe`` (``dxserve.describe.facts``); None: unknown.
+    facts: dict[str, Any] | None = field(default=None, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """The JSON of ``GET /functions/{name}``, as this entry's kind describes it."""
@@ -87,6 +93,7 @@ def _build(record: StoredFunction) -> Entry:
         built.signature,
         record.digest,
         record.created,
+        built.facts,
     )
 
 
@@ -105,6 +112,7 @@ def _index_entry(record: StoredRecord | StoredFunction) -> Entry:
         record.metadata.get("signature", {}),
         record.digest,
         record.created,
+        record.metadata.get(FACTS),
     )
 
 
@@ -167,8 +175,10 @@ class Registry:
 
     def add_python(self, info: FunctionInfo, fn: Callable) -> Entry:
         """Register one server-side callable (kind ``module``, never stored)."""
-        built = MODULE.wrap(fn)
-        entry = Entry(info.name, MODULE.name, built.fn, info.description, built.signature)
+        built = MODULE.wrap(fn, info.example)
+        entry = Entry(
+            info.name, MODULE.name, built.fn, info.description, built.signature, facts=built.facts
+        )
         self._remember(built.fn, module_origin(built.fn))
         with self._lock:
             self._entries[info.name] = entry
@@ -207,6 +217,8 @@ class Registry:
         if not _json_able(built.signature):
             return _index_entry(full)
         metadata = {**full.metadata, "signature": built.signature}
+        if built.facts is not None and _json_able(built.facts):
+            metadata[FACTS] = built.facts
         stamp = getattr(kinds.get_kind(full.kind), "stamp", None)
         if stamp is not None:  # the export gate's pass, so later starts need not gate it again
             metadata.update(stamp(full.content))
@@ -240,8 +252,11 @@ class Registry:
                     f"function must be a registered name (a string), got {type(name).__name__}",
                     field=field_name,
                 )
+            with self._lock:
+                close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.75)
+            guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise UnknownFunctionError(
-                f"no function named {name!r}; GET /functions lists them", field=field_name
+                f"no function named {name!r}; {guess}GET /functions lists them", field=field_name
             )
         return entry
 
@@ -440,7 +455,7 @@ class Registry:
                     return
                 index = _index_entry(record)  # new metadata, same content: keep what is built
                 self._entries[name] = (
-                    dataclasses.replace(index, signature=current.signature)
+                    dataclasses.replace(index, signature=current.signature, facts=current.facts)
                     if "signature" not in record.metadata else index
                 )
                 return
@@ -502,6 +517,8 @@ class Registry:
         built = _build(StoredFunction(name, kind, "", content, metadata, ""))
         if _json_able(built.signature):  # so GET /functions never needs to build it
             metadata["signature"] = built.signature
+            if built.facts is not None and _json_able(built.facts):
+                metadata[FACTS] = built.facts
         stamp = getattr(kinds.get_kind(kind), "stamp", None)
         if stamp is not None:  # e.g. the export gate's pass, bound to the content's sha256
             metadata.update(stamp(content))

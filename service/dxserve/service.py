@@ -59,6 +59,10 @@ Action = Literal["compute", "write", "read"]
 
 
 _log = logging.getLogger("dxserve.service")
+#: The module of the example functions (``dxserve serve``'s default ``--functions``).
+EXAMPLES = "dxserve.examples"
+#: Stored functions named one by one in the start-up log; the rest are counted.
+_LISTED = 20
 
 class PrepHandles:
     """Handles returned by ``Service.prepare``: an LRU of at most ``maxsize`` preps and,
@@ -126,9 +130,10 @@ class Service:
             max_loaded_bytes=settings.max_loaded_bytes, sync_interval=settings.store_sync_interval,
         )
         with float64_scope():  # stored exports may carry float64 signatures
-            for module in settings.functions:
-                self.registry.add_module(module)
-            self.registry.load_store()
+            #: module -> the names of the functions it registered (``--functions``)
+            self.modules = self._add_modules(settings.functions)
+            stored = self.registry.load_store()
+        self._log_functions(stored)
         #: gives freed heap memory back after large requests and evictions; after preps
         #: were evicted it clears JAX's caches first, where the shapes of their traces and
         #: eager operations stay otherwise (see ``memory``)
@@ -181,6 +186,60 @@ class Service:
             settings.max_inflight_bytes, settings.large_result_bytes, settings.max_large_results
         )
         self.budget.on_give = self.trimmer.released
+
+    # --- start-up -------------------------------------------------------------------
+    def _add_modules(self, modules: Sequence[str]) -> dict[str, list[str]]:
+        """Register each module's ``@dxserve.function``s; warn about a module that has
+        none, and about a name that a later module takes from an earlier one."""
+        added: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for module in modules:
+            names = self.registry.add_module(module)
+            if not names:
+                _log.warning(
+                    "functions: module %s registers no functions: mark them with "
+                    "@dxserve.function (import dxserve)", module,
+                    extra={"event": "functions", "python_module": module, "functions": 0},
+                )
+            for name in names:
+                if name in owner and owner[name] != module:
+                    _log.warning("functions: %s of %s replaces the one of %s", name, module,
+                                 owner[name])
+                    added[owner[name]].remove(name)
+                owner[name] = module
+            added[module] = names
+        return added
+
+    def _log_functions(self, stored: int) -> None:
+        """What this server serves, at start: how many functions, from where, and each
+        module function with its module (stored ones by name, up to ``_LISTED``)."""
+        served = sum(len(names) for names in self.modules.values())
+        sources = ", ".join(self.modules) or "none"
+        _log.info(
+            "functions: %d served: %d from --functions modules (%s), %d stored in %s",
+            served + stored, served, sources, stored, self.settings.store,
+            extra={"event": "functions", "served": served + stored, "modules": served,
+                   "stored": stored},
+        )
+        for module, names in self.modules.items():
+            for name in names:
+                _log.info("function %s: module %s", name, module,
+                          extra={"event": "function", "function": name, "kind": "module",
+                                 "python_module": module})
+        listed = 0
+        for entry in self.registry.list():
+            if entry.kind == "module":
+                continue
+            if listed == _LISTED:
+                _log.info("... and %d more stored functions: GET /functions lists them",
+                          stored - listed)
+                break
+            _log.info("function %s: %s, stored", entry.name, entry.kind,
+                      extra={"event": "function", "function": entry.name, "kind": entry.kind})
+            listed += 1
+        if EXAMPLES not in self.modules and self.modules:
+            _log.info("functions: the examples (%s) are not served: --functions names what "
+                      "is served; add %s to serve them too", EXAMPLES, EXAMPLES)
 
     # --- authorization ------------------------------------------------------------
     def authorize(self, token: str | None, action: Action) -> None:

@@ -17,10 +17,15 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DXSERVE_", extra="ignore")
 
+    #: Bind address; ``HOST`` is read too (containers set it), ``DXSERVE_HOST`` wins.
+    #: Beyond loopback, registry writes need a token (see ``allow_anonymous_registration``).
     host: str = Field(default_factory=lambda: os.environ.get("HOST", "127.0.0.1"))
     # validated like DXSERVE_PORT, so a bad PORT is a ValidationError naming the field
+    #: Port; ``PORT`` is read too (containers and PaaS set it), ``DXSERVE_PORT`` wins.
     port: int = Field(default_factory=lambda: os.environ.get("PORT", "8000"), validate_default=True)
-    #: Python modules whose ``@dxserve.function``s are registered at start.
+    #: Python modules whose ``@dxserve.function``s are served, comma-separated (the flag
+    #: ``--functions`` may also repeat; the lists add up). The default serves the example
+    #: functions; a list names everything served, so add ``dxserve.examples`` to keep them.
     functions: Annotated[list[str], NoDecode] = ["dxserve.examples"]
     #: The persistent function registry: a path (an SQLite database ``<path>/store.db``
     #: that the processes of one machine share), ``postgresql://...`` (processes on many
@@ -55,7 +60,9 @@ class Settings(BaseSettings):
     warm_up: bool = True
     #: Bearer token required for registry writes (and compute, if below is set).
     token: str | None = None
+    #: A file of accepted tokens, one per line (``#`` comments), besides ``token``.
     tokens_file: Path | None = None
+    #: Require the token for operators and ``/prepare`` too, not only registry writes.
     require_token_for_compute: bool = False
     #: Also require the token to read what the server holds: ``GET /functions``,
     #: ``/functions/{name}``, ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
@@ -65,10 +72,12 @@ class Settings(BaseSettings):
     #: only when the server listens on a loopback address; set this to accept them
     #: from anyone on any address (e.g. behind a proxy that authenticates).
     allow_anonymous_registration: bool = False
+    #: Largest operator request body in the binary framing (413 above).
     max_body_bytes: int = 256 * 1024 * 1024
     #: Largest operator body in JSON: decoding JSON numbers holds ~16x the body's size
     #: (binary bodies decode without copying, so they get ``max_body_bytes``).
     max_json_body_bytes: int = 32 * 1024 * 1024
+    #: Largest ``POST /functions`` body (413 above).
     max_upload_bytes: int = 32 * 1024 * 1024
     #: Most stored functions, counted in the store shared by every process (429 past it).
     max_functions: int = 1000
@@ -97,6 +106,7 @@ class Settings(BaseSettings):
     #: Conservative rates used to estimate run time at preparation: an operator estimated
     #: to take longer than ``request_timeout`` is refused, since a started one cannot stop.
     assumed_flops_per_second: float = Field(default=1e10, gt=0)
+    #: Bytes accessed per second, in the same run-time estimate (lower it on a slow device).
     assumed_bytes_per_second: float = Field(default=1e10, gt=0)
     #: Bytes held at once by large request bodies being decoded (times the encoding's
     #: amplification) and by results until sent; 503 + Retry-After past it.
@@ -104,8 +114,11 @@ class Settings(BaseSettings):
     #: A result of at least this many bytes is "large": at most ``max_large_results`` of
     #: them are computed at once (503 + Retry-After for more).
     large_result_bytes: int = 64 * 1024**2
+    #: Most "large" results (see ``large_result_bytes``) computed at once.
     max_large_results: int = Field(default=2, ge=1)
+    #: Live ``/prepare`` handles kept (least recently used dropped: 404, prepare again).
     max_prepared: int = 1024
+    #: Compiled operators kept in memory (least recently used dropped).
     cache_size: int = 512
     #: Bytes the cache of compiled operators (``cache_size`` at most) may keep alive:
     #: executables, sparsity patterns, colourings and index arrays, as estimated by
@@ -161,23 +174,27 @@ class Settings(BaseSettings):
     #: The HTTP protocol: "httptools" (uvicorn's, with the bounds below: see
     #: ``http/protocol.py``) or "h11" (uvicorn's h11 protocol: only uvicorn's own limits).
     http: Literal["httptools", "h11"] = "httptools"
-    #: Connections (see ``http/protocol.py``): seconds a request's headers may take to
-    #: arrive (from the connection opening or the request's first byte), seconds its body
-    #: may take once the headers are in (408 and closed past either), most header bytes
-    #: (request line and header lines: 431), most open connections (503 and closed past
-    #: it), seconds a client may take nothing of an answer while more waits to be sent
-    #: (then it is disconnected and the answer's memory freed), seconds an idle keep-alive
-    #: connection stays open, and the listen backlog.
+    # Connections (see ``http/protocol.py``):
+    #: Seconds a request's headers may take to arrive, from the connection opening or the
+    #: request's first byte (408 and closed past it).
     header_timeout: float = Field(default=10.0, gt=0)
+    #: Seconds a request's body may take once its headers are in (408 and closed past it).
     body_timeout: float = Field(default=120.0, gt=0)
+    #: Most bytes of a request's head, request line and header lines (431 past it).
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    #: Most open connections (a new one past it gets 503 and is closed).
     max_connections: int = Field(default=4096, ge=1)
+    #: Seconds a client may take nothing of an answer while more waits to be sent; then
+    #: it is disconnected and the answer's memory freed.
     write_timeout: float = Field(default=60.0, gt=0)
+    #: Seconds an idle keep-alive connection stays open.
     keep_alive_timeout: int = Field(default=5, ge=1)
+    #: The listen backlog.
     backlog: int = Field(default=2048, ge=1)
     #: FastAPI's native OpenTelemetry (spans, metrics and logs through the global
     #: providers); off by default: ``/metrics`` serves Prometheus metrics of its own.
     opentelemetry: bool = False
+    #: "debug", "info", "warning" or "error".
     log_level: str = "info"
     #: "text" (default) or "json": one JSON object per line, with a line per request
     #: (method, route, status, seconds, request id, function, operator), registration,

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from dxclient.errors import (
+    FIX,
     FunctionConflictError,
     InvalidArgumentError,
     PayloadTooLargeError,
@@ -234,8 +235,8 @@ def conflict(old: StoredRecord) -> FunctionConflictError:
     """The 409 for re-binding ``old.name`` to other content without ``replace``."""
     return FunctionConflictError(
         f"function {old.name!r} is already registered with different content "
-        f"({old.kind}, {old.digest}); pass replace=true to overwrite",
-        field="name",
+        f"({old.kind}, {old.digest}); pass {FIX} to overwrite",
+        field="name", fix={"replace": True},
     )
 
 

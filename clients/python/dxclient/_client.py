@@ -120,7 +120,15 @@ class _OperatorURLs:
 
 
 def _export(fn: Callable, example_args: tuple, platforms: Sequence[str], **kw: Any) -> bytes:
-    from .export import export_function  # needs jax: imported only when registering
+    try:
+        import jax  # noqa: F401  (imported only when registering)
+    except ImportError as exc:
+        from .extras import install_hint
+
+        raise ImportError(
+            f"registering a Python function exports it with JAX: {install_hint('jax')}"
+        ) from exc
+    from .export import export_function
 
     return export_function(fn, *example_args, platforms=tuple(platforms), **kw)
 

@@ -30,6 +30,13 @@ class RemoteFunction:
     kind: str | None = None
     description: str = ""
     signature: dict = field(default_factory=dict, compare=False)
+    #: each argument's ``name``, ``role`` (x or context) and, where the server knows
+    #: them, ``shape`` and ``dtype`` (``tree`` for a pytree)
+    arguments: list = field(default_factory=list, compare=False)
+    #: the operators the server says these shapes allow
+    operators: list = field(default_factory=list, compare=False)
+    #: a request the function answers, ``{"path", "body"}``, or None
+    example: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -344,7 +351,10 @@ def prep_result(content: bytes, request: Call | None = None) -> RemotePrep:
 
 
 def function_from(obj: dict) -> RemoteFunction:
-    return RemoteFunction(obj["name"], obj["kind"], obj.get("description", ""), obj.get("signature", {}))
+    return RemoteFunction(
+        obj["name"], obj["kind"], obj.get("description", ""), obj.get("signature", {}),
+        obj.get("arguments") or [], obj.get("operators") or [], obj.get("example"),
+    )
 
 
 def function_result(content: bytes) -> RemoteFunction:

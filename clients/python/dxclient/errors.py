@@ -10,9 +10,25 @@ exception class by its ``type``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 PROBLEM_TYPE_PREFIX = "urn:dxserve:problem:"
+
+#: Stands in a detail for the request options that fix the error (``fix=``): spelled
+#: ``replace=True`` for Python callers, ``"replace": true`` in a problem document.
+FIX = "{fix}"
+
+
+def python_spelling(options: Mapping[str, Any]) -> str:
+    """``replace=True``: options as a Python caller passes them."""
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
+
+
+def json_spelling(options: Mapping[str, Any]) -> str:
+    """``"replace": true``: options as a JSON body carries them."""
+    return ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in options.items())
 
 
 class DxError(Exception):
@@ -21,11 +37,26 @@ class DxError(Exception):
     slug: ClassVar[str] = "bad-request"
     title: ClassVar[str] = "Bad request"
 
-    def __init__(self, detail: str, *, field: str | None = None, **extra: Any) -> None:
+    def __init__(
+        self, detail: str, *, field: str | None = None, fix: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        #: request options that fix the error (``{"replace": True}``); ``FIX`` in
+        #: ``detail`` is where they are named, in the caller's spelling
+        self.fix = dict(fix) if fix else None
+        self._template = detail
+        if self.fix:
+            detail = detail.replace(FIX, python_spelling(self.fix))
         super().__init__(detail)
         self.detail = detail
         self.field = field
         self.extra = extra
+
+    def json_detail(self) -> str:
+        """``detail`` as a problem document says it: options spelled as JSON."""
+        if not self.fix:
+            return self.detail
+        return self._template.replace(FIX, json_spelling(self.fix))
 
     @property
     def type(self) -> str:
@@ -45,9 +76,15 @@ class DxError(Exception):
         extra = {
             k: v
             for k, v in problem.items()
-            if k not in ("type", "title", "status", "detail", "field")
+            if k not in ("type", "title", "status", "detail", "field", "fix")
         }
-        err = cls(str(problem.get("detail", "")), field=problem.get("field"), **extra)
+        detail = str(problem.get("detail", ""))
+        fix = problem.get("fix")
+        if isinstance(fix, dict) and fix:  # the detail names it in JSON: say it in Python
+            detail = detail.replace(json_spelling(fix), FIX)
+        else:
+            fix = None
+        err = cls(detail, field=problem.get("field"), fix=fix, **extra)
         err.problem = problem  # type: ignore[attr-defined]
         err.status = status  # type: ignore[attr-defined]
         err.http_status = status  # type: ignore[attr-defined]

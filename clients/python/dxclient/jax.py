@@ -41,7 +41,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
+try:
+    import jax
+except ImportError as exc:
+    from .extras import install_hint
+
+    raise ImportError(f"dxclient.jax needs JAX: {install_hint('jax')}") from exc
 import jax.extend
 import jax.numpy as jnp
 import numpy as np

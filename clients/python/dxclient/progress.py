@@ -5,7 +5,8 @@
 server computes (see the README, "Progress and cancellation"):
 
 * ``progress`` events (``{"done", "total", "unit"}``) update a ``tqdm`` bar
-  (``pip install 'dxclient[progress]'``), or call ``progress(done, total)`` when
+  (the client's ``progress`` extra: ``pip install './clients/python[progress]'`` from a
+  clone of dxserve, or ``pip install tqdm``), or call ``progress(done, total)`` when
   ``progress`` is a callable;
 * the ``result`` event is decoded exactly as the plain answer would be (typed base64,
   so the same bits);
@@ -58,9 +59,11 @@ def _tqdm() -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError as exc:
+        from .extras import install_hint
+
         raise ImportError(
-            "progress=True shows a tqdm progress bar: pip install 'dxclient[progress]' "
-            "(or pass progress=callable, called with (done, total))"
+            f"progress=True shows a tqdm progress bar: {install_hint('progress')}; "
+            "or pass progress=callable, called with (done, total)"
         ) from exc
     return tqdm
 

@@ -133,7 +133,9 @@ def from_wire(value: dict, field: str, *, use_scipy: bool | None = None) -> Any:
     sp = _scipy() if use_scipy is not False else None
     if sp is None:
         if use_scipy:
-            raise ImportError("scipy is not installed: pip install 'dxserve-client[scipy]'")
+            from .extras import install_hint
+
+            raise ImportError(f"scipy is not installed: {install_hint('scipy')}")
         return SparseMatrix(fmt, (m, n), indices, data, indptr)
     if fmt == "csr":
         return sp.csr_array((data, indices, indptr), shape=(m, n))

@@ -24,6 +24,7 @@ from fastapi.openapi.docs import (
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from dxclient import codec
 from dxclient.operators import OPERATORS, OperatorSpec
@@ -248,8 +249,21 @@ def _document_security(spec: dict) -> None:
                 operation["security"] = [{BEARER: []}, {}]
 
 
+#: Where /docs and /redoc load their scripts, styles and icon from: this server, from the
+#: files the pinned ``fastapi-offline`` package ships, so the pages work with no network.
+ASSETS_URL = "/docs/assets"
+_ASSETS_PACKAGE = ("fastapi_offline", "static")
+SWAGGER_JS, SWAGGER_CSS = "swagger-ui-bundle.js", "swagger-ui.css"
+REDOC_JS, FAVICON = "redoc.standalone.js", "favicon.png"
+
+
 def _add_documents(app: FastAPI) -> None:
-    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, as FastAPI serves them."""
+    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, as FastAPI serves them,
+    with their assets served from ``ASSETS_URL`` rather than a CDN."""
+
+    def asset(request: Request, name: str) -> str:
+        # under a proxy's path prefix (root_path) the pages still find their assets
+        return f"{request.scope.get('root_path', '')}{ASSETS_URL}/{name}"
 
     async def openapi(request: Request) -> JSONResponse:
         routes.authorize(request, "read")
@@ -260,6 +274,9 @@ def _add_documents(app: FastAPI) -> None:
         return get_swagger_ui_html(
             openapi_url=OPENAPI_URL, title=f"{TITLE} - Swagger UI",
             oauth2_redirect_url=f"{DOCS_URL}/oauth2-redirect",
+            swagger_js_url=asset(request, SWAGGER_JS),
+            swagger_css_url=asset(request, SWAGGER_CSS),
+            swagger_favicon_url=asset(request, FAVICON),
         )
 
     async def swagger_ui_redirect(request: Request) -> HTMLResponse:
@@ -267,13 +284,28 @@ def _add_documents(app: FastAPI) -> None:
 
     async def redoc(request: Request) -> HTMLResponse:
         routes.authorize(request, "read")
-        return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{TITLE} - ReDoc")
+        return get_redoc_html(
+            openapi_url=OPENAPI_URL, title=f"{TITLE} - ReDoc",
+            redoc_js_url=asset(request, REDOC_JS), redoc_favicon_url=asset(request, FAVICON),
+            with_google_fonts=False,  # fonts from a CDN otherwise; ReDoc falls back to local ones
+        )
 
     for path, endpoint in (
         (OPENAPI_URL, openapi), (DOCS_URL, swagger_ui),
         (f"{DOCS_URL}/oauth2-redirect", swagger_ui_redirect), (REDOC_URL, redoc),
     ):
         app.router.add_route(path, endpoint, methods=["GET", "HEAD"], include_in_schema=False)
+    # Served by StaticFiles (content types, ETag, Last-Modified, 304s) behind one route
+    # template rather than a mount, so every asset request is counted under that template
+    # and unknown names cannot add series to /metrics.
+    assets = StaticFiles(packages=[_ASSETS_PACKAGE])
+
+    async def docs_asset(name: str, request: Request) -> Response:
+        return await assets.get_response(name, request.scope)
+
+    app.api_route(
+        f"{ASSETS_URL}/{{name}}", methods=["GET", "HEAD"], include_in_schema=False
+    )(docs_asset)
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,10 +84,12 @@ def problem_document(error: DxError, status: int | None = None) -> dict[str, Any
         "type": error.type,
         "title": error.title,
         "status": status_of(error) if status is None else status,
-        "detail": error.detail,
+        "detail": error.json_detail(),
     }
     if error.field is not None:
         problem["field"] = error.field
+    if error.fix:
+        problem["fix"] = error.fix
     problem.update(error.extra)
     return problem
 
@@ -149,8 +153,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
         detail, field = str(exc.detail), None
+        suggestions: list[str] = []
         if exc.status_code == 404 and detail == "Not Found":
-            detail, field = f"no route {request.method} {request.url.path}; see /docs", "path"
+            suggestions = near_routes(request)
+            detail, field = not_found_detail(request.method, request.url.path, suggestions), "path"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
             detail = f"{request.method} is not allowed on {request.url.path}" + (
@@ -159,7 +165,7 @@ def install(app: FastAPI) -> None:
             field = "method"
         # Starlette's own errors (unknown route, wrong method) have no DxError class;
         # they keep Starlette's status and get a slug and title of their own.
-        err = DxError(detail, field=field)
+        err = DxError(detail, field=field, **({"suggestions": suggestions} if suggestions else {}))
         err.title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")  # type: ignore[misc]
         err.slug = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http")  # type: ignore[misc]
         response = problem_response(err, status=exc.status_code)
@@ -178,6 +184,54 @@ def install(app: FastAPI) -> None:
             for name, value in record.answer_headers(500):
                 response.headers[name.decode("latin-1")] = value.decode("latin-1")
         return response
+
+
+#: Names newcomers bring from other autodiff libraries, as this API calls them.
+SYNONYMS = {
+    "jvp": "pushforward", "vjp": "pullback", "grad": "gradient", "jac": "jacobian",
+    "jacfwd": "jacobian", "jacrev": "jacobian", "hess": "hessian", "eval": "value",
+}
+_WHY = {
+    "pushforward": "a JVP is a pushforward: J t for each tangent t",
+    "pullback": "a VJP is a pullback: J^T c for each cotangent c",
+}
+
+
+def near_routes(request: Request) -> list[str]:
+    """Paths of this app close to ``request``'s unknown one: its words renamed from other
+    libraries' (``/jvp``: ``/pushforward``, ``/grad``: ``/gradient``), else the closest
+    spellings (``difflib``); paths that take the request's method first."""
+    path = request.url.path
+    root = request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    routes = [r for r in request.app.routes if isinstance(getattr(r, "path", None), str)]
+    known = [r.path for r in routes if "{" not in r.path]
+    same_method = [
+        r.path for r in routes
+        if "{" not in r.path and request.method in (getattr(r, "methods", None) or ())
+    ]
+    words = re.split(r"([/_])", path.strip().lower())
+    renamed = "".join(SYNONYMS.get(w, w) for w in words)
+    if renamed != path and renamed in known:
+        return [renamed]
+    for pool in (same_method, known):
+        close = difflib.get_close_matches(path, pool, n=3, cutoff=0.75)
+        if close:
+            return close
+    return []
+
+
+def not_found_detail(method: str, path: str, suggestions: list[str]) -> str:
+    """The 404 detail for a path no route serves, naming what was probably meant."""
+    if not suggestions:
+        return f"no route {method} {path}; see /docs for every route"
+    first = suggestions[0].rsplit("/", 1)[-1]
+    why = f" ({_WHY[first]})" if first in _WHY and len(suggestions) == 1 else ""
+    return (
+        f"no route {method} {path}; did you mean {' or '.join(suggestions)}{why}? "
+        "See /docs for every route"
+    )
 
 
 def _closes(request: Request) -> bool:

@@ -211,13 +211,62 @@ def _kind_names(schema: dict[str, Any]) -> None:
     schema["enum"] = kind_names()
 
 
+_SHAPE = Field(
+    None, description="Dimensions where known: integers, or strings for an export's "
+    "symbolic dimensions (any size, the same wherever the name recurs); null: unknown "
+    "(or a pytree: see `tree`)", examples=[[3]],
+)
+
+
+class ArgumentInfo(BaseModel):
+    """One argument of ``f(x, *contexts)``."""
+
+    name: str = Field(examples=["x"])
+    role: Literal["x", "context"] = Field(description="`x` is differentiated, contexts are not")
+    shape: list[int | str] | None = _SHAPE
+    dtype: str | None = Field(None, examples=["float64"])
+    tree: dict[str, Any] | None = Field(
+        None, description="A pytree argument: `{\"dict\": {key: node}}`, `{\"list\": [...]}`, "
+        "`{\"tuple\": [...]}` down to leaves `{\"shape\", \"dtype\"}`",
+    )
+
+
+class OutputInfo(BaseModel):
+    shape: list[int | str] | None = _SHAPE
+    dtype: str | None = None
+    tree: dict[str, Any] | None = None
+
+
+class ExampleRequest(BaseModel):
+    """A request this function answers: POST ``body`` to ``path`` as it is."""
+
+    path: str = Field(examples=["/gradient"])
+    body: dict[str, Any]
+
+
 class FunctionInfoModel(BaseModel):
     name: str
     kind: str = Field(json_schema_extra=_kind_names)
     description: str
-    signature: dict[str, Any]
+    signature: dict[str, Any] = Field(
+        description="The kind's own: parameter names (`args`), an expression's text, an "
+        "export's manifest (versions, platforms, signature, artifact hashes)"
+    )
     digest: str | None = None
     created: str | None = None
+    arguments: list[ArgumentInfo] = Field(
+        default_factory=list, description="x, then the contexts, with shapes and dtypes where known"
+    )
+    output: OutputInfo | None = Field(None, description="f(x, *contexts)'s shape and dtype, where known")
+    shapes_from: Literal["export", "example", "annotations", "probe"] | None = Field(
+        None, description="Where the shapes come from: an export's signature (required "
+        "shapes), a registered example or annotations (shapes it was checked on), an "
+        "expression evaluated on small arrays at registration; null: unknown",
+    )
+    operators: list[str] = Field(
+        default_factory=list, description="The operators these shapes allow (all when unknown)"
+    )
+    example: ExampleRequest | None = Field(None, description="A request to try, where shapes are known")
 
 
 class FunctionList(BaseModel):

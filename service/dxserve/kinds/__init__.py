@@ -64,6 +64,8 @@ class Built:
 
     fn: Callable = field(repr=False)
     signature: dict[str, Any] = field(default_factory=dict)
+    #: What ``dxserve.describe`` shows of its shapes (``describe.facts``), if known.
+    facts: dict[str, Any] | None = None
 
 
 @runtime_checkable
@@ -123,7 +125,11 @@ class BaseKind:
 
 
 def standard_description(entry: Entry) -> dict[str, Any]:
-    """name, kind, description, signature, and digest and created when stored."""
+    """name, kind, description, signature, digest and created when stored, and what
+    ``dxserve.describe`` tells from the signature: arguments (shapes and dtypes where
+    known), output, operators and an example request."""
+    from ..describe import describe
+
     out = {
         "name": entry.name,
         "kind": entry.kind,
@@ -134,6 +140,7 @@ def standard_description(entry: Entry) -> dict[str, Any]:
         out["digest"] = entry.digest
     if entry.created:
         out["created"] = entry.created
+    out.update(describe(entry.name, entry.signature, entry.facts))
     return out
 
 

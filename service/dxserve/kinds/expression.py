@@ -49,7 +49,30 @@ class ExpressionKind(BaseKind):
 
         spec = json.loads(content)
         fn = compile_expression(spec["expression"], spec["args"])
-        return Built(fn, {"args": spec["args"], "expression": spec["expression"]})
+        signature = {"args": spec["args"], "expression": spec["expression"]}
+        return Built(fn, signature, probe(fn, len(spec["args"])))
+
+
+#: Shapes tried, every argument alike, to find one an expression takes (``probe``).
+PROBE_SHAPES = ((3,), (), (3, 3))
+
+
+def probe(fn: Any, n_args: int) -> dict[str, Any] | None:
+    """What ``describe`` shows of an expression: the first of ``PROBE_SHAPES`` (float64
+    arrays, every argument alike) it evaluates on, with its output; None if none does."""
+    import jax
+    import numpy as np
+
+    from ..describe import facts
+    from ..precision import float64_scope
+
+    for shape in PROBE_SHAPES:
+        args = [jax.ShapeDtypeStruct(shape, np.float64)] * n_args
+        with float64_scope():
+            found = facts(fn, args, "probe")
+        if found is not None:
+            return found
+    return None
 
 
 EXPRESSION = ExpressionKind()

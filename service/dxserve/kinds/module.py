@@ -8,7 +8,7 @@ functions come from the server's ``--functions`` modules at start
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dxclient.errors import InvalidArgumentError
@@ -36,13 +36,21 @@ class ModuleKind(BaseKind):
             "server-side functions are not built from content", field="kind"
         )
 
-    def wrap(self, fn: Callable) -> Built:
-        """A server-side callable with its parameter names as the signature."""
+    def wrap(self, fn: Callable, example: Sequence[Any] | None = None) -> Built:
+        """A server-side callable with its parameter names as the signature, and what
+        its ``example`` arguments (else its annotations) tell of its shapes (``describe``)."""
+        from ..describe import annotated_args, facts
+
         try:
             params = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             params = []
-        return Built(fn, {"args": params})
+        if example is not None:
+            found = facts(fn, example, "example", example)
+        else:
+            annotated = annotated_args(fn)
+            found = facts(fn, annotated, "annotations") if annotated is not None else None
+        return Built(fn, {"args": params}, found)
 
 
 MODULE = ModuleKind()

@@ -72,6 +72,21 @@ def array_output(inputs: Inputs, operator: str) -> None:
         )
 
 
+def flat_numbers(tangents: tuple, like: Any, what: str) -> None:
+    """One tangent sent unwrapped (``[1, 1, 1]`` for ``[[1, 1, 1]]``): every tangent a
+    number where one array is wanted. Refused with the wrapped spelling to send."""
+    if not _is_array(like) or like.shape == ():
+        return
+    if not all(_is_array(t) and t.shape == () for t in tangents):
+        return
+    shown = [f"{float(np.real(t)):g}" for t in tangents[:8]] + (["..."] if len(tangents) > 8 else [])
+    raise ShapeMismatchError(
+        f"tangents is a list of tangents, each shaped like {what} {tuple(like.shape)}; "
+        f"for one tangent write [[{', '.join(shown)}]]",
+        field="tangents",
+    )
+
+
 def tangents_like(inputs: Inputs, like: Any, what: str) -> None:
     """Every tangent must have ``like``'s structure, shapes and dtypes."""
     tangents = inputs.tangents
@@ -80,6 +95,7 @@ def tangents_like(inputs: Inputs, like: Any, what: str) -> None:
             "tangents must be a non-empty batch (a list of tangents, e.g. [t])", field="tangents"
         )
     want_leaves, want_def = jax.tree_util.tree_flatten(like)
+    flat_numbers(tangents, like, what)
     for i, t in enumerate(tangents):
         got_leaves, got_def = jax.tree_util.tree_flatten(t)
         field = f"tangents[{i}]"

@@ -1,5 +1,6 @@
 """The store for processes on many machines: PostgreSQL through psycopg 3
-(``DXSERVE_STORE=postgresql://user@host:port/db``; ``pip install 'dxserve[postgres]'``).
+(``DXSERVE_STORE=postgresql://user@host:port/db``; the ``postgres`` extra:
+``pip install -e '.[postgres]'`` at the repository root).
 
 Writes are serialized by a transaction-scoped advisory lock, so the 409/``replace``
 rules and the quota hold across every process on every machine. Durability is the
@@ -44,8 +45,10 @@ def _psycopg() -> Any:
     try:
         import psycopg
     except ImportError as exc:  # pragma: no cover - the extra is missing
+        from dxclient.extras import SERVER, install_hint
+
         raise RuntimeError(
-            "a postgresql:// store needs psycopg 3: pip install 'dxserve[postgres]'"
+            f"a postgresql:// store needs psycopg 3: {install_hint('postgres', SERVER)}"
         ) from exc
     return psycopg
 
@@ -73,7 +76,7 @@ class PostgresStore(SqlStore):
         self._listener = threading.Thread(target=self._listen, name="dxserve-store-listen",
                                           daemon=True)
         self._listener.start()
-        log.info("store: %d function(s) in PostgreSQL", len(self))
+        log.info("store: %d stored function(s) in PostgreSQL", len(self))
 
     def _connect(self) -> Any:
         return self._psycopg.connect(self.url, connect_timeout=self._connect_timeout)

@@ -116,7 +116,7 @@ class SqliteStore(SqlStore):
         self._migrate_directory()
         self._compact()  # a log left by a full disk or a killed process is folded in now
         self._keep_reserve()
-        log.info("store: %d function(s) in %s (SQLite, WAL)", len(self), path)
+        log.info("store: %d stored function(s) in %s (SQLite, WAL)", len(self), path)
 
     def _connect(self) -> sqlite3.Connection:
         # autocommit off by hand (isolation_level=None): each write is an explicit

@@ -1,0 +1,242 @@
+"""What a registered function takes, which operators it serves, and a request to try.
+
+``GET /functions/{name}`` shows, besides the kind's own ``signature``:
+
+* ``arguments``: each argument's name, role (``x`` or ``context``) and, where known,
+  ``shape`` and ``dtype`` (``tree``, the leaves' shapes and dtypes, for a pytree);
+* ``output``: the shape and dtype of ``f(x, *contexts)``, where known;
+* ``shapes_from``: where the shapes come from: ``export`` (an upload's signature: the
+  shapes it requires; a string dimension is symbolic), ``example`` (a module function's
+  registered example), ``annotations`` (its parameter annotations) or ``probe`` (an
+  expression evaluated on small arrays at registration); null when unknown;
+* ``operators``: the operators these shapes allow (all of them when unknown or probed);
+* ``example``: ``{"path", "body"}``, a request to POST as it is, or null.
+
+Shapes are JSON tree specs (``dxclient.export.tree_spec``): ``{"shape": [3], "dtype":
+"float64"}`` for an array, ``{"dict": {...}}``, ``{"list": [...]}``, ``{"tuple": [...]}``
+for pytrees. An export's come from its signature; another kind's build gives them as
+``Built.facts`` (``{"x", "contexts", "output", "from", "example"}``; see ``facts``),
+which the store keeps with the function's signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dxclient import codec
+from dxclient.export import tree_spec
+from dxclient.operators import OPERATORS
+
+#: An example request is given for inputs of at most this many numbers in all.
+MAX_EXAMPLE_ELEMENTS = 1024
+#: The size a symbolic dimension takes in an example.
+SYMBOLIC_SIZE = 3
+#: Operators that need a scalar x, a scalar-valued function, arrays (not pytrees).
+_SCALAR_X = frozenset(n for n, op in OPERATORS.items() if op.family in ("derivative", "second_derivative"))
+_SCALAR_Y = frozenset(n for n, op in OPERATORS.items() if op.family in ("gradient", "hessian", "hvp"))
+_ARRAYS = frozenset(n for n, op in OPERATORS.items() if op.family == "sparsity")
+
+
+def facts(
+    fn: Callable, args: Sequence[Any], source: str, example: Sequence[Any] | None = None
+) -> dict[str, Any] | None:
+    """What ``describe`` shows of ``fn`` called on ``args`` (arrays or ``jax.ShapeDtypeStruct``s,
+    ``(x, *contexts)``): their specs and the output's by ``jax.eval_shape``, and the
+    example's JSON (when ``example`` holds values). None if ``fn`` cannot be traced
+    on them. Call it in float64 scope: float64 examples stay float64."""
+    import jax
+
+    try:
+        specs = [_spec_tree(a) for a in args]
+        output = jax.eval_shape(fn, *specs)
+        found: dict[str, Any] = {
+            "x": tree_spec(specs[0], "x"),
+            "contexts": [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(specs[1:])],
+            "output": tree_spec(output, "output"),
+            "from": source,
+        }
+    except Exception:  # a black box, or arguments it does not take: nothing is known
+        return None
+    if example is not None and _elements(found["x"], found["contexts"]) <= MAX_EXAMPLE_ELEMENTS:
+        try:
+            found["example"] = {
+                "x": _json(example[0]), "contexts": [_json(c) for c in example[1:]],
+            }
+        except Exception:  # values the wire cannot carry: the shapes alone are shown
+            pass
+    return found
+
+
+def annotated_args(fn: Callable) -> list[Any] | None:
+    """``fn``'s parameters as ``jax.ShapeDtypeStruct``s from their annotations, when every
+    one has such an annotation (a ``ShapeDtypeStruct``, an array, or ``float``: a float64
+    scalar); else None."""
+    import jax
+
+    try:
+        params = list(inspect.signature(fn, eval_str=True).parameters.values())
+    except Exception:  # unresolvable string annotations, builtins without a signature
+        return None
+    out = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty:
+            continue
+        note = p.annotation
+        if note is float:
+            out.append(jax.ShapeDtypeStruct((), np.float64))
+            continue
+        if isinstance(note, type) or not (hasattr(note, "shape") and hasattr(note, "dtype")):
+            return None  # a type (jax.Array, np.ndarray) says no shape
+        try:
+            out.append(jax.ShapeDtypeStruct(tuple(note.shape), np.dtype(note.dtype)))
+        except (TypeError, ValueError):
+            return None
+    return out or None
+
+
+def describe(
+    name: str, signature: dict[str, Any], facts: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``arguments``, ``output``, ``shapes_from``, ``operators`` and ``example`` of the
+    function ``name`` with this kind's ``signature`` and its build's ``facts``."""
+    known = _known(signature, facts)
+    names = _argument_names(signature, known)
+    arguments = []
+    for i, arg in enumerate(names):
+        spec = None
+        if known is not None:
+            spec = known["x"] if i == 0 else (known["contexts"][i - 1] if i - 1 < len(known["contexts"]) else None)
+        arguments.append({"name": arg, "role": "x" if i == 0 else "context", **_shape_of(spec)})
+    operators = _operators(known)
+    return {
+        "arguments": arguments,
+        "output": _shape_of(known["output"]) if known and known.get("output") else None,
+        "shapes_from": known["from"] if known else None,
+        "operators": operators,
+        "example": _example(name, known, operators),
+    }
+
+
+# --- reading what is known ----------------------------------------------------------------
+def _known(signature: dict[str, Any], facts: dict[str, Any] | None) -> dict[str, Any] | None:
+    if isinstance(facts, dict) and isinstance(facts.get("x"), dict):
+        return facts
+    manifest = signature.get("signature")  # an export's: its manifest's signature
+    if isinstance(manifest, dict) and isinstance(manifest.get("x"), dict):
+        return {
+            "x": manifest["x"], "contexts": list(manifest.get("contexts") or []),
+            "output": manifest.get("output"), "from": "export",
+        }
+    return None
+
+
+def _argument_names(signature: dict[str, Any], known: dict[str, Any] | None) -> list[str]:
+    args = signature.get("args")
+    if isinstance(args, list) and args and all(isinstance(a, str) for a in args):
+        return args
+    count = 1 + (len(known["contexts"]) if known else 0)
+    return ["x", *(f"contexts[{i}]" for i in range(count - 1))]
+
+
+def _shape_of(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, dict) and "shape" in spec:
+        return {"shape": spec["shape"], "dtype": spec.get("dtype")}
+    if isinstance(spec, dict):
+        return {"shape": None, "dtype": None, "tree": spec}
+    return {"shape": None, "dtype": None}
+
+
+def _operators(known: dict[str, Any] | None) -> list[str]:
+    # a probe's shapes are one guess among many (W @ x on two vectors is a scalar)
+    if known is None or known.get("from") == "probe":
+        return list(OPERATORS)
+    x, y = known["x"], known.get("output")
+    x_array, y_array = "shape" in x, isinstance(y, dict) and "shape" in y
+    allowed = []
+    for name in OPERATORS:
+        if name in _SCALAR_X and not (x_array and x["shape"] == []):
+            continue
+        if name in _SCALAR_Y and y is not None and not (y_array and y["shape"] == []):
+            continue
+        if name in _ARRAYS and not (x_array and (y is None or y_array)):
+            continue
+        allowed.append(name)
+    return allowed
+
+
+def _example(name: str, known: dict[str, Any] | None, operators: list[str]) -> dict | None:
+    if known is None:
+        return None
+    operator = next((op for op in ("gradient", "jacobian", "value") if op in operators), None)
+    if operator is None or _elements(known["x"], known["contexts"]) > MAX_EXAMPLE_ELEMENTS:
+        return None
+    given = known.get("example")
+    if isinstance(given, dict):
+        x, contexts = given["x"], given["contexts"]
+    else:
+        x = _json(_filled(known["x"]))
+        contexts = [_json(_filled(c)) for c in known["contexts"]]
+    body: dict[str, Any] = {"function": name, "backend": "auto", "x": x}
+    if contexts:
+        body["contexts"] = contexts
+    return {"path": f"/{operator}", "body": body}
+
+
+# --- specs and values ---------------------------------------------------------------------
+def _spec_tree(value: Any) -> Any:
+    import jax
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, jax.ShapeDtypeStruct):
+            return v
+        a = np.asarray(v)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    return jax.tree_util.tree_map(leaf, value)
+
+
+def _leaves(spec: Any) -> list[dict]:
+    if not isinstance(spec, dict):
+        return []
+    if "shape" in spec:
+        return [spec]
+    children = spec.get("dict", spec.get("list", spec.get("tuple", [])))
+    values = children.values() if isinstance(children, dict) else children
+    return [leaf for child in values for leaf in _leaves(child)]
+
+
+def _size(dim: Any) -> int:
+    return dim if isinstance(dim, int) else SYMBOLIC_SIZE
+
+
+def _elements(x: Any, contexts: Sequence[Any]) -> int:
+    return sum(
+        math.prod(_size(d) for d in leaf["shape"]) for spec in (x, *contexts) for leaf in _leaves(spec)
+    )
+
+
+def _filled(spec: Any) -> Any:
+    """Arrays of ``spec``'s shapes and dtypes (a symbolic dimension ``SYMBOLIC_SIZE``), of
+    0.5 (0 for integers), in ``spec``'s tree."""
+    if "shape" in spec:
+        dtype = np.dtype(spec["dtype"])
+        fill = 0.5 if np.issubdtype(dtype, np.inexact) else 0
+        return np.full(tuple(_size(d) for d in spec["shape"]), fill, dtype=dtype)
+    if "dict" in spec:
+        return {k: _filled(v) for k, v in spec["dict"].items()}
+    if "list" in spec:
+        return [_filled(v) for v in spec["list"]]
+    if "tuple" in spec:
+        return tuple(_filled(v) for v in spec["tuple"])
+    return None
+
+
+def _json(value: Any) -> Any:
+    """``value`` (arrays, pytrees) as plain JSON values in the "json" encoding: float64
+    as nested lists, other dtypes as typed objects with lists, tuples as ``__tuple__``."""
+    return codec.loads(codec.dumps(codec.from_tree(value, "json")))
