@@ -4,8 +4,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# editable installs of the two packages of this repository, without any extra
-SERVE_INSTALL := $(PY) -m pip install -q --config-settings editable_mode=compat -e ./clients/python -e .
+# editable installs of the three packages of this repository (the contract, the client,
+# the server), without any extra
+SERVE_INSTALL := $(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e ./clients/python -e .
 SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
@@ -13,14 +14,14 @@ PORT   ?= 8000
 
 .PHONY: serve test test-slow test-cluster test-protocol lint openapi docs clean docker-test
 
-$(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml
+$(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(SERVE_INSTALL)
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e './clients/python[test,jax]' -e '.[test]'
+	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e './clients/python[test,jax]' -e '.[test]'
 	touch $(STAMP)
 
 serve: $(SERVE_STAMP)
@@ -48,7 +49,7 @@ test-protocol: $(STAMP)
 # Debian's binaries), --workers, and a local Ray cluster: the extras they need first.
 CLUSTER_STAMP := $(VENV)/.installed-cluster
 $(CLUSTER_STAMP): $(STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e '.[test,postgres,ray]'
+	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e '.[test,postgres,ray]'
 	touch $(CLUSTER_STAMP)
 
 test-cluster: $(CLUSTER_STAMP)
@@ -65,14 +66,14 @@ docker-test: $(STAMP)
 # page or an API reference that no longer resolves fails the build.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e '.[docs]'
+	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service clients tests bench
+	$(VENV)/bin/ruff check service contract clients tests bench
 
 openapi: $(STAMP)
 	$(PY) -m dxserve.openapi_dump > openapi/openapi.json

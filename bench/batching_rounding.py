@@ -25,7 +25,7 @@ import numpy as np
 import throughput
 from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table
 
-from dxclient import codec
+from dxcontract import codec
 
 CONFIGS = {
     "off": {"DXSERVE_MAX_BATCH": "1"},

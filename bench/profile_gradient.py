@@ -27,9 +27,10 @@ import jax
 import numpy as np
 from _common import Tee, interleaved, machine_line, markdown_table, median, ms
 
-from dxclient import AsyncClient, _models, codec
-from dxclient.encodings.negotiation import response_encoding
-from dxclient.operators import OPERATORS
+from dxclient import AsyncClient, _models
+from dxcontract import codec
+from dxcontract.encodings.negotiation import response_encoding
+from dxcontract.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.http import create_app
 from dxserve.pipeline.wire import decode_operator_request

@@ -44,8 +44,9 @@ from _common import (
 )
 from latency import RawFloor, request_head, response_size
 
-from dxclient import Client, _models, codec
-from dxclient.operators import OPERATORS
+from dxclient import Client, _models
+from dxcontract import codec
+from dxcontract.operators import OPERATORS
 from dxserve import JaxReverse
 from dxserve.pipeline.wire import decode_operator_request
 

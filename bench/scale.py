@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table
 
-from dxclient import codec
+from dxcontract import codec
 
 N = 100
 BODIES = 16

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table
 
-from dxclient import AsyncClient, Client, codec
+from dxclient import AsyncClient, Client
+from dxcontract import codec
 
 N = 100
 CONCURRENCY = (1, 8, 32, 64)

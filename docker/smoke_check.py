@@ -35,7 +35,8 @@ import time
 import httpx
 import numpy as np
 
-from dxclient import Client, JaxReverse, codec
+from dxclient import Client, JaxReverse
+from dxcontract import codec
 
 URL = os.environ["DX_URL"]
 CONTAINER = os.environ["DX_CONTAINER"]

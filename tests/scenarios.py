@@ -40,12 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import dxserve
-from dxclient.errors import (
+from dxcontract.errors import (
     DxError,
     NotScalarInputError,
     NotScalarOutputError,
 )
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 # --- the record ---------------------------------------------------------------
 

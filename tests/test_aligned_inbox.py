@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from dxclient import codec
-from dxclient.errors import MalformedRequestError, PayloadTooLargeError
+from dxcontract import codec
+from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
 from dxserve.admission import Budget
 from dxserve.pipeline import BodyBuffer, RequestHead
 from dxserve.pipeline.operators import ONE_BUFFER_BYTES, aligned_buffer

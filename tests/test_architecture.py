@@ -158,7 +158,7 @@ def test_service_runs_without_http(tmp_path: Path) -> None:
             assert created and described["kind"] == "expression"
             np.testing.assert_allclose(await service.gradient("sq", "auto", x), 2 * x, rtol=1e-14)
             assert await service.delete("sq") == "sq"
-            from dxclient.errors import UnauthorizedError, UnknownFunctionError
+            from dxcontract.errors import UnauthorizedError, UnknownFunctionError
 
             with pytest.raises(UnknownFunctionError):
                 await service.gradient("sq", "auto", x)
@@ -174,3 +174,30 @@ def test_service_runs_without_http(tmp_path: Path) -> None:
             service.close()
 
     asyncio.run(drive())
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports when it runs (absolute names only)."""
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_the_server_imports_nothing_of_the_client_distribution() -> None:
+    importing = sorted(
+        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+        if any(m == "dxclient" or m.startswith("dxclient.") for m in _all_imports(path))
+    )
+    assert importing == []
+
+
+def test_the_contract_imports_neither_side_nor_jax() -> None:
+    contract = REPO / "contract" / "dxcontract"
+    for path in contract.rglob("*.py"):
+        for module in _all_imports(path):
+            top = module.split(".")[0]
+            assert top not in ("dxserve", "dxclient", "jax", "jaxlib", "httpx"), (path, module)

@@ -21,8 +21,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 import dxserve
-from dxclient import AsyncClient, Client, codec
-from dxclient.errors import DxError, PreparationMismatchError
+from dxclient import AsyncClient, Client
+from dxcontract import codec
+from dxcontract.errors import DxError, PreparationMismatchError
 from dxserve.examples import rosenbrock, sin_cumsum
 from dxserve.http import create_app
 from dxserve.settings import Settings

@@ -22,7 +22,7 @@ import pytest
 
 import dxserve
 from dxclient import Client
-from dxclient.errors import DeadlineExceededError
+from dxcontract.errors import DeadlineExceededError
 from dxserve import request_batching as batching
 from dxserve.preparation import prepare
 from dxserve.request_batching import Batcher, bucket

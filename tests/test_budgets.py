@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dxclient.errors import BudgetExceededError, OverloadedError
+from dxcontract.errors import BudgetExceededError, OverloadedError
 from dxserve import executable_cache, preparation
 from dxserve.admission import SMALL_BYTES, Budget
 from dxserve.budget import ComputeLimits, estimate

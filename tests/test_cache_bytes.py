@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dxclient.errors import BudgetExceededError, UnknownPreparationError
+from dxcontract.errors import BudgetExceededError, UnknownPreparationError
 from dxserve.backends import sparse as sparse_backend
 from dxserve.examples import rosenbrock, softmax
 from dxserve.footprint import EXECUTABLE_BYTES, constant_bytes, executable_bytes

@@ -17,7 +17,7 @@ import pytest
 from conftest import HandlerInThread
 
 from dxclient import Client
-from dxclient.errors import DxError
+from dxcontract.errors import DxError
 
 
 class Scripted:

@@ -22,7 +22,7 @@ import pytest
 import dxclient
 import dxserve
 from dxclient import AsyncClient, Client
-from dxclient.errors import UnknownPreparationError
+from dxcontract.errors import UnknownPreparationError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client, RemoteFunction, RemotePrep
-from dxclient.errors import DxError, FunctionConflictError, UnknownFunctionError
+from dxcontract.errors import DxError, FunctionConflictError, UnknownFunctionError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -115,7 +115,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
 
 
 def test_script_covers_every_non_operator_method() -> None:
-    from dxclient.operators import OPERATORS
+    from dxcontract.operators import OPERATORS
 
     operators = set(OPERATORS) | {f"prepare_{n}" for n in OPERATORS}
     # scipy() builds a sync-only adapter over the operators (tests/test_scipy_adapter.py)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dxclient import codec
-from dxclient.codec import (
+from dxcontract import codec
+from dxcontract.codec import (
     BINARY_TYPE,
     ENCODINGS,
     HEADER_LENGTH,
@@ -23,8 +23,8 @@ from dxclient.codec import (
     encode_body,
     to_tree,
 )
-from dxclient.encodings import common
-from dxclient.errors import (
+from dxcontract.encodings import common
+from dxcontract.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
     MalformedRequestError,

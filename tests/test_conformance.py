@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import dxserve
-from dxclient.errors import (
+from dxcontract.errors import (
     DtypeMismatchError,
     NotScalarInputError,
     NotScalarOutputError,
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 from dxserve import FiniteDifferences, JaxForward, JaxReverse, SecondOrder
 
 try:  # imported as a top-level module by pytest (tests/ has no __init__.py)

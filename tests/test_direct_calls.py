@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 from conftest import HandlerInThread, free_port
 
-from dxclient import AsyncClient, Client, _models, codec
+from dxclient import AsyncClient, Client, _models
 from dxclient._direct import Answer, DirectCalls
-from dxclient.backends import JaxReverse
-from dxclient.errors import UnknownFunctionError
 from dxclient.transport import request_head
+from dxcontract import codec
+from dxcontract.backends import JaxReverse
+from dxcontract.errors import UnknownFunctionError
 
 N = 20_000  # 160 KB of float64: a body the fast transport takes itself
 

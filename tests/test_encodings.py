@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dxclient import codec
-from dxclient.encodings import common
+from dxcontract import codec
+from dxcontract.encodings import common
 
 ENCODING_NAMES = ("json", "b64", "binary")
 
@@ -469,7 +469,7 @@ def test_response_encoding_is_pinned(content_type: str | None) -> None:
 
 
 def _response_encoding() -> Any:
-    return pytest.importorskip("dxclient.encodings.negotiation").response_encoding
+    return pytest.importorskip("dxcontract.encodings.negotiation").response_encoding
 
 
 
@@ -508,7 +508,7 @@ class HexJson(common.JsonBody):
 
 @pytest.fixture
 def hex_encoding() -> Any:
-    from dxclient.encodings import ENCODINGS, register_encoding, unregister_encoding
+    from dxcontract.encodings import ENCODINGS, register_encoding, unregister_encoding
 
     encoding = register_encoding(HexJson())
     try:
@@ -519,8 +519,8 @@ def hex_encoding() -> Any:
 
 
 def test_a_registered_encoding_round_trips(hex_encoding: Any) -> None:
-    from dxclient.encodings import MEDIA_TYPES
-    from dxclient.encodings.negotiation import decoder_for, response_encoding
+    from dxcontract.encodings import MEDIA_TYPES
+    from dxcontract.encodings.negotiation import decoder_for, response_encoding
 
     payload, arrays, batches = CASES["request_tangents"]
     body, media, headers = codec.encode_body(payload, "hex")
@@ -544,7 +544,7 @@ def test_a_registered_encoding_round_trips(hex_encoding: Any) -> None:
 
 
 def test_unknown_encodings_and_media_types_are_refused() -> None:
-    from dxclient.errors import UnsupportedMediaTypeError
+    from dxcontract.errors import UnsupportedMediaTypeError
 
     with pytest.raises(ValueError, match="unknown encoding 'hex'"):
         codec.encode_body({"x": np.ones(1)}, "hex")

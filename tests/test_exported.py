@@ -18,13 +18,13 @@ import pytest
 
 jax.config.update("jax_enable_x64", True)
 
-from dxclient.errors import (  # noqa: E402
+from dxclient.export import MAGIC, bundle_signature, export_function  # noqa: E402
+from dxcontract.errors import (  # noqa: E402
     DtypeMismatchError,
     InvalidExportError,
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
-from dxclient.export import MAGIC, bundle_signature, export_function  # noqa: E402
 from dxserve.exported import (  # noqa: E402
     ALLOWED_CUSTOM_CALL_TARGETS,
     custom_call_targets,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dxclient.errors import InvalidArgumentError, InvalidExpressionError
+from dxcontract.errors import InvalidArgumentError, InvalidExpressionError
 from dxserve.expressions import (
     ALLOWED_CONSTANTS,
     ALLOWED_FUNCTIONS,

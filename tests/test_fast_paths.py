@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from conftest import free_port
 
-from dxclient import AsyncClient, Client, codec
+from dxclient import AsyncClient, Client
 from dxclient.transport import FAST_MIN_BYTES, AsyncFastTransport, FastTransport
+from dxcontract import codec
 from dxserve import JaxReverse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +198,7 @@ def test_repeated_inline_calls_send_the_bytes_of_a_full_encoding(encoding: str) 
     """The client keeps the JSON text around x for repeated calls: every body is the
     one encoding the whole payload gives."""
     from dxclient import _models
-    from dxclient.backends import backend_to_json
+    from dxcontract.backends import backend_to_json
 
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal(10), np.array([np.nan, np.inf, -np.inf, 1.0]), np.asarray(2.5),

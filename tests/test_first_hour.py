@@ -23,7 +23,7 @@ import pytest
 
 import dxserve
 from dxclient import OPERATORS, AsyncClient, Client, JaxReverse
-from dxclient.errors import FunctionConflictError, InvalidArgumentError, ShapeMismatchError
+from dxcontract.errors import FunctionConflictError, InvalidArgumentError, ShapeMismatchError
 from dxserve.cli import module_list
 from dxserve.functions import module_functions
 from dxserve.settings import Settings
@@ -50,14 +50,14 @@ def installs(commands: list[str]) -> list[str]:
     return [c for c in commands if "pip install" in c and "--upgrade pip" not in c]
 
 
-def test_make_serve_installs_the_two_packages_without_extras(tmp_path: Path) -> None:
+def test_make_serve_installs_the_three_packages_without_extras(tmp_path: Path) -> None:
     commands = make_commands("serve", tmp_path / "venv")
     lines = installs(commands)
     assert len(lines) == 1, commands
     words = lines[0].split()
     assert words[words.index("install"):] == [
         "install", "-q", "--config-settings", "editable_mode=compat",
-        "-e", "./clients/python", "-e", ".",
+        "-e", "./contract", "-e", "./clients/python", "-e", ".",
     ]
     assert "[" not in lines[0]
     assert commands[-1].endswith(f"{tmp_path / 'venv'}/bin/dxserve serve")
@@ -66,7 +66,7 @@ def test_make_serve_installs_the_two_packages_without_extras(tmp_path: Path) -> 
 def test_make_test_adds_the_test_extras(tmp_path: Path) -> None:
     lines = installs(make_commands("test", tmp_path / "venv"))
     assert any("'.[test]'" in line and "'./clients/python[test,jax]'" in line for line in lines)
-    assert any(line.rstrip().endswith("-e ./clients/python -e .") for line in lines)
+    assert any(line.rstrip().endswith("-e ./contract -e ./clients/python -e .") for line in lines)
 
 
 def test_make_docker_test_needs_nothing_outside_the_repository(tmp_path: Path) -> None:
@@ -320,13 +320,13 @@ def test_install_hints_name_lines_that_work() -> None:
     the extra itself as a path in this repository."""
     import tomllib
 
-    from dxclient.extras import CLIENT, SERVER, install_hint
+    from dxcontract.extras import CLIENT, SERVER, install_hint
 
     client = tomllib.loads((REPO / "clients/python/pyproject.toml").read_text())
     server = tomllib.loads((REPO / "pyproject.toml").read_text())
     for extra in ("progress", "scipy", "jax"):
         hint = install_hint(extra, CLIENT)
-        assert f"pip install './clients/python[{extra}]'" in hint
+        assert f"pip install ./contract './clients/python[{extra}]'" in hint
         assert extra in client["project"]["optional-dependencies"]
     for extra in ("ray", "postgres"):
         hint = install_hint(extra, SERVER)
@@ -348,7 +348,7 @@ def test_progress_import_error_names_a_working_line(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(ImportError) as info:
         progress._tqdm()
-    assert "pip install './clients/python[progress]'" in str(info.value)
+    assert "pip install ./contract './clients/python[progress]'" in str(info.value)
     assert "dxclient[progress]" not in str(info.value)
 
 

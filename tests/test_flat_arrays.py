@@ -2,7 +2,7 @@
 
 A large JSON body's request ``x``, or an answer's (non-batch) results, that is a long
 flat list of numbers is parsed by simdjson into a float64 array
-(``dxclient.encodings.flat_arrays``); the rest of the body by the usual parser. These
+(``dxcontract.encodings.flat_arrays``); the rest of the body by the usual parser. These
 tests hold it to the general path: the same arrays bit for bit, the same pytrees and
 the same errors, whatever a sender writes (other languages' number forms and spacing,
 look-alike placeholders, keys repeated, nested or hidden in strings, broken JSON).
@@ -19,9 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dxclient import Client, codec
-from dxclient.encodings import common, flat_arrays
-from dxclient.errors import DxError
+from dxclient import Client
+from dxcontract import codec
+from dxcontract.encodings import common, flat_arrays
+from dxcontract.errors import DxError
 from dxserve import JaxReverse
 
 JSON = "application/json"
@@ -245,7 +246,7 @@ def test_json_gradients_over_http_are_those_of_the_binary_encoding(server) -> No
 
 def test_both_ends_lift_the_arrays_they_read(server, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server lifts a request's x; the client an answer's results (not batches)."""
-    from dxclient.operators import OPERATORS
+    from dxcontract.operators import OPERATORS
     from dxserve.pipeline import wire
 
     lifted: list[tuple[str, ...]] = []

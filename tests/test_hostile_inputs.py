@@ -27,10 +27,10 @@ import httpx
 import numpy as np
 import pytest
 
-from dxclient import codec
-from dxclient.encodings.common import MAX_ELEMENTS, loads_checked
-from dxclient.errors import StorageFullError
-from dxclient.export import ARTIFACTS, FORMAT_NAME, FORMAT_VERSION, MAGIC, split_bundle
+from dxcontract import codec
+from dxcontract.bundle import ARTIFACTS, FORMAT_NAME, FORMAT_VERSION, MAGIC, split_bundle
+from dxcontract.encodings.common import MAX_ELEMENTS, loads_checked
+from dxcontract.errors import StorageFullError
 
 PROBLEM = "application/problem+json"
 GOOD_X = [1.0, 2.0, 3.0]
@@ -425,7 +425,7 @@ def test_concurrent_registrations_never_pass_the_cap(make_server):
     ],
 )
 def test_registry_writes_are_closed_beyond_loopback_without_a_token(tmp_path, host, env, writes):
-    from dxclient.errors import ForbiddenError
+    from dxcontract.errors import ForbiddenError
     from dxserve.service import Service
     from dxserve.settings import Settings
 
@@ -446,7 +446,7 @@ def test_registry_writes_are_closed_beyond_loopback_without_a_token(tmp_path, ho
 
 
 def test_a_token_decides_on_any_host(tmp_path):
-    from dxclient.errors import UnauthorizedError
+    from dxcontract.errors import UnauthorizedError
     from dxserve.service import Service
     from dxserve.settings import Settings
 

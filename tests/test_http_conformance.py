@@ -15,7 +15,7 @@ import scenarios as sc
 
 import dxserve
 from dxclient import AsyncClient, Client, JaxForward, JaxReverse, SecondOrder
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 FIRST_ORDER = ["auto", JaxForward(), JaxReverse(batch_size=2)]
 SECOND_ORDER = ["auto", SecondOrder(JaxReverse(), JaxReverse())]

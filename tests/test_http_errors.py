@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from dxclient import codec
-from dxclient.errors import PROBLEM_TYPE_PREFIX, DxError
+from dxcontract import codec
+from dxcontract.errors import PROBLEM_TYPE_PREFIX, DxError
 
 PROBLEM = "application/problem+json"
 JSON = {"content-type": "application/json"}

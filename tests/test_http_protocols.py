@@ -28,7 +28,7 @@ from conftest import start_server, stop_server, uvicorn_in_thread
 
 import dxserve
 from dxclient import _models
-from dxclient.backends import JaxForward, JaxReverse
+from dxcontract.backends import JaxForward, JaxReverse
 from dxserve.admission import SMALL_BYTES
 from dxserve.cli import connection_options
 from dxserve.examples import rosenbrock

@@ -49,7 +49,7 @@ def _count(text: str, route: str, status: int) -> float:
 def test_operator_routes_come_first_and_are_plain_asgi_endpoints(
     app: Any, http: TestClient
 ) -> None:
-    from dxclient.operators import OPERATORS
+    from dxcontract.operators import OPERATORS
 
     first = app.router.routes[: 2 * len(OPERATORS)]
     assert first[0].path == "/gradient"  # the most used first
@@ -166,7 +166,7 @@ def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> No
     assert 400 <= r.status_code < 500
     r = post({**frame, "x": [1.0, 2.0], "contexts": [[1.0]]})  # not a frame: parsed in full
     assert 400 <= r.status_code < 500
-    from dxclient.operators import OPERATORS
+    from dxcontract.operators import OPERATORS
 
     gradient = OPERATORS["gradient"]
     zero = wire._json_frame({**frame, "x": [1.0], "batch_axis": 0}, gradient)

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dxclient import AsyncClient, Client, FiniteDifferences, JaxReverse, codec
+from dxclient import AsyncClient, Client, FiniteDifferences, JaxReverse
+from dxcontract import codec
 
 PROBLEM = "application/problem+json"
 JSON = {"content-type": "application/json"}

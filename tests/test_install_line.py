@@ -1,8 +1,9 @@
 """The README's client install line works in a fresh venv, with only this repository.
 
-The line is read from README.md (the ``pip install './clients/python[...]'`` line of a
-``sh`` block), so the test and the README cannot drift apart. It runs, from a copy of
-the repository's client sources (as a fresh clone has them: no build outputs), in a
+The line is read from README.md (the ``pip install ./contract './clients/python[...]'``
+line of a ``sh`` block), so the test and the README cannot drift apart. It runs, from a
+copy of the repository's client and contract sources (as a fresh clone has them: no
+build outputs), in a
 new venv whose ``pip`` comes first on PATH; then ``dxclient`` and ``dxclient.jax`` import
 there and ``dxclient.__version__`` is the version in ``clients/python/pyproject.toml``.
 Needs the package index; ``slow``: CI's ``make test-slow``.
@@ -23,23 +24,26 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-LINE = re.compile(r"^pip install '\./clients/python\[[a-z,]+\]'$")
+LINE = re.compile(r"^pip install \./contract '\./clients/python\[[a-z,]+\]'$")
 
 
 def readme_install_line() -> str:
     blocks = re.findall(r"```sh\n(.*?)```", (REPO / "README.md").read_text(encoding="utf-8"), re.S)
     lines = [ln.strip() for b in blocks for ln in b.splitlines() if LINE.match(ln.strip())]
-    assert lines, "README.md has no `pip install './clients/python[...]'` line in a sh block"
+    assert lines, (
+        "README.md has no `pip install ./contract './clients/python[...]'` line in a sh block"
+    )
     return lines[0]
 
 
 def test_readme_install_line_in_a_fresh_venv(tmp_path: Path) -> None:
     line = readme_install_line()
     clone = tmp_path / "repo"
-    shutil.copytree(
-        REPO / "clients" / "python", clone / "clients" / "python",
-        ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "*.pyc"),
-    )
+    for part in (("contract",), ("clients", "python")):  # the client and what it shares
+        shutil.copytree(
+            REPO.joinpath(*part), clone.joinpath(*part),
+            ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "*.pyc"),
+        )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dxclient import Client, _models, codec
-from dxclient.encodings import common
-from dxclient.errors import MalformedRequestError
+from dxclient import Client, _models
+from dxcontract import codec
+from dxcontract.encodings import common
+from dxcontract.errors import MalformedRequestError
 from dxserve import JaxReverse
 
 N = 20_000  # float64 elements: base64 of 160 KB, past both lifting thresholds
@@ -212,7 +213,7 @@ def test_raw_strings_write_the_bytes_a_str_would(monkeypatch, orjson: bool) -> N
 
 
 def test_large_b64_calls_go_as_parts_with_the_bytes_of_one_encoding() -> None:
-    from dxclient.backends import backend_to_json
+    from dxcontract.backends import backend_to_json
 
     x = np.random.default_rng(5).standard_normal(N)
     payload = {"function": "rosenbrock", "backend": backend_to_json("jax-reverse"), "x": x}

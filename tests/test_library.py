@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dxserve
-from dxclient.errors import (
+from dxcontract.errors import (
     InvalidBackendError,
     PreparationMismatchError,
     UnsupportedOperatorError,
@@ -479,7 +479,7 @@ def test_operators_reject_invalid_backends():
 
 def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
     import dxserve.preparation as preparation
-    from dxclient.errors import ResultTooLargeError
+    from dxcontract.errors import ResultTooLargeError
 
     monkeypatch.setattr(preparation, "MAX_RESULT_ELEMENTS", 10_000)
     x = np.ones(200)
@@ -493,7 +493,7 @@ def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
 
 
 def test_device_out_of_memory_is_a_503_and_other_failures_a_422():
-    from dxclient.errors import FunctionEvaluationError, OverloadedError
+    from dxcontract.errors import FunctionEvaluationError, OverloadedError
     from dxserve.http.problems import status_of  # library errors carry no HTTP status
 
     def flaky(x):  # a black box: the probe at x succeeds, the shifted evaluations fail

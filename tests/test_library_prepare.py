@@ -18,7 +18,7 @@ import pytest
 
 import dxserve
 from dxclient import AsyncClient, Client
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 
 def rosenbrock(x):

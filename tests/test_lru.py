@@ -1,4 +1,4 @@
-"""``dxclient.lru.LRU``: the count bound and the byte bound (``max_bytes`` with
+"""``dxcontract.lru.LRU``: the count bound and the byte bound (``max_bytes`` with
 ``sizeof``): eviction order, an entry over the whole budget, and the bytes accounted
 on replace, pop, discard, clear and remeasure."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from dxclient.lru import LRU
+from dxcontract.lru import LRU
 
 
 def _sized(max_bytes: int, maxsize: int = 100) -> tuple[LRU, list]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from dxclient import codec
+from dxcontract import codec
 
 MiB = 2**20
 

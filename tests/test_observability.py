@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dxclient import Client
-from dxclient.errors import UnknownFunctionError
+from dxcontract.errors import UnknownFunctionError
 from dxserve.http import create_app
 from dxserve.settings import Settings
 

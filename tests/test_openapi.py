@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 from dxserve.openapi_dump import document
 
 REPO = Path(__file__).resolve().parents[1]

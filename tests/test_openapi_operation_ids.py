@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 SPEC = json.loads((Path(__file__).resolve().parents[1] / "openapi/openapi.json").read_text())
 

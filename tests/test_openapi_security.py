@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dxclient.backends import backend_from_json
-from dxclient.operators import OPERATORS
+from dxcontract.backends import backend_from_json
+from dxcontract.operators import OPERATORS
 
 SPEC = json.loads((Path(__file__).resolve().parents[1] / "openapi" / "openapi.json").read_text())
 SCHEMAS = SPEC["components"]["schemas"]

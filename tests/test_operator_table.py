@@ -15,7 +15,7 @@ import pytest
 
 import dxserve
 from dxclient import AsyncClient, Client, _gen, _models
-from dxclient.operators import BATCH_RESULTS, OPERATORS
+from dxcontract.operators import BATCH_RESULTS, OPERATORS
 
 
 def test_generated_operator_methods_are_current() -> None:

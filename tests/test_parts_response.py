@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from dxclient import AsyncClient, Client, FiniteDifferences, codec
+from dxclient import AsyncClient, Client, FiniteDifferences
+from dxcontract import codec
 
 PAYLOADS = {
     "one array": {"jacobian": np.arange(12.0).reshape(3, 4)},

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dxclient.errors import BudgetExceededError
+from dxcontract.errors import BudgetExceededError
 from dxserve import preparation
 from dxserve.budget import ComputeLimits
 from dxserve.chunking import CHUNK_FROM

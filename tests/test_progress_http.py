@@ -20,7 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
-from dxclient import AsyncClient, Client, codec
+from dxclient import AsyncClient, Client
+from dxcontract import codec
 from tests.test_progress_chunks import rosenbrock_hessian, sin_cumsum_jacobian
 
 SSE = "text/event-stream"
@@ -166,7 +167,7 @@ def test_clients_progress_true_and_callable_equal_plain_calls(server, capsys) ->
 
 
 def test_client_stream_errors_are_typed(server) -> None:
-    from dxclient.errors import NotScalarOutputError
+    from dxcontract.errors import NotScalarOutputError
 
     with Client(server.url) as client, pytest.raises(NotScalarOutputError):
         client.hessian("sin_cumsum", "jax-forward", np.ones(3), progress=lambda d, t: None)

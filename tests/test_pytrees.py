@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 
 import dxserve
 from dxclient import Client
-from dxclient.codec import BINARY_TYPE, HEADER_LENGTH
-from dxclient.errors import (
+from dxcontract.codec import BINARY_TYPE, HEADER_LENGTH
+from dxcontract.errors import (
     InvalidArgumentError,
     ResultTooLargeError,
     UnsupportedOperatorError,
@@ -330,7 +330,7 @@ def test_expression_indexes_pytree_inputs(http: TestClient) -> None:
                'x[x["w"]]', 'x["a b"]']
 )
 def test_expression_strings_only_as_whole_subscripts(source: str) -> None:
-    from dxclient.errors import InvalidExpressionError
+    from dxcontract.errors import InvalidExpressionError
     from dxserve.expressions import compile_expression
 
     with pytest.raises(InvalidExpressionError) as info:

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import dxserve
-from dxclient.errors import (
+from dxclient.export import export_function
+from dxcontract.errors import (
     FunctionConflictError,
     InvalidArgumentError,
     InvalidExportError,
     InvalidExpressionError,
     MalformedRequestError,
 )
-from dxclient.export import export_function
 from dxserve.registry import Registry
 from dxserve.store import DirectoryStore
 

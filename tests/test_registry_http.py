@@ -19,9 +19,9 @@ import pytest
 
 import dxserve
 from dxclient import Client, JaxForward, JaxReverse, SecondOrder
-from dxclient.errors import InvalidExportError, PayloadTooLargeError, TooManyFunctionsError
 from dxclient.export import export_function
-from dxclient.operators import OPERATORS
+from dxcontract.errors import InvalidExportError, PayloadTooLargeError, TooManyFunctionsError
+from dxcontract.operators import OPERATORS
 from dxserve.expressions import compile_expression
 from tests.conftest import start_server, stop_server
 

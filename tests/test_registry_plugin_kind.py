@@ -19,8 +19,8 @@ import pytest
 from pydantic import Field
 
 import dxserve
-from dxclient.errors import InvalidArgumentError
-from dxclient.operators import OPERATORS
+from dxcontract.errors import InvalidArgumentError
+from dxcontract.operators import OPERATORS
 from dxserve import kinds
 from dxserve.kinds import BaseKind, Built
 from dxserve.registry import Registry

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from dxclient import JaxForward, JaxReverse, SecondOrder, _models, codec
-from dxclient.encodings import binary
-from dxclient.errors import MalformedRequestError
-from dxclient.lru import LRU
-from dxclient.operators import OPERATORS
+from dxclient import JaxForward, JaxReverse, SecondOrder, _models
+from dxcontract import codec
+from dxcontract.encodings import binary
+from dxcontract.errors import MalformedRequestError
+from dxcontract.lru import LRU
+from dxcontract.operators import OPERATORS
 from dxserve.http.metrics import _RequestCollector
 from dxserve.pipeline import wire
 from dxserve.preparation import Signature

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dxclient.errors import (
+from dxcontract.errors import (
     FunctionConflictError,
     PayloadTooLargeError,
     StorageFullError,

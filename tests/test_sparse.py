@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 import dxserve
 from dxclient import Client
 from dxclient import sparse as wire
-from dxclient.errors import BudgetExceededError, ResultTooLargeError, ShapeMismatchError
+from dxcontract.errors import BudgetExceededError, ResultTooLargeError, ShapeMismatchError
 from dxserve import JaxForward, JaxReverse, SecondOrder, Sparse
 from dxserve.backends import sparse as sparse_backend
 from dxserve.backends.sparse_detection import (

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import dxserve
-from dxclient.errors import InvalidBackendError
+from dxcontract.errors import InvalidBackendError
 from dxserve import Sparse, SparsePattern
 from tests import sparse_functions as sf
 from tests.conftest import ServerProcess, start_server, stop_server
@@ -315,7 +315,7 @@ def test_in_process_patterns_take_whole_numbers_only() -> None:
 
 # --- what comes back from the child is checked before it is used -------------------------------
 def test_an_inconsistent_answer_from_the_child_is_refused() -> None:
-    from dxclient.errors import SparsityDetectionError
+    from dxcontract.errors import SparsityDetectionError
     from dxserve.backends.sparse_detection import (
         DetectionBudget,
         InProcessDetector,
@@ -358,7 +358,7 @@ def test_an_inconsistent_answer_from_the_child_is_refused() -> None:
 
 
 def test_a_refusal_from_the_child_keeps_only_known_fields() -> None:
-    from dxclient.errors import BudgetExceededError
+    from dxcontract.errors import BudgetExceededError
     from dxserve.sparse_sandbox import _refusal
 
     err = _refusal({"type": "budget-exceeded", "detail": "over",

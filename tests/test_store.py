@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dxclient.errors import FunctionConflictError, InvalidArgumentError
+from dxcontract.errors import FunctionConflictError, InvalidArgumentError
 from dxserve.store import (
     DirectoryStore,
     FunctionStore,

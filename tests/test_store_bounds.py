@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dxclient.errors import PayloadTooLargeError, StorageFullError, UnknownPreparationError
 from dxclient.export import export_function
+from dxcontract.errors import PayloadTooLargeError, StorageFullError, UnknownPreparationError
 from dxserve.registry import Registry
 from dxserve.runtime import CachePruner, prune_cache_directory
 from dxserve.service import Service

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dxclient.errors import StorageFullError, TooManyFunctionsError
+from dxcontract.errors import StorageFullError, TooManyFunctionsError
 from dxserve.stores import open_store
 from dxserve.stores.sqlite import WAL_LIMIT_BYTES, SqliteStore
 from tests.conftest import start_server, stop_server

@@ -12,7 +12,7 @@ it changes nothing in the caller's JAX configuration.
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from dxclient.backends import (
+from dxcontract.backends import (
     Auto,
     Backend,
     FiniteDifferences,
@@ -23,7 +23,7 @@ from dxclient.backends import (
     SparsePattern,
     backend_from_json,
 )
-from dxclient.errors import (
+from dxcontract.errors import (
     DxError,
     NotScalarInputError,
     NotScalarOutputError,

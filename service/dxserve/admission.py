@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from dxclient.errors import OverloadedError
+from dxcontract.errors import OverloadedError
 
 #: Bodies and results up to this many bytes are not counted.
 SMALL_BYTES = 256 * 1024

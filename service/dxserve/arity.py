@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dxclient.errors import InvalidArgumentError
+from dxcontract.errors import InvalidArgumentError
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 

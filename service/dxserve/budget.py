@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dxclient.errors import BudgetExceededError
+from dxcontract.errors import BudgetExceededError
 
 #: Each byte an executable needs counts this many bytes of traffic in the time estimate:
 #: fresh buffers are allocated, zeroed by the OS and first touched, which on CPU costs

@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dxclient.errors import BudgetExceededError
-from dxclient.operators import OPERATORS
+from dxcontract.errors import BudgetExceededError
+from dxcontract.operators import OPERATORS
 
 from .backends.engine import Engine
 from .budget import ComputeLimits, Estimate, estimate

@@ -179,7 +179,7 @@ def run_ray(args: argparse.Namespace) -> int:
 
         from . import ray_serve
     except ImportError:
-        from dxclient.extras import SERVER, install_hint
+        from dxcontract.extras import SERVER, install_hint
 
         print(f"dxserve: Ray Serve is not installed: {install_hint('ray', SERVER)}",
               file=sys.stderr)

@@ -12,7 +12,7 @@
 * ``operators``: the operators these shapes allow (all of them when unknown or probed);
 * ``example``: ``{"path", "body"}``, a request to POST as it is, or null.
 
-Shapes are JSON tree specs (``dxclient.export.tree_spec``): ``{"shape": [3], "dtype":
+Shapes are JSON tree specs (``dxcontract.bundle.tree_spec``): ``{"shape": [3], "dtype":
 "float64"}`` for an array, ``{"dict": {...}}``, ``{"list": [...]}``, ``{"tuple": [...]}``
 for pytrees. An export's come from its signature; another kind's build gives them as
 ``Built.facts`` (``{"x", "contexts", "output", "from", "example"}``; see ``facts``),
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from dxclient import codec
-from dxclient.export import tree_spec
-from dxclient.operators import OPERATORS
+from dxcontract import codec
+from dxcontract.bundle import tree_spec
+from dxcontract.operators import OPERATORS
 
 #: An example request is given for inputs of at most this many numbers in all.
 MAX_EXAMPLE_ELEMENTS = 1024

@@ -21,7 +21,7 @@ The key (``key``) is made of
   structures, shapes, dtypes) and the device;
 * the environment: the versions of Python, jax, jaxlib and numpy, the installed
   distributions, the platform and its version, the x64 and matmul-precision
-  settings, ``XLA_FLAGS`` and the source of dxserve and dxclient.
+  settings, ``XLA_FLAGS`` and the source of dxserve and dxcontract.
 
 A server-side function whose result depends on anything else (a data file read
 at import, a module global changed at run time, a helper outside its package)
@@ -247,7 +247,7 @@ def _environment() -> str:
         return _state.environment
     import jaxlib
 
-    import dxclient
+    import dxcontract
 
     from . import __file__ as dxserve_init
 
@@ -269,7 +269,7 @@ def _environment() -> str:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "distributions": distributions,
         "dxserve": _digest(Path(dxserve_init).parent),
-        "dxclient": _digest(Path(dxclient.__file__).parent),
+        "dxcontract": _digest(Path(dxcontract.__file__).parent),
     }
     text = json.dumps(parts, sort_keys=True)
     _state.environment = hashlib.sha256(text.encode()).hexdigest()

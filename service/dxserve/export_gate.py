@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dxclient.errors import InvalidExportError, OverloadedError
-from dxclient.lru import LRU
+from dxcontract.errors import InvalidExportError, OverloadedError
+from dxcontract.lru import LRU
 
 __all__ = [
     "GATE_VERSION",
@@ -195,7 +195,7 @@ def check(content: bytes, *, cfg: GateConfig | None = None, _fault: str | None =
     misbehave (``"abort"``, ``"hang"``, ``"exit"``, ``"oom"``); tests only, not reachable
     over HTTP.
     """
-    from dxclient.export import split_bundle
+    from dxcontract.bundle import split_bundle
 
     from .exported import DEFAULT_MAX_BUNDLE_BYTES
 
@@ -301,11 +301,11 @@ class _ForkServer:
         self._workdir: tempfile.TemporaryDirectory | None = None
 
     def _start(self) -> subprocess.Popen:
-        import dxclient
+        import dxcontract
         import dxserve
 
         paths = os.pathsep.join(
-            str(Path(m.__file__).resolve().parents[1]) for m in (dxserve, dxclient)
+            str(Path(m.__file__).resolve().parents[1]) for m in (dxserve, dxcontract)
         )
         self._workdir = tempfile.TemporaryDirectory(prefix="dxserve-gate-")
         proc = subprocess.Popen(
@@ -528,7 +528,7 @@ def _child_check(header: dict[str, Any], bundle: bytes) -> dict[str, Any]:
 
     import jax
 
-    from dxclient.errors import DxError
+    from dxcontract.errors import DxError
 
     from .exported import exercise, load_exported
 

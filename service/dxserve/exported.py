@@ -46,14 +46,14 @@ from jax import export as jex
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from dxclient.errors import (
+from dxcontract.bundle import ARTIFACTS, split_bundle
+from dxcontract.errors import (
     DtypeMismatchError,
     InvalidExportError,
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
-from dxclient.export import ARTIFACTS, split_bundle
-from dxclient.platforms import export_platform
+from dxcontract.platforms import export_platform
 
 from .arity import wrong_count
 

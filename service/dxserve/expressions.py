@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
 
-from dxclient.errors import InvalidExpressionError
+from dxcontract.errors import InvalidExpressionError
 
 from .arity import wrong_count
 

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from dxclient.backends import Backend, backend_from_json
-from dxclient.encodings.common import is_array_list
-from dxclient.errors import (
+from dxcontract.backends import Backend, backend_from_json
+from dxcontract.encodings.common import is_array_list
+from dxcontract.errors import (
     DxError,
     FunctionEvaluationError,
     InvalidArgumentError,
@@ -37,8 +37,8 @@ from dxclient.errors import (
     ResultTooLargeError,
     ShapeMismatchError,
 )
-from dxclient.lru import LRU
-from dxclient.operators import OPERATORS
+from dxcontract.lru import LRU
+from dxcontract.operators import OPERATORS
 
 from . import executable_cache
 from .arity import check_contexts

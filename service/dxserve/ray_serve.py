@@ -48,7 +48,7 @@ def _serve() -> Any:
     try:
         from ray import serve
     except ImportError as exc:  # pragma: no cover - the extra is missing
-        from dxclient.extras import SERVER, install_hint
+        from dxcontract.extras import SERVER, install_hint
 
         raise RuntimeError(f"dxserve on Ray needs Ray Serve: {install_hint('ray', SERVER)}") from exc
     return serve
@@ -82,9 +82,9 @@ def _deployment_class() -> Any:
             """``Service.call`` through the request layer, as an HTTP request goes
             (validation, budgets, progress and cancellation): ``{result name: array}``.
             ``options``: the request's other fields (``prep``, ``batch_axis``)."""
-            from dxclient.codec import JSON_TYPE
-            from dxclient.errors import InvalidArgumentError
-            from dxclient.operators import OPERATORS
+            from dxcontract.codec import JSON_TYPE
+            from dxcontract.errors import InvalidArgumentError
+            from dxcontract.operators import OPERATORS
 
             from .jobs import Job
             from .pipeline import OperatorCall, RequestHead
@@ -115,7 +115,7 @@ def _deployment_class() -> Any:
 
         def knows(self, name: str) -> tuple[int, bool]:
             """``(this replica's pid, whether it serves function name)``."""
-            from dxclient.errors import UnknownFunctionError
+            from dxcontract.errors import UnknownFunctionError
 
             try:
                 self.service.function(name)

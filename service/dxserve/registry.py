@@ -27,14 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dxclient.errors import (
+from dxcontract.errors import (
     DxError,
     FunctionConflictError,
     InvalidArgumentError,
     OverloadedError,
     UnknownFunctionError,
 )
-from dxclient.lru import LRU
+from dxcontract.lru import LRU
 
 from . import executable_cache, kinds
 from .functions import FunctionInfo, module_functions
@@ -474,7 +474,7 @@ class Registry:
 
         Validates the body (``RegisterFunction``, exactly one kind's fields, that
         kind's ``validate``), then builds, persists and publishes as ``register``.
-        Raises the typed errors of ``dxclient.errors``.
+        Raises the typed errors of ``dxcontract.errors``.
         """
         request = kinds.parse_register_body(body)
         return self.register(

@@ -44,7 +44,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 from .precision import float64_scope
 

@@ -113,7 +113,7 @@ class Sandbox:
     """A fork server running ``job`` ("module:function") in bounded children.
 
     ``paths``: ``sys.path`` entries the fork server imports from (``-I`` ignores
-    ``PYTHONPATH``); by default the directories holding dxserve and dxclient.
+    ``PYTHONPATH``); by default the directories holding dxserve and dxcontract.
     ``prepare``: "module:function" the fork server runs once before its first job;
     ``warm``: one each child runs before it is given its job, while the server is idle
     (things the fork server must not do, like starting JAX's backend); "" for none.
@@ -220,12 +220,12 @@ class Sandbox:
 
 
 def _own_paths() -> list[str]:
-    """The directories dxserve and dxclient are imported from."""
-    import dxclient
+    """The directories dxserve and dxcontract are imported from."""
+    import dxcontract
     import dxserve
 
     return [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
-            for m in (dxserve, dxclient)]
+            for m in (dxserve, dxcontract)]
 
 
 def _read_line(stream: Any, deadline: float) -> bytes:

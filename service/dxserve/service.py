@@ -26,16 +26,16 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from dxclient.backends import Backend
-from dxclient.errors import (
+from dxcontract.backends import Backend
+from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
     UnauthorizedError,
     UnknownPreparationError,
 )
-from dxclient.lru import LRU
-from dxclient.operators import OPERATORS, OperatorSpec
-from dxclient.platforms import export_platform
+from dxcontract.lru import LRU
+from dxcontract.operators import OPERATORS, OperatorSpec
+from dxcontract.platforms import export_platform
 
 from . import export_gate, observe
 from .admission import Budget, Ticket
@@ -543,7 +543,7 @@ def _host(tree: Any) -> Any:
         return [_host(t) for t in tree]
     if tree is None:  # a None node of a pytree result
         return None
-    if isinstance(tree, BCOO):  # a sparse result: its wire object (dxclient.sparse)
+    if isinstance(tree, BCOO):  # a sparse result: its wire object (dxcontract.sparse)
         return sparse_wire(tree)
     return np.asarray(tree)
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dxclient.errors import InvalidArgumentError
+from dxcontract.errors import InvalidArgumentError
 
 Tree = Any
 Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape, dtype), ...))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dxclient.errors import BudgetExceededError, DxError, OverloadedError, SparsityDetectionError
+from dxcontract.errors import BudgetExceededError, DxError, OverloadedError, SparsityDetectionError
 
 from .backends.sparse_detection import (
     Analysis,

@@ -68,7 +68,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from dxclient.errors import (
+from dxcontract.errors import (
     FIX,
     FunctionConflictError,
     InvalidArgumentError,

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from dxclient.errors import DeadlineExceededError, OverloadedError
-from dxclient.lru import LRU
+from dxcontract.errors import DeadlineExceededError, OverloadedError
+from dxcontract.lru import LRU
 
 from . import threads
 

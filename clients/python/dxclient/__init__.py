@@ -3,9 +3,7 @@
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._client import AsyncClient, Client
-from ._models import RemoteFunction, RemotePrep
-from .backends import (
+from dxcontract.backends import (
     Auto,
     Backend,
     FiniteDifferences,
@@ -16,8 +14,11 @@ from .backends import (
     SparsePattern,
     backend_from_json,
 )
-from .errors import DxError, PreparationMismatchError
-from .operators import OPERATORS
+from dxcontract.errors import DxError, PreparationMismatchError
+from dxcontract.operators import OPERATORS
+
+from ._client import AsyncClient, Client
+from ._models import RemoteFunction, RemotePrep
 
 try:
     __version__ = _version("dxserve-client")

@@ -30,15 +30,16 @@ from typing import Any, TypeVar
 
 import httpx
 
+from dxcontract.backends import Backend
+from dxcontract.errors import UnknownPreparationError
+from dxcontract.lru import LRU
+
 from . import _models, models
 from . import progress as progress_events
 from ._direct import DirectCalls
 from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
-from .backends import Backend
-from .errors import UnknownPreparationError
-from .lru import LRU
 from .transport import BODY_PARTS, AsyncFastTransport, FastTransport
 
 DEFAULT_TIMEOUT = 120.0
@@ -123,7 +124,7 @@ def _export(fn: Callable, example_args: tuple, platforms: Sequence[str], **kw: A
     try:
         import jax  # noqa: F401  (imported only when registering)
     except ImportError as exc:
-        from .extras import install_hint
+        from dxcontract.extras import install_hint
 
         raise ImportError(
             f"registering a Python function exports it with JAX: {install_hint('jax')}"

@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 
+from dxcontract.lru import LRU
+
 from ._models import Call, PartsCall
-from .lru import LRU
 from .transport import (
     BODY_PARTS,
     AsyncFastTransport,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .operators import OPERATORS, OperatorSpec
+from dxcontract.operators import OPERATORS, OperatorSpec
 
 TARGET = Path(__file__).with_name("_operators.py")
 
@@ -37,9 +37,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dxcontract.backends import Backend
+
 from ._models import RemoteFunction, RemotePrep
 from ._positionals import NOT_GIVEN, positionals
-from .backends import Backend
 
 F = RemoteFunction | str
 B = Backend | str

@@ -14,12 +14,14 @@ from typing import Any
 import httpx
 import numpy as np
 
-from . import codec, sparse
-from .backends import Backend, backend_to_json
-from .encodings.common import pytree_to_wire
-from .errors import DxError
-from .lru import LRU
-from .operators import BATCH_RESULTS, OPERATORS, OperatorSpec
+from dxcontract import codec
+from dxcontract.backends import Backend, backend_to_json
+from dxcontract.encodings.common import pytree_to_wire
+from dxcontract.errors import DxError
+from dxcontract.lru import LRU
+from dxcontract.operators import BATCH_RESULTS, OPERATORS, OperatorSpec
+
+from . import sparse
 
 
 @dataclass(frozen=True)

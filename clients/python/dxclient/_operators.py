@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dxcontract.backends import Backend
+
 from ._models import RemoteFunction, RemotePrep
 from ._positionals import NOT_GIVEN, positionals
-from .backends import Backend
 
 F = RemoteFunction | str
 B = Backend | str

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .backends import BACKEND_TYPES
+from dxcontract.backends import BACKEND_TYPES
 
 
 class _NotGiven:

@@ -44,7 +44,7 @@ from typing import Any
 try:
     import jax
 except ImportError as exc:
-    from .extras import install_hint
+    from dxcontract.extras import install_hint
 
     raise ImportError(f"dxclient.jax needs JAX: {install_hint('jax')}") from exc
 import jax.extend
@@ -52,9 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
 
+from dxcontract.backends import Backend
+
 from ._client import Client
 from ._models import RemoteFunction, function_name
-from .backends import Backend
 
 __all__ = ["remote_function"]
 

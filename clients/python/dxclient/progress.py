@@ -22,7 +22,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import DxError
+from dxcontract.errors import DxError
 
 #: What a streamed operator request accepts: events, with arrays as typed base64.
 ACCEPT = "text/event-stream; arrays=b64"
@@ -59,7 +59,7 @@ def _tqdm() -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError as exc:
-        from .extras import install_hint
+        from dxcontract.extras import install_hint
 
         raise ImportError(
             f"progress=True shows a tqdm progress bar: {install_hint('progress')}; "

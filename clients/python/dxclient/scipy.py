@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dxcontract.backends import Backend
+
 from ._models import RemoteFunction, function_name
-from .backends import Backend
 
 if TYPE_CHECKING:
     from ._client import Client

@@ -4,7 +4,7 @@ The built-in backends are registered here with the same ``register_backend`` a
 plug-in uses.
 """
 
-from dxclient.backends import (
+from dxcontract.backends import (
     Auto,
     Backend,
     FiniteDifferences,

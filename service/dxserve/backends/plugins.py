@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from dxclient.backends import register_backend_type
-from dxclient.operators import OPERATORS
+from dxcontract.backends import register_backend_type
+from dxcontract.operators import OPERATORS
 
 from .engine import Engine
 

@@ -12,7 +12,7 @@ differences, say).
 
 from __future__ import annotations
 
-from dxclient.backends import (
+from dxcontract.backends import (
     Auto,
     Backend,
     FiniteDifferences,
@@ -21,7 +21,7 @@ from dxclient.backends import (
     SecondOrder,
     backend_from_json,
 )
-from dxclient.errors import UnsupportedOperatorError
+from dxcontract.errors import UnsupportedOperatorError
 
 from .engine import Engine
 from .plugins import PLUGINS

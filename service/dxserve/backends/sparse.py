@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.sparse import BCOO
 
-from dxclient import sparse as wire
-from dxclient.backends import (
+from dxcontract import sparse as wire
+from dxcontract.backends import (
     Auto,
     Backend,
     JaxForward,
@@ -36,7 +36,7 @@ from dxclient.backends import (
     SecondOrder,
     Sparse,
 )
-from dxclient.errors import (
+from dxcontract.errors import (
     InvalidBackendError,
     ShapeMismatchError,
     UnsupportedOperatorError,
@@ -313,7 +313,7 @@ def _direction(b: Backend) -> str:
 
 # --- results on the wire ---------------------------------------------------------------
 def sparse_wire(matrix: BCOO) -> dict[str, Any]:
-    """A BCOO result -> its wire object (``dxclient.sparse``) with numpy arrays; the index
+    """A BCOO result -> its wire object (``dxcontract.sparse``) with numpy arrays; the index
     arrays the engine made at preparation are reused, only ``data`` is new."""
     engine = getattr(matrix, "_dxserve_engine", None)
     if isinstance(engine, SparseEngine) and engine.wire is not None and (

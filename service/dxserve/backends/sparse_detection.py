@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dxclient.errors import BudgetExceededError, SparsityDetectionError
+from dxcontract.errors import BudgetExceededError, SparsityDetectionError
 
 __all__ = [
     "BYTES_PER_NONZERO", "STEPS_PER_SECOND", "Analysis", "Colouring", "DetectionBudget",

@@ -26,8 +26,8 @@ from fastapi.routing import APIRoute
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from dxclient import codec
-from dxclient.operators import OPERATORS, OperatorSpec
+from dxcontract import codec
+from dxcontract.operators import OPERATORS, OperatorSpec
 
 from .. import __version__
 from ..service import Service

@@ -15,9 +15,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from dxclient import codec
-from dxclient.errors import PayloadTooLargeError
-from dxclient.operators import OperatorSpec
+from dxcontract import codec
+from dxcontract.errors import PayloadTooLargeError
+from dxcontract.operators import OperatorSpec
 
 from ..jobs import Job
 from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead

@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from dxclient.codec import dumps
-from dxclient.errors import (
+from dxcontract.codec import dumps
+from dxcontract.errors import (
     DeadlineExceededError,
     DxError,
     ForbiddenError,

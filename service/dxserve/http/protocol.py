@@ -35,8 +35,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from dxclient.codec import dumps
-from dxclient.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
+from dxcontract.codec import dumps
+from dxcontract.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
 
 from .problems import PROBLEM_TYPE, problem_document
 

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dxclient.operators import OPERATORS
+from dxcontract.operators import OPERATORS
 
 from .. import observe
 from .metrics import Metrics

@@ -10,8 +10,8 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
-from dxclient import codec
-from dxclient.errors import (
+from dxcontract import codec
+from dxcontract.errors import (
     MalformedRequestError,
     PayloadTooLargeError,
     UnsupportedMediaTypeError,

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from dxclient.operators import OPERATORS, OperatorSpec
+from dxcontract.operators import OPERATORS, OperatorSpec
 
 from ..kinds import names as kind_names
 from ..kinds import register_model
@@ -38,7 +38,7 @@ ARRAY_DOC = (
 )
 
 
-# --- backend descriptors (what ``dxclient.backends.backend_from_json`` takes) ----------
+# --- backend descriptors (what ``dxcontract.backends.backend_from_json`` takes) ----------
 _BATCH = Field(None, ge=1, description="Tangents per vectorized call; null: all at once")
 
 

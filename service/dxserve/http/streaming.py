@@ -32,8 +32,8 @@ import logging
 
 from starlette.types import Receive, Scope, Send
 
-from dxclient import codec
-from dxclient.errors import DeadlineExceededError, DxError
+from dxcontract import codec
+from dxcontract.errors import DeadlineExceededError, DxError
 
 from ..jobs import Job
 from ..pipeline import OperatorCall, OperatorRequest

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from dxclient.errors import InvalidArgumentError, MalformedRequestError
+from dxcontract.errors import InvalidArgumentError, MalformedRequestError
 
 if TYPE_CHECKING:
     from ..registry import Entry
@@ -89,14 +89,14 @@ class FunctionKind(Protocol):
     def validate(self, values: Mapping[str, Any]) -> bytes:
         """This kind's body fields (already type-checked) -> canonical content bytes.
 
-        Raises the typed errors of ``dxclient.errors`` with ``field=`` naming the body field.
+        Raises the typed errors of ``dxcontract.errors`` with ``field=`` naming the body field.
         """
         ...
 
     def build(self, content: bytes) -> Built:
         """Content bytes -> the callable ``fn(x, *contexts)`` and its signature.
 
-        Raises the typed errors of ``dxclient.errors`` for content that does not load.
+        Raises the typed errors of ``dxcontract.errors`` for content that does not load.
         """
         ...
 

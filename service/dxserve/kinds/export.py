@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from dxclient.errors import MalformedRequestError
+from dxcontract.errors import MalformedRequestError
 
 from . import BaseKind, Built
 

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dxclient.errors import InvalidArgumentError
+from dxcontract.errors import InvalidArgumentError
 
 from . import BaseKind, Built
 

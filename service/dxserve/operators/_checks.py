@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dxclient.errors import (
+from dxcontract.errors import (
     DtypeMismatchError,
     NotScalarInputError,
     NotScalarOutputError,

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from dxclient import codec
-from dxclient.encodings import binary
-from dxclient.encodings.negotiation import decoder_for, response_encoding
-from dxclient.errors import MalformedRequestError, PayloadTooLargeError
-from dxclient.operators import OperatorSpec
+from dxcontract import codec
+from dxcontract.encodings import binary
+from dxcontract.encodings.negotiation import decoder_for, response_encoding
+from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
+from dxcontract.operators import OperatorSpec
 
 from ..admission import SMALL_BYTES
 from ..jobs import Job, JobCancelled

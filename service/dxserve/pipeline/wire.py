@@ -1,6 +1,6 @@
 """From a decoded body to a validated operator request, and from results to the wire.
 
-The codec (``dxclient.codec``, formats in ``dxclient.encodings``) owns the array
+The codec (``dxcontract.codec``, formats in ``dxcontract.encodings``) owns the array
 formats; this module knows which fields of an operator request hold arrays, and
 checks each field once (a request repeating the fields of an earlier one is not
 validated again).
@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from dxclient import codec
-from dxclient.backends import Backend, backend_from_json
-from dxclient.encodings.common import mark_sequences
-from dxclient.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
-from dxclient.lru import LRU
-from dxclient.operators import OperatorSpec
+from dxcontract import codec
+from dxcontract.backends import Backend, backend_from_json
+from dxcontract.encodings.common import mark_sequences
+from dxcontract.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
+from dxcontract.lru import LRU
+from dxcontract.operators import OperatorSpec
 
 from ..signature import Signature
 

@@ -45,7 +45,7 @@ def _psycopg() -> Any:
     try:
         import psycopg
     except ImportError as exc:  # pragma: no cover - the extra is missing
-        from dxclient.extras import SERVER, install_hint
+        from dxcontract.extras import SERVER, install_hint
 
         raise RuntimeError(
             f"a postgresql:// store needs psycopg 3: {install_hint('postgres', SERVER)}"

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dxclient.errors import (
+from dxcontract.errors import (
     OverloadedError,
     StorageFullError,
 )

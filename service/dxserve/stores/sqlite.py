@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dxclient.errors import StorageFullError
+from dxcontract.errors import StorageFullError
 
 from .sql import SqlStore
 

@@ -13,7 +13,7 @@ import shlex
 from importlib.metadata import PackageNotFoundError, requires
 
 #: The client's distribution, and how a clone's root installs it with an extra.
-CLIENT = ("dxserve-client", "./clients/python[{extra}]")
+CLIENT = ("dxserve-client", "./contract ./clients/python[{extra}]")
 #: The server's distribution (installed editable from the repository root).
 SERVER = ("dxserve", "-e .[{extra}]")
 

@@ -1,0 +1,132 @@
+"""The operator table, shared by library, server and client: each operator's facts once.
+
+Each operator has DifferentiationInterface.jl's name and argument order
+``op(f, backend, x, [tangents], *contexts)``; ``results`` names what it returns,
+in order, which is also how the HTTP responses name their fields. Everything else
+that differs per operator (the client's methods, the OpenAPI examples, which results
+are batches, the result-size limit) is derived from this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+TangentsLike = Literal["x", "y"]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What the operators of one family share: tangents and result size."""
+
+    tangents_like: TangentsLike | None
+    batch: str | None  # the result that holds one array per tangent
+    elements: Callable[[int, int, int], int]  # (n, m, k) -> numbers in the result
+    example: Mapping[str, Any]  # a request the example server answers
+
+
+_ROSENBROCK: Mapping[str, Any] = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
+_SCALAR: Mapping[str, Any] = {"function": "normal_logpdf", "backend": "auto", "x": 0.5}
+
+# The element counts include the value, which every operator computes anyway; the
+# server refuses a request whose count is over its limit before compiling anything.
+_FAMILIES: dict[str, _Family] = {
+    "value": _Family(None, None, lambda n, m, k: m, _ROSENBROCK),
+    "derivative": _Family(None, None, lambda n, m, k: 2 * m, _SCALAR),
+    "second_derivative": _Family(None, None, lambda n, m, k: 3 * m, _SCALAR),
+    "gradient": _Family(None, None, lambda n, m, k: n + m, _ROSENBROCK),
+    "jacobian": _Family(None, None, lambda n, m, k: m * n + m, _ROSENBROCK),
+    "hessian": _Family(None, None, lambda n, m, k: n * n + n + 1, _ROSENBROCK),
+    "pushforward": _Family(
+        "x", "pushforwards", lambda n, m, k: (k + 1) * m,
+        {**_ROSENBROCK, "function": "sin_cumsum", "tangents": [[1.0, 0.0, 0.0]]},
+    ),
+    "pullback": _Family(
+        "y", "pullbacks", lambda n, m, k: k * n + m, {**_ROSENBROCK, "tangents": [1.0]}
+    ),
+    # the pattern alone; m * n bounds it, a sparse engine counts the nonzeros instead
+    "sparsity": _Family(None, None, lambda n, m, k: m * n, _ROSENBROCK),
+    "hvp": _Family(
+        "x", "hvps", lambda n, m, k: (k + 1) * n, {**_ROSENBROCK, "tangents": [[1.0, 0.0, 0.0]]}
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    """One operator: its name, the family that computes it, and what it returns.
+
+    ``family`` is the operator whose computation this one selects from
+    (``value_and_gradient`` is a ``gradient``). ``summary`` is the one-line
+    description the client's method and the docs use. ``tangents_like`` says what
+    each tangent is shaped like: ``"x"`` (pushforward, hvp), ``"y"`` (pullback,
+    cotangents shaped like ``f(x)``), or None for operators without tangents.
+    ``batch_results`` are the results that hold one array per tangent.
+    """
+
+    name: str
+    family: str
+    results: tuple[str, ...]
+    takes_tangents: bool = False
+    order: int = 1
+    summary: str = ""
+    tangents_like: TangentsLike | None = None
+    batch_results: frozenset[str] = frozenset()
+    example: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def result_elements(self, n: int, m: int, k: int) -> int:
+        """Numbers this operator's family computes for an ``x`` of ``n`` elements,
+        a ``y = f(x)`` of ``m`` and ``k`` tangents (the value included)."""
+        return _FAMILIES[self.family].elements(n, m, k)
+
+
+def _spec(name: str, family: str, results: tuple[str, ...], summary: str, order: int = 1) -> OperatorSpec:
+    facts = _FAMILIES[family]
+    return OperatorSpec(
+        name,
+        family,
+        results,
+        takes_tangents=facts.tangents_like is not None,
+        order=order,
+        summary=summary,
+        tangents_like=facts.tangents_like,
+        batch_results=frozenset(r for r in results if r == facts.batch),
+        example=MappingProxyType(dict(facts.example)),
+    )
+
+
+OPERATORS: dict[str, OperatorSpec] = {
+    s.name: s
+    for s in [
+        _spec("value", "value", ("value",), "f(x, *contexts).", order=0),
+        _spec("derivative", "derivative", ("derivative",), "f'(x) for scalar x."),
+        _spec("value_and_derivative", "derivative", ("value", "derivative"), "(f(x), f'(x))."),
+        _spec("second_derivative", "second_derivative", ("second_derivative",),
+              "f''(x) for scalar x.", order=2),
+        _spec("value_derivative_and_second_derivative", "second_derivative",
+              ("value", "derivative", "second_derivative"), "(f(x), f'(x), f''(x)).", order=2),
+        _spec("gradient", "gradient", ("gradient",), "∇f(x), shaped like x."),
+        _spec("value_and_gradient", "gradient", ("value", "gradient"), "(f(x), ∇f(x))."),
+        _spec("jacobian", "jacobian", ("jacobian",), "∂f/∂x, shape y.shape + x.shape."),
+        _spec("value_and_jacobian", "jacobian", ("value", "jacobian"), "(f(x), ∂f/∂x)."),
+        _spec("hessian", "hessian", ("hessian",), "∇²f(x), shape x.shape + x.shape.", order=2),
+        _spec("value_gradient_and_hessian", "hessian", ("value", "gradient", "hessian"),
+              "(f(x), ∇f(x), ∇²f(x)).", order=2),
+        _spec("pushforward", "pushforward", ("pushforwards",), "(J t for t in tangents)."),
+        _spec("value_and_pushforward", "pushforward", ("value", "pushforwards"),
+              "(f(x), (J t for t in tangents))."),
+        _spec("pullback", "pullback", ("pullbacks",), "(Jᵀ c for c in tangents)."),
+        _spec("value_and_pullback", "pullback", ("value", "pullbacks"),
+              "(f(x), (Jᵀ c for c in tangents))."),
+        _spec("sparsity", "sparsity", ("sparsity",),
+              "The pattern of ∂f/∂x, or of ∇²f for scalar f (sparse, no values)."),
+        _spec("hvp", "hvp", ("hvps",), "(∇²f(x) t for t in tangents).", order=2),
+        _spec("gradient_and_hvp", "hvp", ("gradient", "hvps"),
+              "(∇f(x), (∇²f(x) t for t in tangents)).", order=2),
+    ]
+}  # fmt: skip
+
+#: Every result name that holds one array per tangent.
+BATCH_RESULTS: frozenset[str] = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
