@@ -37,7 +37,7 @@ def _call(length: int | None, binary: bool, limit: int = 1 << 30) -> SimpleNames
     """What a ``BodyBuffer`` reads of its ``OperatorCall``."""
     head = RequestHead(codec.BINARY_TYPE if binary else codec.JSON_TYPE, content_length=length)
     ticket = Budget(1 << 30, 1 << 30, 1).ticket()
-    return SimpleNamespace(head=head, binary=binary, limit=limit, ticket=ticket,
+    return SimpleNamespace(head=head, views=binary, limit=limit, ticket=ticket,
                            decode_factor=1 if binary else 16)
 
 

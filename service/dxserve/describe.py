@@ -37,9 +37,9 @@ MAX_EXAMPLE_ELEMENTS = 1024
 #: The size a symbolic dimension takes in an example.
 SYMBOLIC_SIZE = 3
 #: Operators that need a scalar x, a scalar-valued function, arrays (not pytrees).
-_SCALAR_X = frozenset(n for n, op in OPERATORS.items() if op.family in ("derivative", "second_derivative"))
-_SCALAR_Y = frozenset(n for n, op in OPERATORS.items() if op.family in ("gradient", "hessian", "hvp"))
-_ARRAYS = frozenset(n for n, op in OPERATORS.items() if op.family == "sparsity")
+_SCALAR_X = frozenset(n for n, op in OPERATORS.items() if op.scalar_input)
+_SCALAR_Y = frozenset(n for n, op in OPERATORS.items() if op.scalar_output)
+_ARRAYS = frozenset(n for n, op in OPERATORS.items() if op.arrays_only)
 
 
 def facts(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -12,7 +13,14 @@ class Encoding(Protocol):
 
     ``name`` is what a client asks for ("json", "b64", "binary"); ``media_type`` the
     Content-Type of its bodies. Several encodings may share a media type ("json" and
-    "b64" are both ``application/json``): the first one registered decodes it.
+    "b64" are both ``application/json``): the first one registered decodes it, and
+    ``accept_param`` (``"arrays=b64"``) is how an ``Accept`` header picks among them.
+
+    What the server reads of an encoding (see ``EncodingCosts``; an encoding that
+    declares none of it is treated as one that parses JSON): ``decode_factor``, bytes
+    held while decoding per body byte; ``encode_factor``, encoded bytes per result byte
+    besides the result itself; ``body_limit``, the server setting that caps its
+    bodies; ``views``, whether its arrays decode as views of the body (no copies).
     """
 
     name: str
@@ -51,10 +59,33 @@ class Encoding(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class EncodingCosts:
+    """What handling an encoding's bodies costs a server (see ``Encoding``)."""
+
+    decode_factor: float = 16.0  # JSON numbers become Python objects: ~16x, measured
+    encode_factor: float = 3.0  # float64 as JSON text: up to ~3x its binary size
+    body_limit: str = "max_json_body_bytes"
+    views: bool = False
+    accept_param: str | None = None
+
+
+def costs_of(encoding: Encoding) -> EncodingCosts:
+    """``encoding``'s declarations, the defaults where it declares none."""
+    default = EncodingCosts()
+    return EncodingCosts(**{
+        name: getattr(encoding, name, getattr(default, name))
+        for name in EncodingCosts.__dataclass_fields__
+    })
+
+
 #: name -> encoding, in registration order
 ENCODINGS: dict[str, Encoding] = {}
 #: media type (lower case) -> the encoding that decodes bodies of that type
 MEDIA_TYPES: dict[str, Encoding] = {}
+#: media type (lower case) -> the one encoding that writes it, for media types only one
+#: encoding writes (an ``Accept`` of that type names the encoding: no parameter needed)
+SOLE_WRITERS: dict[str, Encoding] = {}
 
 
 def register_encoding(encoding: Encoding) -> Encoding:
@@ -65,6 +96,7 @@ def register_encoding(encoding: Encoding) -> Encoding:
         unregister_encoding(encoding.name)
     ENCODINGS[encoding.name] = encoding
     MEDIA_TYPES.setdefault(encoding.media_type.lower(), encoding)
+    _count_writers()
     return encoding
 
 
@@ -78,6 +110,15 @@ def unregister_encoding(name: str) -> None:
             if other.media_type.lower() == media:
                 MEDIA_TYPES[media] = other
                 break
+    _count_writers()
+
+
+def _count_writers() -> None:
+    writers: dict[str, list[Encoding]] = {}
+    for encoding in ENCODINGS.values():
+        writers.setdefault(encoding.media_type.lower(), []).append(encoding)
+    SOLE_WRITERS.clear()
+    SOLE_WRITERS.update({media: found[0] for media, found in writers.items() if len(found) == 1})
 
 
 def encoding_named(name: str) -> Encoding:

@@ -49,6 +49,10 @@ class Binary:
 
     name = "binary"
     media_type = BINARY_TYPE
+    decode_factor = 1.0  # arrays are views of the body
+    encode_factor = 0.0  # the arrays' own memory is sent
+    body_limit = "max_body_bytes"
+    views = True
 
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
         """An array -> ``{"__ndarray__": {"offset", "nbytes"}, "dtype", "shape"}``, its

@@ -44,6 +44,7 @@ class JsonLists(JsonBody):
 
     name = "json"
     media_type = JSON_TYPE
+    accept_param = "arrays=lists"
 
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
         """An array -> nested lists (float64), else ``{"__ndarray__": data, "dtype",

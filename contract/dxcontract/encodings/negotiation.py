@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from ..errors import UnsupportedMediaTypeError
-from .base import MEDIA_TYPES, Encoding
-from .binary import BINARY_TYPE
+from .base import ENCODINGS, MEDIA_TYPES, SOLE_WRITERS, Encoding
 from .common import JSON_TYPE, MARKER, STRING_ARRAY
 
-_BUILT_IN_MEDIA = frozenset((JSON_TYPE, BINARY_TYPE))
 _MARKER_KEY = b'"' + MARKER.encode() + b'"'
 
 
@@ -31,34 +29,33 @@ def decoder_for(content_type: str | None) -> Encoding:
 def response_encoding(content_type: str | None, accept: str | None, body: bytes) -> str:
     """The name of the answer's encoding: ``Accept`` if it says, else the request's own.
 
-    ``Accept: application/vnd.dxserve.binary`` -> "binary"; ``application/json;
-    arrays=b64`` or ``arrays=lists`` picks the JSON flavour ("b64", "json"); plain
-    ``application/json`` answers a binary request with lists and otherwise mirrors the
-    request ("b64" if it carried base64 arrays, found by a byte search, not a parse).
-    The media type of any other registered encoding, in ``Accept`` or as the request's
-    Content-Type, picks that encoding.
+    An ``Accept`` of a media type only one encoding writes (the binary framing, a
+    plugged-in encoding) names it; an ``accept_param`` an encoding declares
+    (``application/json; arrays=b64`` or ``arrays=lists``) picks among those sharing
+    ``application/json``; plain ``application/json`` answers a request of another
+    media type with lists. Without those, the answer mirrors the request: its own
+    encoding where only one writes its media type, else for JSON "b64" if the request
+    carried base64 arrays (found by a byte search, not a parse) and "json" otherwise.
     """
-    binary_request = (content_type or "").lower().startswith(BINARY_TYPE)
+    request = MEDIA_TYPES.get(content_type)  # the usual, exact spelling: no string work
+    if request is None and content_type:
+        request = MEDIA_TYPES.get(content_type.split(";", 1)[0].strip().lower())
+    json_request = request is not None and request.media_type == JSON_TYPE
     if accept:
         accept_l = accept.lower()
-        if BINARY_TYPE in accept_l:
-            return "binary"
-        if "arrays=b64" in accept_l:
-            return "b64"
-        if "arrays=lists" in accept_l:
+        for media, encoding in SOLE_WRITERS.items():
+            if media in accept_l:
+                return encoding.name
+        for encoding in ENCODINGS.values():
+            param = getattr(encoding, "accept_param", None)
+            if param and param in accept_l:
+                return encoding.name
+        if request is not None and not json_request and JSON_TYPE in accept_l:
             return "json"
-        if binary_request and JSON_TYPE in accept_l:
-            return "json"
-        if len(MEDIA_TYPES) > len(_BUILT_IN_MEDIA):  # only with encodings plugged in
-            for media, encoding in MEDIA_TYPES.items():
-                if media not in _BUILT_IN_MEDIA and media in accept_l:
-                    return encoding.name
-    if binary_request:
-        return "binary"
-    if len(MEDIA_TYPES) > len(_BUILT_IN_MEDIA) and content_type:
-        encoding = MEDIA_TYPES.get(content_type.split(";", 1)[0].strip().lower())
-        if encoding is not None and encoding.media_type.lower() not in _BUILT_IN_MEDIA:
-            return encoding.name
+    if request is not None and not json_request:
+        sole = SOLE_WRITERS.get(request.media_type.lower())
+        if sole is not None:
+            return sole.name
     at = body.find(_MARKER_KEY)  # the first typed array: is its data a string?
     if at >= 0 and STRING_ARRAY.match(body, at):
         return "b64"

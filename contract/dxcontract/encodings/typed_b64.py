@@ -65,6 +65,8 @@ class TypedB64(JsonBody):
 
     name = "b64"
     media_type = JSON_TYPE
+    accept_param = "arrays=b64"
+    encode_factor = 2.0  # base64 text is 4/3 of the bytes
 
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
         """An array -> its typed object with base64 of its little-endian C-order bytes."""

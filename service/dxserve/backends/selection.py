@@ -1,8 +1,9 @@
 """Turn what the user asked for into concrete descriptors and engines, per operator.
 
-``Auto()`` picks: reverse for gradients and pullbacks, forward for pushforwards and
-derivatives, forward vs reverse for Jacobians by comparing sizes (forward when
-n = x.size ≤ m = y.size), forward-over-reverse for second order. A function JAX
+``Auto()`` picks what each operator family's spec says (``OperatorSpec.auto``): reverse
+for gradients and pullbacks, forward for pushforwards and derivatives, forward vs
+reverse for Jacobians by comparing sizes (forward when n = x.size ≤ m = y.size), and
+forward-over-reverse for second order (``OperatorSpec.order``). A function JAX
 cannot trace gets finite differences. A single first-order backend asked for a
 second-order operator follows DifferentiationInterface's rule: JAX modes become
 forward-over-reverse (keeping the backend's batch_size on the outer mode), any
@@ -22,11 +23,13 @@ from dxcontract.backends import (
     backend_from_json,
 )
 from dxcontract.errors import UnsupportedOperatorError
+from dxcontract.operators import OPERATORS
 
 from .engine import Engine
 from .plugins import PLUGINS
 
-SECOND_ORDER_FAMILIES = frozenset({"hvp", "hessian", "second_derivative"})
+#: the families second-order backends serve (their specs say order 2)
+SECOND_ORDER = tuple(name for name, op in OPERATORS.items() if op.family == name and op.order == 2)
 
 
 def resolve_backend(
@@ -39,22 +42,21 @@ def resolve_backend(
     plugin = PLUGINS.get(backend.type)
     if plugin is not None and plugin.resolve is not None:
         return plugin.resolve(backend, family, traced=traced, n=n, m=m)
-    second = family in SECOND_ORDER_FAMILIES
+    spec = OPERATORS[family]
+    second = spec.order == 2
     if isinstance(backend, Auto):
         if not traced:
             fd = FiniteDifferences()
             return SecondOrder(fd, fd) if second else fd
         if second:
             return SecondOrder(JaxForward(), JaxReverse())
-        if family in ("gradient", "pullback", "value"):
+        if spec.auto == "reverse" or (spec.auto == "by_size" and n > m):
             return JaxReverse()
-        if family == "jacobian":
-            return JaxForward() if n <= m else JaxReverse()
         return JaxForward()
     if isinstance(backend, SecondOrder):
         if not second:
             raise UnsupportedOperatorError(
-                f"second-order backends serve hvp, hessian and second_derivative, not "
+                f"second-order backends serve {', '.join(SECOND_ORDER)}, not "
                 f"{family}; pass a first-order backend such as 'jax-reverse'",
                 field="backend",
             )

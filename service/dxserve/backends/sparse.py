@@ -41,6 +41,7 @@ from dxcontract.errors import (
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
+from dxcontract.operators import OPERATORS
 
 from ..footprint import array_bytes
 from .engine import Engine, Fn
@@ -49,8 +50,6 @@ from .sparse_detection import Detector, InProcessDetector, PatternJob, asdex
 
 __all__ = ["BCOO", "SparseEngine", "register", "sparse_wire"]
 
-#: families the sparse engine computes; every other one runs on the dense backend
-SPARSE_FAMILIES = frozenset({"jacobian", "hessian", "sparsity"})
 
 #: the library's detector: asdex in the preparing thread, no budget
 IN_PROCESS = InProcessDetector()
@@ -69,7 +68,7 @@ def resolve_sparse(backend: Sparse, family: str, *, traced: bool, n: int = 0, m:
     serve; for Jacobians and Hessians its dense part resolved and its colouring named."""
     from .selection import resolve_backend
 
-    if family not in SPARSE_FAMILIES:
+    if not OPERATORS[family].sparse:  # the spec says: the dense backend serves it
         return resolve_backend(backend.dense, family, traced=traced, n=n, m=m)
     dense, coloring = backend.dense, backend.coloring
     if family == "jacobian":

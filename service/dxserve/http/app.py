@@ -27,6 +27,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from dxcontract import codec
+from dxcontract.encodings import ENCODINGS
 from dxcontract.operators import OPERATORS, OperatorSpec
 
 from .. import __version__
@@ -119,17 +120,10 @@ def _operator_docs() -> list[APIRoute]:
     problem_responses = _problem_responses()
     docs = []
     for name, op in OPERATORS.items():
-        body = {
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{schemas.REQUESTS[op.name].__name__}"}
-                    },
-                    codec.BINARY_TYPE: {"schema": {"type": "string", "format": "binary"}},
-                },
-            }
-        }
+        request = {"schema": {"$ref": f"#/components/schemas/{schemas.REQUESTS[op.name].__name__}"}}
+        body = {"requestBody": {"required": True, "content": {
+            media: request if media == codec.JSON_TYPE else _BYTES for media in _body_media()
+        }}}
         docs.append(APIRoute(
             f"/{name}", _described(name, _operator_summary(op)), methods=["POST"],
             tags=["operators"],
@@ -145,6 +139,17 @@ def _operator_docs() -> list[APIRoute]:
             openapi_extra=body, summary=f"prepare_{name}", operation_id=f"prepare_{name}",
         ))
     return docs
+
+
+#: an operator body (or answer) in a media type other than JSON: bytes of that encoding
+_BYTES = {"schema": {"type": "string", "format": "binary"}}
+
+
+def _body_media() -> list[str]:
+    """The media types operator bodies and answers may take: every registered
+    encoding's, JSON first."""
+    media = {e.media_type.lower() for e in ENCODINGS.values()} - {codec.JSON_TYPE}
+    return [codec.JSON_TYPE, *sorted(media)]
 
 
 def _operator_summary(op: OperatorSpec) -> str:
@@ -330,9 +335,8 @@ def _openapi(app: FastAPI) -> dict:
 def _document_wire_media(spec: dict) -> None:
     """Say what goes over the wire: errors are ``application/problem+json`` (FastAPI's
     request-validation errors too, rendered by ``problems``), and operators answer in
-    the binary framing when asked."""
+    every encoding's media type (the binary framing, plugged-in ones) when asked."""
     problem = {"schema": {"$ref": "#/components/schemas/Problem"}}
-    binary = {"schema": {"type": "string", "format": "binary"}}
     for path, methods in spec.get("paths", {}).items():
         for operation in methods.values():
             responses = operation.get("responses", {})
@@ -345,10 +349,11 @@ def _document_wire_media(spec: dict) -> None:
                 if response.get("description") == "Validation Error":
                     response["description"] = "Semantically invalid"
             ok = responses.get("200", {}).get("content")
-            if ok is not None and codec.BINARY_TYPE in operation.get("requestBody", {}).get(
-                "content", {}
-            ) and not path.startswith("/prepare/"):
-                ok[codec.BINARY_TYPE] = binary
+            takes = operation.get("requestBody", {}).get("content", {})
+            if ok is not None and not path.startswith("/prepare/"):
+                for media in takes:  # answered in the request's encoding, or the Accept's
+                    if media != codec.JSON_TYPE:
+                        ok[media] = _BYTES
     components = spec.get("components", {}).get("schemas", {})
     text = json.dumps(spec.get("paths", {}))
     for unused in ("HTTPValidationError", "ValidationError"):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dxcontract import codec
-from dxcontract.encodings import binary
+from dxcontract.encodings import ENCODINGS, binary, costs_of
 from dxcontract.encodings.negotiation import decoder_for, response_encoding
 from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
 from dxcontract.operators import OperatorSpec
@@ -39,15 +39,6 @@ from .wire import (
     results_to_wire,
 )
 
-#: Bytes decoding one body byte may hold at the peak, by the encoding that reads it:
-#: JSON numbers become Python objects (~16x measured for float lists); a binary body's
-#: arrays are views of it.
-DECODE_FACTOR = {"binary": 1}
-DEFAULT_DECODE_FACTOR = 16
-#: Encoded bytes per result byte, beside the result itself: JSON text of float64 is up
-#: to ~3x its binary size, base64 4/3, and the binary framing sends the arrays' memory.
-ENCODE_FACTOR = {"json": 3.0, "b64": 2.0, "binary": 0.0}
-DEFAULT_ENCODE_FACTOR = 3.0
 #: A JSON body up to this size whose arrays are long base64 strings decodes (and such
 #: an answer encodes) quickly enough for the event loop: ~0.1 ms per MB.
 B64_INLINE_BYTES = 16 * 1024 * 1024
@@ -95,13 +86,11 @@ class OperatorCall:
         settings = service.settings
         if settings.require_token_for_compute:
             service.authorize(head.token, "compute")
-        decoder = decoder_for(head.content_type)
-        self.binary = decoder.name == "binary"
-        self.limit = (
-            settings.max_body_bytes if self.binary
-            else min(settings.max_body_bytes, settings.max_json_body_bytes)
-        )
-        self.decode_factor = DECODE_FACTOR.get(decoder.name, DEFAULT_DECODE_FACTOR)
+        costs = costs_of(decoder_for(head.content_type))  # what its encoding declares
+        #: its arrays are views of the body: a buffer aligned for the device pays
+        self.views = costs.views
+        self.limit = min(settings.max_body_bytes, getattr(settings, costs.body_limit))
+        self.decode_factor = costs.decode_factor
         declared = head.content_length
         if declared is not None and declared > self.limit:
             raise PayloadTooLargeError(
@@ -120,8 +109,8 @@ class OperatorCall:
         head = self.head
         self.size = len(body)
         self.encoding = response_encoding(head.content_type, head.accept, body)
-        self.ticket.encode_factor = ENCODE_FACTOR.get(self.encoding, DEFAULT_ENCODE_FACTOR)
-        if len(body) > SMALL_BYTES and not decodes_quickly(body, self.binary, head.header_length):
+        self.ticket.encode_factor = costs_of(ENCODINGS[self.encoding]).encode_factor
+        if len(body) > SMALL_BYTES and not decodes_quickly(body, self.views, head.header_length):
             req = await asyncio.to_thread(
                 decode_operator_request, body, head.content_type, head.header_length, self.op
             )
@@ -252,7 +241,7 @@ class BodyBuffer:
             )
         elif declared >= ONE_BUFFER_BYTES:
             if self.buffer is None:
-                self.buffer = aligned_buffer(declared) if call.binary else bytearray(declared)
+                self.buffer = aligned_buffer(declared) if call.views else bytearray(declared)
             self.buffer[self.got:end] = data
             self.got = end
             return
