@@ -501,15 +501,26 @@ def rosen_bundle():
     return export_function(rosenbrock, np.zeros(3))
 
 
-def test_gate_passes_a_good_bundle_and_binds_the_pass_to_its_hash(rosen_bundle):
-    stamp = export_gate.check(rosen_bundle)
+@pytest.fixture(scope="module")
+def gate():
+    """A gate of its own, as a ``Service`` owns one."""
+    gate = export_gate.ExportGate()
+    try:
+        yield gate
+    finally:
+        gate.shutdown()
+
+
+def test_gate_passes_a_good_bundle_and_binds_the_pass_to_its_hash(gate, rosen_bundle):
+    stamp = gate.check(rosen_bundle)
     assert stamp["sha256"] == hashlib.sha256(rosen_bundle).hexdigest()
     assert stamp["version"] == export_gate.GATE_VERSION and stamp["jax"] == jax.__version__
-    assert export_gate.passed(rosen_bundle)
-    assert export_gate.stamp(rosen_bundle) == {"export_gate": stamp}
+    assert gate.passed(rosen_bundle)
+    assert gate.stamp(rosen_bundle) == {"export_gate": stamp}
     other = bytearray(rosen_bundle)
     other[-1] ^= 1
-    assert not export_gate.passed(bytes(other)) and export_gate.stamp(bytes(other)) == {}
+    assert not gate.passed(bytes(other)) and gate.stamp(bytes(other)) == {}
+    assert not export_gate.ExportGate().passed(rosen_bundle)  # passes are each gate's own
 
 
 @pytest.mark.parametrize(
@@ -517,56 +528,58 @@ def test_gate_passes_a_good_bundle_and_binds_the_pass_to_its_hash(rosen_bundle):
     [("abort", "crashed"), ("oom", "memory limit"), ("exit", "without an answer"),
      ("hang", "timed out")],
 )  # fmt: skip
-def test_gate_child_failures_are_invalid_export_and_the_caller_survives(rosen_bundle, fault, words):
+def test_gate_child_failures_are_invalid_export_and_the_caller_survives(
+    gate, rosen_bundle, fault, words
+):
     # _fault is a test hook of check(); nothing over HTTP reaches it
     cfg = export_gate.GateConfig(timeout=3.0)
     with pytest.raises(InvalidExportError) as info:
-        export_gate.check(rosen_bundle, cfg=cfg, _fault=fault)
+        export_gate.check(rosen_bundle, cfg=cfg, server=gate._server, _fault=fault)
     assert info.value.field == "export" and words in info.value.detail
-    assert export_gate.check(rosen_bundle)["sha256"]  # the fork server still works
+    assert gate.check(rosen_bundle)["sha256"]  # the fork server still works
 
 
-def test_gate_keeps_load_exported_refusals(rosen_bundle):
+def test_gate_keeps_load_exported_refusals(gate, rosen_bundle):
     bad = _repack(rosen_bundle, lambda m: m["signature"]["x"].update(shape=[4]))
     with pytest.raises(InvalidExportError, match="manifest"):
-        export_gate.check(bad)
+        gate.check(bad)
     with pytest.raises(InvalidExportError, match="sha256"):  # refused before any child
-        export_gate.check(rosen_bundle[:-1] + bytes([rosen_bundle[-1] ^ 1]))
+        gate.check(rosen_bundle[:-1] + bytes([rosen_bundle[-1] ^ 1]))
 
 
-def test_gate_runs_a_polymorphic_export_at_an_allowed_size():
+def test_gate_runs_a_polymorphic_export_at_an_allowed_size(gate):
     def poly(x):  # symbolic n: the gate picks an n that satisfies the constraint
         return jnp.sum(x[1:] * x[:-1])
 
     bundle = export_function(poly, np.zeros(3), polymorphic_shapes=("(n,)",),
                              constraints=("n >= 2",))  # fmt: skip
-    assert export_gate.check(bundle)["sha256"]  # n = 3: compiled and run
+    assert gate.check(bundle)["sha256"]  # n = 3: compiled and run
 
 
 def test_admit_trusts_only_a_matching_stamp(rosen_bundle, monkeypatch):
     calls = []
-    monkeypatch.setattr(export_gate, "check", lambda content, **kw: calls.append(content))
+    gate = export_gate.ExportGate()
+    monkeypatch.setattr(gate, "check", lambda content, **kw: calls.append(content))
     fresh = rosen_bundle + b""
-    export_gate._passed.pop(hashlib.sha256(fresh).hexdigest())
     good = export_gate._make_stamp(hashlib.sha256(fresh).hexdigest(), "cpu")
     for stale in ({}, {"export_gate": {**good, "sha256": "0" * 64}},
                   {"export_gate": {**good, "version": 0}}, {"export_gate": {**good, "jax": "0.1"}}):
-        export_gate.admit(fresh, stale)  # no or stale stamp (older dxserve): gated now
+        gate.admit(fresh, stale)  # no or stale stamp (older dxserve): gated now
     assert len(calls) == 4
-    export_gate.admit(fresh, {"export_gate": good})
-    assert len(calls) == 4 and export_gate.passed(fresh)
-    export_gate.require(fresh)  # passed: nothing to do
+    gate.admit(fresh, {"export_gate": good})
+    assert len(calls) == 4 and gate.passed(fresh)
+    gate.require(fresh)  # passed: nothing to do
     assert len(calls) == 4
 
 
 def test_export_kind_refuses_to_read_ungated_content(rosen_bundle, monkeypatch):
     from dxserve.kinds.export import EXPORT
 
-    export_gate._passed.pop(hashlib.sha256(rosen_bundle).hexdigest())
+    gate = export_gate.ExportGate()
 
     def refuse(content, **kw):
         raise InvalidExportError("gate says no", field="export")
 
-    monkeypatch.setattr(export_gate, "check", refuse)
+    monkeypatch.setattr(gate, "check", refuse)
     with pytest.raises(InvalidExportError, match="gate says no"):
-        EXPORT.build(rosen_bundle)
+        EXPORT.bind(export_gate=gate).build(rosen_bundle)

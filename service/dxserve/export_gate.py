@@ -56,18 +56,7 @@ from typing import Any
 from dxcontract.errors import InvalidExportError, OverloadedError
 from dxcontract.lru import LRU
 
-__all__ = [
-    "GATE_VERSION",
-    "GateConfig",
-    "admit",
-    "check",
-    "config",
-    "configure",
-    "passed",
-    "require",
-    "shutdown",
-    "stamp",
-]
+__all__ = ["GATE_VERSION", "ExportGate", "GateConfig", "check", "default"]
 
 log = logging.getLogger("dxserve.export_gate")
 
@@ -97,39 +86,6 @@ class GateConfig:
         )
 
 
-_config: GateConfig | None = None
-_config_lock = threading.Lock()
-
-
-def configure(settings_or_config: Any) -> GateConfig:
-    """Set the gate's configuration from a ``GateConfig`` or a ``Settings``."""
-    global _config
-    cfg = (
-        settings_or_config
-        if isinstance(settings_or_config, GateConfig)
-        else GateConfig.from_settings(settings_or_config)
-    )
-    with _config_lock:
-        _config = cfg
-    if not cfg.enabled:
-        log.warning("export gate is OFF: uploaded bundles are deserialized in the server process")
-    return cfg
-
-
-def config() -> GateConfig:
-    """The configuration in force (from ``DXSERVE_*`` environment variables until configured)."""
-    if _config is None:
-        from .settings import Settings
-
-        configure(Settings())
-    assert _config is not None
-    return _config
-
-
-# --- passes, bound to content hashes ---------------------------------------------------------
-_passed: LRU[str, dict[str, Any]] = LRU(65536)  # sha256 hex -> stamp
-
-
 def _digest(content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()
 
@@ -151,44 +107,82 @@ def _make_stamp(hexdigest: str, platform: str) -> dict[str, Any]:
     }
 
 
-def passed(content: bytes) -> bool:
-    """Whether ``content`` (these exact bytes) passed the gate in this process or was admitted."""
-    return _passed.peek(_digest(content)) is not None
+class ExportGate:
+    """One server's gate: its configuration, the passes it has seen (bound to content
+    hashes) and its fork server, started on first use. A ``Service`` owns one."""
+
+    def __init__(self, config: GateConfig | None = None) -> None:
+        self.config = config or GateConfig()
+        if not self.config.enabled:
+            log.warning("export gate is OFF: uploaded bundles are deserialized in the server process")
+        self._passed: LRU[str, dict[str, Any]] = LRU(65536)  # sha256 hex -> stamp
+        self._server = _ForkServer()
+
+    def passed(self, content: bytes) -> bool:
+        """Whether ``content`` (these exact bytes) passed this gate or was admitted."""
+        return self._passed.peek(_digest(content)) is not None
+
+    def stamp(self, content: bytes) -> dict[str, Any]:
+        """Metadata recording that ``content`` passed (``{}`` if it did not)."""
+        found = self._passed.peek(_digest(content))
+        return {_STAMP_KEY: dict(found)} if found is not None else {}
+
+    def admit(self, content: bytes, metadata: Mapping[str, Any] | None) -> None:
+        """Trust a stored record's stamp if it matches ``content``; else gate it now."""
+        hexdigest = _digest(content)
+        if self._passed.peek(hexdigest) is not None or not self.config.enabled:
+            return
+        found = (metadata or {}).get(_STAMP_KEY)
+        platform = _platform()
+        if isinstance(found, dict) and found == _make_stamp(hexdigest, platform):
+            self._passed.put(hexdigest, dict(found))
+            return
+        log.info("export gate: checking a stored bundle without a current stamp (sha256 %s)",
+                 hexdigest[:16])  # fmt: skip
+        self.check(content)
+
+    def require(self, content: bytes) -> None:
+        """Before ``content`` is deserialized in process: it must have passed (gated now
+        if not)."""
+        if self.config.enabled and not self.passed(content):
+            self.check(content)
+
+    def check(self, content: bytes, *, _fault: str | None = None) -> dict:
+        """Gate ``content`` (see ``check``), remembering its pass."""
+        found = check(content, cfg=self.config, server=self._server, _fault=_fault)
+        self._passed.put(found["sha256"], found)
+        return found
+
+    def shutdown(self) -> None:
+        """Stop the fork server (it also exits when this process does)."""
+        self._server.stop()
 
 
-def stamp(content: bytes) -> dict[str, Any]:
-    """Metadata recording that ``content`` passed (``{}`` if it did not)."""
-    found = _passed.peek(_digest(content))
-    return {_STAMP_KEY: dict(found)} if found is not None else {}
+_default: list[ExportGate] = []
+_default_lock = threading.Lock()
 
 
-def admit(content: bytes, metadata: Mapping[str, Any] | None) -> None:
-    """Trust a stored record's stamp if it matches ``content``; else gate ``content`` now."""
-    hexdigest = _digest(content)
-    if _passed.peek(hexdigest) is not None or not config().enabled:
-        return
-    found = (metadata or {}).get(_STAMP_KEY)
-    platform = _platform()
-    if isinstance(found, dict) and found == _make_stamp(hexdigest, platform):
-        _passed.put(hexdigest, dict(found))
-        return
-    log.info("export gate: checking a stored bundle without a current stamp (sha256 %s)",
-             hexdigest[:16])  # fmt: skip
-    check(content)
+def default() -> ExportGate:
+    """The gate of code that runs outside any ``Service`` (the library, a script), made
+    on first use from the ``DXSERVE_*`` environment variables."""
+    with _default_lock:
+        if not _default:
+            from .settings import Settings
 
-
-def require(content: bytes) -> None:
-    """Before ``content`` is deserialized in process: it must have passed (gated now if not)."""
-    if config().enabled and not passed(content):
-        check(content)
+            _default.append(ExportGate(GateConfig.from_settings(Settings())))
+        return _default[0]
 
 
 def _bad(detail: str) -> InvalidExportError:
     return InvalidExportError(detail, field="export")
 
 
-def check(content: bytes, *, cfg: GateConfig | None = None, _fault: str | None = None) -> dict:
-    """Gate ``content``: returns its stamp, or raises ``InvalidExportError(field="export")``.
+def check(
+    content: bytes, *, cfg: GateConfig | None = None, server: _ForkServer | None = None,
+    _fault: str | None = None,
+) -> dict:
+    """Gate ``content`` with ``cfg`` in ``server``'s children (the default gate's when not
+    given): returns its stamp, or raises ``InvalidExportError(field="export")``.
 
     The container (magic, manifest, per-artifact sha256, size) is checked here, in
     plain Python, so garbage is refused without a child. ``_fault`` makes the child
@@ -199,7 +193,9 @@ def check(content: bytes, *, cfg: GateConfig | None = None, _fault: str | None =
 
     from .exported import DEFAULT_MAX_BUNDLE_BYTES
 
-    cfg = cfg or config()
+    if cfg is None or server is None:
+        gate = default()
+        cfg, server = cfg or gate.config, server or gate._server
     content = bytes(content)
     if len(content) > DEFAULT_MAX_BUNDLE_BYTES:
         raise _bad(f"the export is {len(content)} bytes; the limit is {DEFAULT_MAX_BUNDLE_BYTES}")
@@ -213,12 +209,11 @@ def check(content: bytes, *, cfg: GateConfig | None = None, _fault: str | None =
     if _fault:
         header["fault"] = _fault
     started = time.monotonic()
-    reply = _server.run(header, content, cfg.timeout)
+    reply = server.run(header, content, cfg.timeout)
     seconds = time.monotonic() - started
     status = reply.get("status")
     if status == "ok":
         result = _make_stamp(hexdigest, platform)
-        _passed.put(hexdigest, result)
         log.info("export gate: passed sha256 %s in %.2f s", hexdigest[:16], seconds)
         return dict(result)
     # refusals are the normal answer to bad input; a dead or stuck child is worth a warning
@@ -256,11 +251,6 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
-
-
-def shutdown() -> None:
-    """Stop the fork server (it also exits when this process does)."""
-    _server.stop()
 
 
 # --- the parent's side: one fork server ------------------------------------------------------
@@ -384,9 +374,6 @@ def _read_line(stream: Any, deadline: float) -> bytes:
                 raise OSError("the export checker exited")
             buf += chunk
     return buf
-
-
-_server = _ForkServer()
 
 
 # --- the fork server and its children (run in the gate's own processes) -----------------------

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,8 +72,7 @@ class Entry:
         return kind.describe(self) if kind is not None else kinds.standard_description(self)
 
 
-def _build(record: StoredFunction) -> Entry:
-    kind = kinds.get_kind(record.kind)
+def _build(record: StoredFunction, kind: Any) -> Entry:
     if kind is None or not kind.persistent:
         raise InvalidArgumentError(
             f"kind must be one of {sorted(kinds.stored_names())}, got {record.kind!r}",
@@ -140,8 +139,12 @@ class Registry:
         max_loaded: int = 64,
         max_loaded_bytes: int = 0,
         sync_interval: float = 0.25,
+        resources: Mapping[str, Any] | None = None,
     ) -> None:
         self.store = store
+        #: What this server's kinds are bound to (``FunctionKind.bind``): its export gate
+        self.resources = dict(resources or {})
+        self._bound: dict[str, Any] = {}
         #: Other processes write this store too: follow its change log (``refresh``).
         self.shared = bool(getattr(store, "shared", False))
         #: Seconds after which a request checks the store for other processes' writes.
@@ -213,19 +216,31 @@ class Registry:
         full = self.store.get(name)
         if full is None:
             raise LookupError("its object is missing or corrupt")
-        built = _build(full)
+        built = _build(full, self.kind(full.kind))
         if not _json_able(built.signature):
             return _index_entry(full)
         metadata = {**full.metadata, "signature": built.signature}
         if built.facts is not None and _json_able(built.facts):
             metadata[FACTS] = built.facts
-        stamp = getattr(kinds.get_kind(full.kind), "stamp", None)
+        stamp = getattr(self.kind(full.kind), "stamp", None)
         if stamp is not None:  # the export gate's pass, so later starts need not gate it again
             metadata.update(stamp(full.content))
         record, _ = self.store.put(name, full.kind, full.content, metadata, replace=True)
         return _index_entry(record)
 
     # --- reads -------------------------------------------------------------
+    def kind(self, name: str) -> Any:
+        """The kind called ``name``, bound to this registry's ``resources`` where it binds
+        (``FunctionKind.bind``); None for an unknown kind."""
+        bound = self._bound.get(name)
+        if bound is None:
+            kind = kinds.get_kind(name)
+            bind = getattr(kind, "bind", None)
+            bound = bind(**self.resources) if bind is not None else kind
+            if bound is not None:
+                self._bound[name] = bound
+        return bound
+
     def get(self, name: Any, field_name: str = "function") -> Entry:
         """The function called ``name``, built (a stored one is built on first use)."""
         entry = self.lookup(name, field_name)
@@ -287,7 +302,7 @@ class Registry:
 
     def _build_and_admit(self, index: Entry, record: StoredFunction, field_name: str) -> Entry:
         try:
-            built = _build(record)
+            built = _build(record, self.kind(record.kind))
         except MemoryError:
             raise OverloadedError(
                 f"not enough memory to load {index.name!r} now; retry later", field=field_name
@@ -514,12 +529,12 @@ class Registry:
             raise too_many(self.max_functions)
         metadata = {"description": description}
         # Built before anything is written: content that does not load never reaches the store.
-        built = _build(StoredFunction(name, kind, "", content, metadata, ""))
+        built = _build(StoredFunction(name, kind, "", content, metadata, ""), self.kind(kind))
         if _json_able(built.signature):  # so GET /functions never needs to build it
             metadata["signature"] = built.signature
             if built.facts is not None and _json_able(built.facts):
                 metadata[FACTS] = built.facts
-        stamp = getattr(kinds.get_kind(kind), "stamp", None)
+        stamp = getattr(self.kind(kind), "stamp", None)
         if stamp is not None:  # e.g. the export gate's pass, bound to the content's sha256
             metadata.update(stamp(content))
         record, created = self.store.put(

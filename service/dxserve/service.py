@@ -37,12 +37,13 @@ from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS, OperatorSpec
 from dxcontract.platforms import export_platform
 
-from . import export_gate, observe
+from . import observe
 from .admission import Budget, Ticket
 from .backends import backend_table
 from .backends.sparse import BCOO, sparse_wire
 from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
+from .export_gate import ExportGate, GateConfig
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
@@ -123,11 +124,13 @@ class Service:
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings = settings or Settings()
-        export_gate.configure(settings)  # uploads are checked with this server's limits
+        #: uploads are checked with this server's limits, in its own fork server
+        self.export_gate = ExportGate(GateConfig.from_settings(settings))
         self.store = open_store(settings.store, quota_bytes=settings.store_quota_bytes)
         self.registry = Registry(
             self.store, settings.max_functions, max_loaded=settings.max_loaded_functions,
             max_loaded_bytes=settings.max_loaded_bytes, sync_interval=settings.store_sync_interval,
+            resources={"export_gate": self.export_gate},
         )
         with float64_scope():  # stored exports may carry float64 signatures
             #: module -> the names of the functions it registered (``--functions``)
@@ -511,6 +514,7 @@ class Service:
         }
 
     def close(self) -> None:
+        self.export_gate.shutdown()
         self.workers.close()
         self.detector.close()
         self.store.close()

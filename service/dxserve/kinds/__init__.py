@@ -104,6 +104,10 @@ class FunctionKind(Protocol):
         """The JSON of ``GET /functions/{name}`` for an entry of this kind."""
         ...
 
+    # Optional: ``bind(**resources) -> FunctionKind``, this kind over one server's
+    # resources (the export kind binds its ``export_gate``); each registry binds the
+    # kinds it uses, so two servers in one process keep their own.
+
 
 class BaseKind:
     """Defaults for a ``FunctionKind``: persistent, described like every other kind."""

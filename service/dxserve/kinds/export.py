@@ -23,11 +23,28 @@ __all__ = ["EXPORT", "ExportKind"]
 
 
 class ExportKind(BaseKind):
+    """Uploaded exports, gated by ``gate`` (``bind`` gives a registry its own kind over
+    its server's gate; unbound, the default gate of code outside a server)."""
+
     name = "export"
     summary = "a JAX export"
     fields = {
         "export": (str | None, Field(None, description="base64 of a dxclient export bundle")),
     }
+
+    def __init__(self, gate: Any = None) -> None:
+        self.gate = gate
+
+    def bind(self, export_gate: Any = None, **_: Any) -> ExportKind:
+        """This kind over ``export_gate`` (an ``export_gate.ExportGate``)."""
+        return ExportKind(export_gate) if export_gate is not None else self
+
+    def _gate(self) -> Any:
+        if self.gate is not None:
+            return self.gate
+        from ..export_gate import default
+
+        return default()
 
     def validate(self, values: Mapping[str, Any]) -> bytes:
         try:
@@ -37,15 +54,11 @@ class ExportKind(BaseKind):
 
     def admit(self, content: bytes, metadata: Mapping[str, Any] | None) -> None:
         """Before ``build``: trust a stored record's gate stamp, or gate the content now."""
-        from .. import export_gate
-
-        export_gate.admit(content, metadata)
+        self._gate().admit(content, metadata)
 
     def stamp(self, content: bytes) -> dict[str, Any]:
         """Metadata to store with content that passed the gate (its sha256 and versions)."""
-        from .. import export_gate
-
-        return export_gate.stamp(content)
+        return self._gate().stamp(content)
 
     def build(self, content: bytes) -> Built:
         # The bundle itself is checked here (InvalidExportError, field "export"):
@@ -53,10 +66,9 @@ class ExportKind(BaseKind):
         # reader runs in process only on content that passed the gate.
         import jax
 
-        from .. import export_gate
         from ..exported import load_exported
 
-        export_gate.require(content)
+        self._gate().require(content)
 
         # dxserve computes float64 in 64-bit mode, which need not be on globally: a
         # float64 export is checked and loaded in that mode, as it will run.
