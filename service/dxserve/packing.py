@@ -3,8 +3,7 @@
 Callers hand an operator a tuple of k tangents (pytrees shaped alike). Given to a
 compiled program as they are, each tangent's leaves would be arguments of their
 own and each result per tangent an output of its own: XLA's compile time then grows
-faster than k (an ``hvp`` of 1,000 three-vectors took ~40 s to compile, of 16 under
-1 s). So the host stacks the batch leaf by leaf before the call (``pack``): the
+faster than k (bench/compile_shapes.py). So the host stacks the batch leaf by leaf before the call (``pack``): the
 program takes one ``(k, *leaf.shape)`` array per leaf, k is only a dimension, and its
 compile time does not depend on k. Family builders receive the stacked batch and
 return their per-tangent results stacked the same way; ``unpack`` cuts those back

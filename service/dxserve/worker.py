@@ -257,7 +257,9 @@ def _expire(job: _Job, timeout: float) -> None:
     job.expired = True
     if not job.future.done():
         job.future.set_exception(
-            DeadlineExceededError(f"the computation ran past the {timeout:g} s limit")
+            DeadlineExceededError(
+                f"the computation ran past its deadline ({timeout:.3g} s after it was queued)"
+            )
         )
 
 
