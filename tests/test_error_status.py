@@ -36,6 +36,7 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.InvalidExportError: 422,
     E.ResultTooLargeError: 422,
     E.BudgetExceededError: 422,
+    E.RequestShapeError: 422,
     E.SparsityDetectionError: 422,
     E.TooManyFunctionsError: 429,
     E.InternalError: 500,

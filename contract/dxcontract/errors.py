@@ -194,6 +194,14 @@ class BudgetExceededError(InvalidArgumentError):
     slug, title = "budget-exceeded", "Estimated cost exceeds a per-request limit"
 
 
+class RequestShapeError(InvalidArgumentError):
+    """The request's inputs are shaped past a server limit: too many tangents, or pytrees
+    with too many leaves or nested too deep (what compile time grows with); ``limit``
+    names the setting, ``maximum`` its value and ``count`` what the request holds."""
+
+    slug, title = "request-shape", "Request shape over a server limit"
+
+
 class SparsityDetectionError(InvalidArgumentError):
     """A ``Sparse`` backend could not find the pattern: detection took longer than the
     server allows (``DXSERVE_SPARSE_DETECTION_SECONDS``) or asdex cannot analyse it."""

@@ -186,6 +186,15 @@ class Chunker:
         values[self.family] = out.reshape(self.shape)
         return tuple(values[r] for r in results)
 
+    def compile(
+        self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int
+    ) -> None:
+        """Compile what ``run`` needs (the chunk's executable and the head's) ahead of it."""
+        self._chunk_executable(operator, x, contexts, size)
+        others = tuple(r for r in OPERATORS[operator].results if r != self.family)
+        if others:
+            prep.head(operator, others, x, tangents, contexts)
+
     def _chunk_executable(self, operator: str, x: Any, contexts: tuple, size: int) -> tuple:
         """``(executable, size)`` for chunks of at most ``size``, shrunk until one chunk
         fits the budget; ``BudgetExceededError`` when not even one basis vector does."""
@@ -362,6 +371,12 @@ class Slicer:
         return tuple(
             self._join(name, [p[i] for p in parts], op) for i, name in enumerate(op.results)
         )
+
+    def compile(
+        self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int
+    ) -> None:
+        """Compile the chunk's executable ``run`` needs, ahead of it."""
+        self._executable(prep, operator, x, tangents, contexts, size)
 
     # --- slicing and joining -------------------------------------------------------
     def _slice(self, x: Any, tangents: Any, start: int, size: int) -> tuple:

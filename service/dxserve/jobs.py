@@ -28,7 +28,8 @@ class Job:
     """Progress and cancellation of one request's computation (see the module)."""
 
     __slots__ = (
-        "done", "total", "unit", "cancelled", "streams", "chunked", "reports", "_loop", "_notify"
+        "done", "total", "unit", "cancelled", "streams", "chunked", "reports", "pause",
+        "_loop", "_notify",
     )
 
     def __init__(self, streams: bool = False) -> None:
@@ -43,6 +44,8 @@ class Job:
         self.chunked = False
         #: every ``done`` reported, in order (a stream sends each chunk boundary)
         self.reports: list[int] = []
+        #: set by the device worker running it: lets short jobs run between chunks
+        self.pause: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._notify: Callable[[], None] | None = None
 
@@ -57,10 +60,14 @@ class Job:
         self._wake()
 
     def report(self, done: int) -> None:
-        """``done`` of ``total`` are computed (worker thread)."""
+        """``done`` of ``total`` are computed (worker thread); before the next chunk,
+        the worker may run short jobs that are waiting (``pause``)."""
         self.done = done
         self.reports.append(done)
         self._wake()
+        pause = self.pause
+        if pause is not None and self.total is not None and done < self.total:
+            pause()
 
     def check(self) -> None:
         """Raise ``JobCancelled`` if the job was cancelled (worker thread, between chunks)."""

@@ -40,7 +40,7 @@ from dxcontract.errors import (
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS
 
-from . import executable_cache
+from . import executable_cache, packing
 from .arity import check_contexts
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
@@ -53,6 +53,8 @@ from .signature import Signature
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
+#: results that hold one value per tangent, packed by the programs (see ``packing``)
+_BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
 
 _NOT_TRACEABLE = (
     jax.errors.TracerArrayConversionError,
@@ -105,7 +107,10 @@ class Family:
     """One operator family: a check of its inputs and a builder of its function.
 
     ``build(f, engine, inner, inputs)`` returns ``run(x, tangents, contexts) -> dict``
-    mapping result names (``OPERATORS[op].results``) to values.
+    mapping result names (``OPERATORS[op].results``) to values. ``run`` takes the
+    tangents packed (one pytree, each leaf stacked on a leading axis of k; see
+    ``packing``) and returns per-tangent results packed alike; ``inputs.tangents``,
+    what ``check`` sees, is the tuple of k.
     """
 
     name: str
@@ -172,6 +177,8 @@ class Prep:
         """Tell ``on_grow`` that this prep compiled something more."""
         if self.on_grow is not None:
             self.on_grow(self)
+    #: (operator, device)s whose every executable is compiled (``compile_for``)
+    warmed: set = field(default_factory=set, repr=False)
 
     @property
     def report(self) -> dict[str, Any]:
@@ -239,14 +246,18 @@ class Prep:
             return tuple(out[name] for name in results)
 
         if not self.traced:
-            return run
+            return self._packed(run, results, tangents)
+        # the tangents stacked, one argument per leaf: compile time independent of k
+        packed = packing.pack(tangents, self.signature.batch_axis)
         key = executable_cache.key(
-            self.function, self.resolved, results, x, tangents, contexts,
+            self.function, self.resolved, results, x, packed, contexts,
             self.signature.batch_axis,
         )
         start = time.perf_counter()
         try:
-            exe = self.compiler.compile(run, (x, tangents, contexts), key)
+            exe = self._packed(
+                self.compiler.compile(run, (x, packed, contexts), key), results, tangents
+            )
         except DxError:
             raise
         except Exception as exc:
@@ -270,6 +281,56 @@ class Prep:
         if self.limits is not None:  # once per executable, before it ever runs
             self.limits.check(exe, operator)
         return exe
+
+    def _packed(self, exe: Callable, results: tuple[str, ...], tangents: tuple | None) -> Callable:
+        """``exe`` (which takes packed tangents, see ``packing``) as an executable that
+        takes and returns tuples of tangents; ``exe`` itself when there are none."""
+        if tangents is None:
+            return exe
+        batched = tuple(i for i, name in enumerate(results) if name in _BATCH_RESULTS)
+        return packing.Packed(exe, batched, self.signature.batch_axis)
+
+    def pack(self, tangents: tuple | None) -> Any:
+        """``tangents`` as this prep's builder takes them (see ``packing``)."""
+        return packing.pack(tangents, self.signature.batch_axis)
+
+    def unpack(self, operator: str, outputs: tuple, k: int) -> tuple:
+        """``operator``'s outputs from its builder with their per-tangent results cut
+        into tuples of ``k`` (see ``packing``)."""
+        results = OPERATORS[operator].results
+        batched = [i for i, name in enumerate(results) if name in _BATCH_RESULTS]
+        return packing.unpack_results(outputs, batched, k, self.signature.batch_axis)
+
+    def warm(self, operator: str, device: Any = None) -> bool:
+        """Is everything ``run`` needs for ``operator`` compiled for ``device`` (see
+        ``compile_for``)?"""
+        return (operator, device) in self.warmed
+
+    def compile_for(
+        self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple
+    ) -> None:
+        """Compile, on the current default device, everything ``run`` needs for
+        ``operator``: its executable and, for a chunked run, the chunk's and the
+        head's. Then ``run`` only runs programs (the server compiles on threads of its
+        own, off the device workers; see ``compiling``)."""
+        device = jax.config.jax_default_device
+        if (operator, device) in self.warmed:
+            return
+        try:
+            with float64_scope():
+                self.executable(operator, x, tangents, contexts)
+                chunker = self.chunker
+                if chunker is not None:
+                    size = chunker.size_for(operator)
+                    if size is not None:
+                        chunker.compile(self, operator, x, tangents, contexts, size)
+        except DxError:
+            raise
+        except Exception as exc:
+            raise out_of_memory(exc) or FunctionEvaluationError(
+                _short(exc), field="function"
+            ) from exc
+        self.warmed.add((operator, device))
 
     def chunked(self, operator: str) -> bool:
         """Does ``operator`` run in chunks here (see ``chunking``)? Known once its
@@ -451,7 +512,7 @@ def _prepare(
 ) -> Prep:
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
-    x, tangents, contexts = _normalize(x, tangents, contexts)
+    x, tangents, contexts = normalize(x, tangents, contexts)
     points, px, pt = 1, x, tangents  # one point's x and tangents: what is checked and built
     if batch_axis is not None:
         check_batch_axis(batch_axis)
@@ -582,7 +643,8 @@ def _itemsize(tree: Tree) -> int:
     return max(sizes, default=8)
 
 
-def _normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
+def normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
+    """``(x, tangents, contexts)`` as operators take them (see ``as_tree``)."""
     x = as_tree(x)
     if tangents is not None:
         if not isinstance(tangents, (tuple, list)):
@@ -731,7 +793,7 @@ def lookup(
     batch of points (checked here; the points themselves at preparation)."""
     op = OPERATORS[operator]
     backend = backend_from_json(backend)
-    x, tangents, contexts = _normalize(x, tangents, contexts)
+    x, tangents, contexts = normalize(x, tangents, contexts)
     if batch_axis is not None:
         check_batch_axis(batch_axis)
     if signature is None:
@@ -764,7 +826,19 @@ def call(
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
+        if found.tangents is not None and prep.traced:
+            out = _on_device(found.operator, out)
     return out[0] if len(out) == 1 else out
+
+
+def _on_device(operator: str, outputs: tuple) -> tuple:
+    """Per-tangent results (numpy views, see ``packing``) as JAX arrays, as the
+    library returns every other result: one transfer for the whole batch."""
+    results = OPERATORS[operator].results
+    return tuple(
+        jax.device_put(out) if name in _BATCH_RESULTS else out
+        for name, out in zip(results, outputs, strict=True)
+    )
 
 
 def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:

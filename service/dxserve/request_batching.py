@@ -154,7 +154,8 @@ class Batcher:
 
     # --- plans --------------------------------------------------------------
     def plan(self, prep: Any, operator: str, inputs: Inputs) -> _Plan:
-        """The plan for (prep, operator), made on first use and kept on the prep."""
+        """The plan for (prep, operator), made on first use and kept on the prep.
+        ``inputs``: one request's, its tangents packed (``prep.pack``)."""
         plan = prep.batch_plans.get(operator)
         if plan is None:
             plan = prep.batch_plans[operator] = _make_plan(prep, operator, inputs)
@@ -171,19 +172,26 @@ class Batcher:
             return self._run_group(prep, operator, group)
 
     def _run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
-        plan = self.plan(prep, operator, group[0])
+        # batched programs take the tangents packed, as the prep's own (see ``packing``)
+        packed = [(x, prep.pack(t), c) for x, t, c in group]
+        plan = self.plan(prep, operator, packed[0])
         size = bucket(len(group))
         slot = (size, jax.config.jax_default_device)  # executables are bound to a device
         if not plan.eligible or plan.executables.get(slot, True) is None:
             return [_alone(prep, operator, inputs) for inputs in group]
         compiles = self.compiles
         try:
-            batched = self._run_batched(plan, slot, group, prep.limits)
+            batched = self._run_batched(plan, slot, packed, prep.limits)
         except Exception:  # noqa: BLE001 - e.g. out of memory at B rows: each alone says why
             return [_alone(prep, operator, inputs) for inputs in group]
         finally:
             if self.compiles != compiles:  # a batched executable is kept on the prep
                 prep.grew()
+        if group[0][1] is not None:
+            batched = [
+                prep.unpack(operator, out, len(inputs[1]))
+                for out, inputs in zip(batched, group, strict=True)
+            ]
         if slot in plan.verified:
             self.batches += 1
             self.batched_requests += len(group)

@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import jax
@@ -43,18 +44,20 @@ from .backends import backend_table
 from .backends.sparse import BCOO, sparse_wire
 from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
+from .compiling import Compiler
 from .export_gate import ExportGate, GateConfig
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
-from .preparation import Lookup, Prep, PrepCache, lookup, out_of_memory, prepare
+from .preparation import Lookup, Prep, PrepCache, lookup, normalize, out_of_memory, prepare
 from .registry import Registry
 from .request_batching import Batcher
+from .request_shapes import ShapeLimits
 from .settings import Settings
 from .signature import Signature
 from .sparse_sandbox import ChildDetector
 from .stores import open_store
-from .worker import Workers
+from .worker import DeviceWorker, Workers
 
 Action = Literal["compute", "write", "read"]
 
@@ -165,6 +168,12 @@ class Service:
             settings.queue_size, settings.request_timeout, settings.inline_below,
             settings.max_batch, settings.batch_wait, settings.compute_nice,
         )
+        #: compile threads: first calls and /prepare compile there, off the device workers
+        self.compiler = Compiler(
+            settings.compile_threads, settings.compile_queue, settings.compute_nice
+        )
+        #: most tangents, pytree leaves and depth per request (422 past them)
+        self.shapes = ShapeLimits(settings.max_tangents, settings.max_leaves, settings.max_depth)
         self._tokens = settings.tokens()
         #: sparsity detection and colouring, in a bounded child process (sparse_sandbox)
         self.detector = ChildDetector(
@@ -347,6 +356,7 @@ class Service:
         written. Without one, the call holds its own until it returns.
         """
         op = OPERATORS[operator]
+        self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
@@ -360,8 +370,6 @@ class Service:
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
-            if found.prep is not None:  # before queueing: 503 while the budget is full
-                ticket.reserve_result(found.prep.result_bytes)
             results = await self._call(op, found, key, ticket, info=info, job=job, timeout=timeout)
         except BaseException:  # a deadline, or the caller gone: stop at the next chunk
             if job is not None:
@@ -380,34 +388,44 @@ class Service:
         info: observe.RequestInfo | None = None, job: Job | None = None,
         timeout: float | None = None,
     ) -> dict:
-        """Run a looked-up call. ``ticket``: where a first call reserves its result once
-        its prep is made. ``info``: the request's record, given the computation's own
-        time (merged batches: not apart)."""
+        """Run a looked-up call. ``ticket``: its result is reserved there once its prep
+        is known, before it queues (503 when the budget is full). ``info``: the
+        request's record, given the computation's own time (merged batches: not apart).
+
+        One deadline (``timeout``, default ``request_timeout``) covers compiling, queueing
+        and running. What is not compiled yet is compiled first on a compile thread
+        (``compiling``), never on a device worker, which only runs executables."""
+        loop = asyncio.get_running_loop()
+        limit_s = self.settings.request_timeout if timeout is None else timeout
+        deadline = loop.time() + limit_s
+        workers, ready = self.workers, found.prep
+        worker = workers.pick(None if ready is None else lambda d: ready.holds(op.name, d))
+        if ready is None or not ready.warm(op.name, workers.device_of(worker)):
+            ready = await self._compile(op, found, worker, limit_s)
+        ticket.reserve_result(ready.result_bytes)
+        left = deadline - loop.time()
         if (
-            found.prep is not None and self.workers.batching
-            and (job is None or not job.streams) and not found.prep.chunked(op.name)
+            found.prep is not None and workers.batching
+            and (job is None or not job.streams) and not ready.chunked(op.name)
         ):  # a chunked computation runs alone: its progress and cancellation are its own
-            ready = found.prep
+            batched = ready
 
             def run_group(items: Sequence[tuple]) -> list:
-                results = self.batcher.run_group(ready, op.name, items)
+                results = self.batcher.run_group(batched, op.name, items)
                 return [r if isinstance(r, BaseException) else results_of(op, r) for r in results]
 
-            def holds(device: Any) -> bool:
-                return ready.holds(op.name, device)
-
-            return await self.workers.run_grouped(
-                (ready, op.name), found.inputs, run_group, key, holds
+            return await workers.run_grouped(
+                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left
             )
-        limit, limits = self.settings.max_result_elements, self.limits
+        chunked = ready.chunked(op.name)
+        if chunked and job is None:  # its own, so short jobs run between its chunks
+            job = Job()
 
         def compute() -> dict:
             start = time.perf_counter()
             try:
                 if job is not None:
                     job.check()  # cancelled while it waited: the worker moves on
-                ready = found.prep or found.prepare(self.cache, limit, limits)  # first: compile
-                ticket.reserve_result(ready.result_bytes)
                 results = results_of(op, ready.run(op.name, *found.inputs, job))
             except JobCancelled:
                 with self._cancel_lock:
@@ -417,7 +435,29 @@ class Service:
                 info.compute = time.perf_counter() - start
             return results
 
-        return await self.workers.run(compute, key, timeout)
+        return await workers.run(
+            compute, key, left, worker=worker, progress=job if chunked else None
+        )
+
+    async def _compile(
+        self, op: OperatorSpec, found: Lookup, worker: DeviceWorker, limit_s: float
+    ) -> Prep:
+        """The call's prep, with everything it runs compiled for ``worker``'s device, from
+        a compile thread; identical calls in flight share one compilation. Waits at most
+        ``limit_s`` seconds, the request's whole limit (504 past it, the device never
+        held)."""
+        limit, limits, pinned = self.settings.max_result_elements, self.limits, self.workers.pinned
+        device = self.workers.device_of(worker)
+
+        def compile_it() -> Prep:
+            with jax.default_device(worker.device) if pinned else nullcontext():
+                ready = found.prep or found.prepare(self.cache, limit, limits)
+                ready.compile_for(found.operator, *found.inputs)
+            return ready
+
+        # a prep handle's own prep is compiled apart from the cache's, its twin
+        owner = None if found.prep is None else id(found.prep)
+        return await self.compiler.run((found.key, device, owner), compile_it, limit_s)
 
     async def prepare(
         self,
@@ -436,15 +476,23 @@ class Service:
         op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
-        limit, limits = self.settings.max_result_elements, self.limits
+        self.shapes.check(x, tangents, contexts)
+        limit, limits, timeout = (
+            self.settings.max_result_elements, self.limits, self.settings.request_timeout
+        )
+        worker = self.workers.pick()
 
         def compile_it() -> Prep:
-            return prepare(
-                op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
-                batch_axis,
-            )
+            with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
+                prep = prepare(
+                    op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
+                    batch_axis,
+                )
+                prep.compile_for(op.name, *normalize(x, tangents, contexts))
+            return prep
 
-        prep = await self.workers.run(compile_it)
+        # each /prepare makes its own prep (and handle): nothing to share
+        prep = await self.compiler.run(object(), compile_it, timeout)
         if info is not None:
             info.call_end = time.perf_counter()
         return {
@@ -511,10 +559,12 @@ class Service:
             "jax_version": jax.__version__,
             "functions": len(self.registry),
             "queued": self.workers.pending,
+            "compiling": self.compiler.pending,
         }
 
     def close(self) -> None:
         self.export_gate.shutdown()
+        self.compiler.close()
         self.workers.close()
         self.detector.close()
         self.store.close()

@@ -16,7 +16,15 @@ behind other work: a lone request on an idle worker starts at once.
 Handing a job to a thread and back costs ~0.1-0.5 ms, more than a warm small
 gradient takes. So a job whose last run (same ``key``) took under ``inline_below``
 seconds runs directly on the event loop when its worker is idle; everything else,
-and every first run (which traces and compiles), goes to a device worker.
+and every first run, goes to a device worker. (Compiling is not a worker's job:
+``compiling`` does it on threads of its own before the run is queued here.)
+
+Fairness: a long job (one that runs in chunks, see ``chunking``) is given its
+worker's ``pause`` as its ``Job.pause``. Between two of its chunks the worker runs,
+on the same thread (so nothing contends for the device), the short jobs queued
+meanwhile, for up to as long as the chunk took: a small request waits for one chunk,
+not for the whole computation, and the long one keeps at least half the worker while
+short ones keep arriving. Long jobs queued behind it wait their turn.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from dxcontract.errors import DeadlineExceededError, OverloadedError
 from dxcontract.lru import LRU
 
 from . import threads
+from .jobs import Job
 
 T = TypeVar("T")
 _NEVER = float("inf")  # the cost of a job never run
@@ -54,6 +63,8 @@ class _Job:
     run_group: RunGroup | None = None
     queued_behind: int = 0  # jobs ahead of it when it arrived
     expired: bool = field(default=False)  # set by the event loop at its deadline
+    #: a chunked run's progress: it pauses between chunks for short jobs (None: short)
+    progress: Job | None = None
 
 
 class DeviceWorker:
@@ -74,20 +85,30 @@ class DeviceWorker:
         self.pending = 0  # queued + running
         self.batches = 0  # groups of two or more run together
         self.jobs = 0  # requests run here
+        self.interleaved = 0  # short jobs run between the chunks of a long one
+        self._pausing = False  # running short jobs between chunks (worker thread only)
+        self._resumed = 0.0  # when the long job's current chunk started
         self._thread = threading.Thread(target=self._serve, name=f"dx-{device}", daemon=True)
         self._thread.start()
 
-    async def run(self, job: Callable[[], T], timeout: float | None = None) -> T:
+    async def run(
+        self, job: Callable[[], T], timeout: float | None = None, progress: Job | None = None
+    ) -> T:
         """Run ``job()`` on this device's thread; raise 503/504 errors as documented.
+        ``timeout``: seconds before 504 (default: the worker's ``timeout``).
+        ``progress``: the ``Job`` of a run in chunks; short jobs run between them."""
+        loop = asyncio.get_running_loop()
+        found = _Job(job, loop, loop.create_future(), progress=progress)
+        return await self._submit(found, timeout)
+
+    async def run_grouped(
+        self, group: Hashable, item: Any, run_group: RunGroup, timeout: float | None = None
+    ) -> Any:
+        """Run ``item`` through ``run_group``, merged with queued items of ``group``.
         ``timeout``: seconds before 504 (default: the worker's ``timeout``)."""
         loop = asyncio.get_running_loop()
-        return await self._submit(_Job(job, loop, loop.create_future()), timeout)
-
-    async def run_grouped(self, group: Hashable, item: Any, run_group: RunGroup) -> Any:
-        """Run ``item`` through ``run_group``, merged with queued items of ``group``."""
-        loop = asyncio.get_running_loop()
         job = _Job(None, loop, loop.create_future(), group, item, run_group)
-        return await self._submit(job)
+        return await self._submit(job, timeout)
 
     async def _submit(self, job: _Job, timeout: float | None = None) -> Any:
         with self._cond:
@@ -144,7 +165,14 @@ class DeviceWorker:
         live = [j for j in jobs if not j.expired]
         outcomes: list[tuple[bool, Any]] = []
         with jax.default_device(self.device) if self._pin else nullcontext():
-            if len(live) == 1 and live[0].run is not None:
+            if len(live) == 1 and live[0].progress is not None and live[0].run is not None:
+                progress = live[0].progress
+                progress.pause, self._resumed = self.pause, time.monotonic()
+                try:
+                    outcomes = [_attempt(live[0].run)]
+                finally:
+                    progress.pause = None
+            elif len(live) == 1 and live[0].run is not None:
                 outcomes = [_attempt(live[0].run)]
             elif live:
                 ok, results = _attempt(lambda: live[0].run_group([j.item for j in live]))
@@ -165,6 +193,43 @@ class DeviceWorker:
                 loop.call_soon_threadsafe(_settle, settled)
             except RuntimeError:  # that loop has closed: nobody is waiting any more
                 pass
+
+    def pause(self) -> None:
+        """Between two chunks of the long job running here (this worker's thread): run
+        the short jobs queued now, for up to as long as the chunk took (at least one)."""
+        if self._pausing:
+            return
+        chunk = time.monotonic() - self._resumed
+        until = time.monotonic() + chunk
+        self._pausing = True
+        try:
+            while True:
+                with self._cond:
+                    jobs = self._take_short()
+                if not jobs:
+                    break
+                self._execute(jobs)
+                self.interleaved += len(jobs)
+                if time.monotonic() >= until:
+                    break
+        finally:
+            self._pausing = False
+            self._resumed = time.monotonic()
+
+    def _take_short(self) -> list[_Job]:
+        """The first queued short job, with its group's queued company (lock held)."""
+        for job in self._queue:
+            if job.progress is None:
+                self._queue.remove(job)
+                jobs = [job]
+                if job.group is not None and self.max_batch > 1:
+                    for other in [j for j in self._queue if j.group == job.group]:
+                        if len(jobs) == self.max_batch:
+                            break
+                        self._queue.remove(other)
+                        jobs.append(other)
+                return jobs
+        return []
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread."""
@@ -195,7 +260,9 @@ def _expire(job: _Job, timeout: float) -> None:
     job.expired = True
     if not job.future.done():
         job.future.set_exception(
-            DeadlineExceededError(f"the computation ran past the {timeout:g} s limit")
+            DeadlineExceededError(
+                f"the computation ran past its deadline ({timeout:.3g} s after it was queued)"
+            )
         )
 
 
@@ -239,34 +306,44 @@ class Workers:
         idle_enough = not self.batching or worker.pending == 0
         return not self.pinned and idle_enough and self._cost.peek(key, _NEVER) < self.inline_below
 
+    def device_of(self, worker: DeviceWorker) -> Any:
+        """The device ``worker``'s jobs run on as JAX's default device (None: unpinned)."""
+        return worker.device if self.pinned else None
+
     async def run(
-        self, job: Callable[[], T], key: Hashable | None = None, timeout: float | None = None
+        self, job: Callable[[], T], key: Hashable | None = None, timeout: float | None = None,
+        worker: DeviceWorker | None = None, progress: Job | None = None,
     ) -> T:
         """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker.
-        ``timeout``: seconds before 504 (default: the workers' ``timeout``)."""
-        worker = self.pick()
+        ``timeout``: seconds before 504 (default: the workers' ``timeout``). ``worker``:
+        the one to run on (default: the least loaded). ``progress``: the ``Job`` of a run
+        in chunks, which lets short jobs run between its chunks (never inline)."""
+        worker = worker or self.pick()
         if key is None:
-            return await worker.run(job, timeout)
-        if self._cheap(key, worker):
+            return await worker.run(job, timeout, progress)
+        if progress is None and self._cheap(key, worker):
             return self._timed(job, key)
-        return await worker.run(lambda: self._timed(job, key), timeout)
+        return await worker.run(lambda: self._timed(job, key), timeout, progress)
 
     async def run_grouped(
         self, group: Hashable, item: Any, run_group: RunGroup, key: Hashable,
-        holds: Callable[[Any], bool] | None = None,
+        holds: Callable[[Any], bool] | None = None, worker: DeviceWorker | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Run one item of ``group`` (see ``DeviceWorker.run_grouped``); inline when cheap.
 
-        ``holds(device)`` tells where the group's executable is compiled (see ``pick``).
+        ``holds(device)`` tells where the group's executable is compiled (see ``pick``);
+        ``worker``: the one to run on instead. ``timeout``: seconds before 504.
         """
-        worker = self.pick(holds)
+        worker = worker or self.pick(holds)
         if self._cheap(key, worker):
             result = self._timed(lambda: run_group([item])[0], key)
             if isinstance(result, BaseException):
                 raise result
             return result
         return await worker.run_grouped(
-            group, item, lambda items: self._timed(lambda: run_group(items), key, len(items))
+            group, item, lambda items: self._timed(lambda: run_group(items), key, len(items)),
+            timeout,
         )
 
     def _timed(self, job: Callable[[], T], key: Hashable, count: int = 1) -> T:

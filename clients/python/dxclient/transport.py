@@ -33,6 +33,7 @@ operation, as in httpx; errors are httpx's (``ConnectError``, ``ConnectTimeout``
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import socket
 import sys
@@ -396,11 +397,24 @@ class FastTransport(httpx.BaseTransport):
         self.fallback.close()
 
 
+def _iov_max() -> int:
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (AttributeError, ValueError, OSError):
+        return 1024
+
+
+#: most buffers one ``sendmsg`` takes (Linux: 1024; more fails with EMSGSIZE, and a
+#: binary body holds one part per array, so thousands of tangents pass it)
+IOV_MAX = _iov_max()
+
+
 def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
-    """Write ``parts`` in order with ``sendmsg`` (partial sends resumed)."""
+    """Write ``parts`` in order with ``sendmsg``, ``IOV_MAX`` at a time (partial sends
+    resumed)."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
-        views = _unsent(views, sock.sendmsg(views))
+        views = _unsent(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 def _unsent(views: list[memoryview], sent: int) -> list[memoryview]:
@@ -640,7 +654,7 @@ class AsyncFastTransport(httpx.AsyncBaseTransport):
             else:
                 views = [v for v in (memoryview(request_head), *views) if len(v)]
                 try:
-                    sent = sock.sendmsg(views)
+                    sent = sock.sendmsg(views[:IOV_MAX])
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 for view in _unsent(views, sent):

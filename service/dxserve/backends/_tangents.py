@@ -1,4 +1,4 @@
-"""Tangent batches: chunked maps over their leading axis, flattening, stacking."""
+"""Tangent batches: chunked maps over their leading axis, flattening."""
 
 from __future__ import annotations
 
@@ -70,13 +70,3 @@ def np_flat(x: Tree) -> tuple[np.ndarray, Callable[[np.ndarray], Tree]]:
 def basis(n: int, dtype: Any) -> jax.Array:
     """The ``(n, n)`` identity: row i is the i-th basis tangent."""
     return jnp.eye(n, dtype=dtype)
-
-
-def stack_tuple(items: tuple[Tree, ...], xp: Any = jnp) -> Tree:
-    """A tuple of k pytrees -> one pytree whose leaves have a leading axis k."""
-    return jax.tree_util.tree_map(lambda *leaves: xp.stack(leaves), *items)
-
-
-def unstack_tuple(batch: Tree, k: int) -> tuple[Tree, ...]:
-    """Inverse of ``stack_tuple``."""
-    return tuple(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], batch) for i in range(k))

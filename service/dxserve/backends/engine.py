@@ -157,11 +157,11 @@ class Engine:
 
     def over_batch(
         self, primitive: Callable[[Fn, Tree, Tree], tuple[Tree, Tree]], g: Fn, x: Tree,
-        tangents: tuple[Tree, ...],
-    ) -> tuple[Tree, tuple[Tree, ...]]:
-        """``primitive(g, x, stacked)`` on a tuple of tangents: ``(g(x), tuple of results)``."""
-        y, out = primitive(g, x, _tangents.stack_tuple(tangents, self.xp))
-        return y, _tangents.unstack_tuple(out, len(tangents))
+        batch: Tree,
+    ) -> tuple[Tree, Tree]:
+        """``primitive(g, x, batch)`` on a packed batch of tangents (every leaf stacked on
+        a leading axis of k, see ``packing``): ``(g(x), results stacked alike)``."""
+        return primitive(g, x, batch)
 
     # --- preparation hooks ----------------------------------------------------------
     def prepare(self, family: str, f: Callable, inputs: Any, limits: Any = None) -> None:
