@@ -121,11 +121,11 @@ def test_large_result_over_starlette_testclient(app: Any) -> None:
     np.testing.assert_allclose(response.json()["jacobian"], J, rtol=1e-12)
 
 
-def test_answers_are_parts_of_bounded_size_that_join_to_the_body() -> None:
-    from dxserve.pipeline.operators import split_parts
+def test_answer_parts_are_flat_byte_views_that_join_to_the_body() -> None:
+    from dxserve.pipeline.operators import byte_parts
 
     a = np.random.default_rng(3).normal(size=(700, 400))  # 2.2 MB
     parts, _, _ = codec.encode_body_parts({"jacobian": a}, "binary")
-    split = split_parts(parts, 1 << 20)
-    assert all(0 < len(p) <= 1 << 20 for p in split)
-    assert b"".join(bytes(p) for p in split) == b"".join(bytes(p) for p in parts)
+    flat = byte_parts(parts)
+    assert all(len(p) == memoryview(p).nbytes > 0 for p in flat)
+    assert b"".join(bytes(p) for p in flat) == b"".join(bytes(p) for p in parts)

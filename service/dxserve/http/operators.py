@@ -19,6 +19,7 @@ from dxcontract import codec
 from dxcontract.errors import PayloadTooLargeError
 from dxcontract.operators import OperatorSpec
 
+from ..admission import SMALL_BYTES
 from ..jobs import Job
 from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead
 from ..service import Service
@@ -120,8 +121,9 @@ def close_after_answer(scope: Scope) -> None:
 
 
 async def send_answer(send: Send, answer: Answer) -> None:
-    """Write ``answer``: its head, then each part, each send waiting until the client
-    has taken the one before (see ``pipeline.PART_BYTES``)."""
+    """Write ``answer``: its head, then its parts. A large answer ends with an empty
+    message, which the server sends only once the client has taken all but a little of
+    what was written: until then the answer's bytes stay held in the budget."""
     headers = [
         (b"content-type", answer.media_type.encode("latin-1")),
         (b"content-length", b"%d" % answer.nbytes),
@@ -129,12 +131,13 @@ async def send_answer(send: Send, answer: Answer) -> None:
     ]
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     parts = answer.parts
-    last = len(parts) - 1
-    if last < 0:
-        await send({"type": "http.response.body", "body": b""})
+    if answer.nbytes <= SMALL_BYTES:
+        await send({"type": "http.response.body", "body": b"".join(parts) if len(parts) != 1
+                    else parts[0]})
         return
-    for i, part in enumerate(parts):
-        await send({"type": "http.response.body", "body": part, "more_body": i < last})
+    for part in parts:
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 #: The answer to a client that went away before it: nobody reads it (nginx logs 499).

@@ -37,7 +37,6 @@ from dxcontract.errors import DeadlineExceededError, DxError
 
 from ..jobs import Job
 from ..pipeline import OperatorCall, OperatorRequest
-from ..pipeline.operators import PART_BYTES, split_parts
 from .problems import problem_document
 
 log = logging.getLogger("dxserve.http")
@@ -104,8 +103,8 @@ class EventStream:
                     ))
                     last = now
             await _send_reports(send, job, sent)  # the last chunks', before the answer
-            for part in split_parts([await self._outcome(task)], PART_BYTES):
-                await send(_body(part))
+            await send(_body(await self._outcome(task)))
+            # sent once the client took all but a little: held in the budget until then
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()

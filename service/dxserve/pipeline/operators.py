@@ -44,9 +44,6 @@ from .wire import (
 B64_INLINE_BYTES = 16 * 1024 * 1024
 #: Bodies declaring at least this many bytes are received into one buffer of their size.
 ONE_BUFFER_BYTES = 64 * 1024
-#: Answers are handed to the door in parts of at most this many bytes, so a door that
-#: waits for its client between parts never has more than one part unwritten.
-PART_BYTES = 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -151,8 +148,9 @@ class OperatorCall:
 
     # --- the answer -------------------------------------------------------------------
     async def encode(self, results: dict[str, Any], encoding: str | None = None) -> Answer:
-        """``results`` in the answer's encoding (``encoding``: another one), as parts of at
-        most ``PART_BYTES``; large ones are encoded off the event loop when that takes long."""
+        """``results`` in the answer's encoding (``encoding``: another one), as consecutive
+        parts (a large binary answer: the arrays' own memory); large ones are encoded off
+        the event loop when that takes long."""
         encoding = encoding or self.encoding
         payload = results_to_wire(results, self.op)
         nbytes = result_nbytes(payload)
@@ -168,7 +166,7 @@ class OperatorCall:
             parts, media, headers = await asyncio.to_thread(
                 codec.encode_body_parts, payload, encoding
             )
-        parts = split_parts(parts, PART_BYTES)
+        parts = byte_parts(parts)
         return Answer(media, parts, sum(len(p) for p in parts), headers)
 
 
@@ -183,18 +181,10 @@ def decodes_quickly(
     return len(body) <= B64_INLINE_BYTES and codec.parsed_bytes(body) <= SMALL_BYTES
 
 
-def split_parts(parts: list[Any], most: int) -> list[Any]:
-    """``parts`` as byte views of at most ``most`` bytes each, empty ones dropped."""
-    out: list[Any] = []
-    for part in parts:
-        view = part if isinstance(part, bytes) else _byte_view(part)
-        if len(view) <= most:
-            if len(view):
-                out.append(view)
-            continue
-        view = memoryview(view)
-        out.extend(view[start:start + most] for start in range(0, len(view), most))
-    return out
+def byte_parts(parts: list[Any]) -> list[Any]:
+    """``parts`` as flat byte views (``len`` counts bytes), empty ones dropped."""
+    views = (part if isinstance(part, bytes) else _byte_view(part) for part in parts)
+    return [view for view in views if len(view)]
 
 
 def _byte_view(part: Any) -> memoryview:
@@ -241,6 +231,9 @@ class BodyBuffer:
             )
         elif declared >= ONE_BUFFER_BYTES:
             if self.buffer is None:
+                if end == declared and _fits(data, call.views):  # whole, in one piece
+                    self.buffer, self.got = data, end  # (a server that received it so)
+                    return
                 self.buffer = aligned_buffer(declared) if call.views else bytearray(declared)
             self.buffer[self.got:end] = data
             self.got = end
@@ -258,6 +251,14 @@ class BodyBuffer:
             return self.buffer
         pieces = self.pieces
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _fits(data: Any, views: bool) -> bool:
+    """Can ``data`` (a whole body) be kept as it is: 64-byte aligned where its arrays
+    will be views?"""
+    if not views:
+        return isinstance(data, bytes | bytearray | memoryview)
+    return isinstance(data, memoryview) and np.frombuffer(data, np.uint8).ctypes.data % 64 == 0
 
 
 def aligned_buffer(size: int, align: int = 64) -> memoryview:
