@@ -40,7 +40,7 @@ W = np.array([[0.1, 0.2, 0.3], [-0.3, 0.2, -0.1]])
 def make_commands(target: str, venv: Path) -> list[str]:
     """The commands ``make <target>`` would run for a fresh ``venv`` (``make -n``)."""
     out = subprocess.run(
-        ["make", "-n", f"VENV={venv}", target], cwd=REPO, capture_output=True, text=True,
+        ["make", "--no-print-directory", "-n", f"VENV={venv}", target], cwd=REPO, capture_output=True, text=True,
         timeout=60, check=True,
     ).stdout
     return out.splitlines()

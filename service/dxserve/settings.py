@@ -135,17 +135,18 @@ class Settings(BaseSettings):
     trim_after_bytes: int = Field(default=64 << 20, ge=0)
     #: Requests waiting per device worker before 503 + Retry-After.
     queue_size: int = 256
-    #: Request shapes (see ``request_shapes``; 422 ``request-shape`` past them, checked
-    #: before anything is traced): most tangents per request; most pytree leaves in x,
-    #: the contexts and one tangent together (a compiled program's arguments: compile
-    #: time grows faster than linearly in them); deepest pytree nesting.
+    #: Most tangents per request (see ``request_shapes``; 422 ``request-shape`` past it,
+    #: checked before anything is traced: compile time grows faster than linearly).
     max_tangents: int = Field(default=4096, ge=1)
+    #: Most pytree leaves in x, the contexts and one tangent together (a compiled
+    #: program's arguments); 422 ``request-shape`` past it.
     max_leaves: int = Field(default=4096, ge=1)
+    #: Deepest pytree nesting accepted in x, the contexts and the tangents.
     max_depth: int = Field(default=16, ge=1, le=32)
     #: Threads that trace and compile first calls (and ``POST /prepare``), apart from the
-    #: device workers, so a long compile never holds a device; compilations waiting for
-    #: one before 503 + Retry-After (see ``compiling``).
+    #: device workers, so a long compile never holds a device (see ``compiling``).
     compile_threads: int = Field(default=2, ge=1, le=64)
+    #: Compilations waiting for a compile thread before 503 + Retry-After.
     compile_queue: int = Field(default=64, ge=1)
     #: Seconds a computation may take before 504.
     request_timeout: float = 300.0
