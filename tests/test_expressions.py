@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from dxserve.expressions import (
     Expression,
     compile_expression,
 )
+from dxserve.http.problems import problem_document
 
 jax.config.update("jax_enable_x64", True)
 
@@ -449,16 +449,14 @@ HOSTILE = [
     ids=[f"{i:02d}-{src[:30]!r}" for i, (src, *_rest) in enumerate(HOSTILE)],
 )
 def test_hostile_expression_is_rejected(tripwire, source, args, field, needle):
-    start = time.perf_counter()
+    # A hostile expression that got as far as evaluating (9**9**9, a huge repeat) would
+    # hang here: pytest-timeout ends that; bench/expressions.py measures how fast it is.
     with pytest.raises(InvalidExpressionError) as info:
         compile_expression(source, args)
-    assert time.perf_counter() - start < 1.0
     err = info.value
     assert err.field == field
     assert needle in err.detail, err.detail
-    from dxserve.http.problems import problem_document  # the HTTP layer renders it
-
-    problem = problem_document(err)
+    problem = problem_document(err)  # as the HTTP layer renders it
     assert problem["status"] == 422 and problem["field"] == field
     if field == "expression" and "line" in err.extra:
         assert {"line", "col"} <= set(err.extra)
@@ -481,24 +479,19 @@ def test_error_positions_are_character_columns():
     assert info.value.extra == {"token": "**", "line": 1, "col": 6}
 
 
-def test_parse_of_10k_chars_is_fast():
+def test_expressions_up_to_the_length_cap_compile_and_longer_ones_are_refused():
+    # How long parsing takes is a bench table (bench/expressions.py), not a pass/fail.
     name = "v" * 60
     source = " + ".join([f"jnp.sin({name}[0]) * 2.5"] * 200)
     source = source[: source.rfind(" + ", 0, MAX_EXPRESSION_CHARS)]
     assert 9_000 < len(source) <= MAX_EXPRESSION_CHARS
-    timings = []
-    for _ in range(3):  # best of three: robust to a loaded CI machine
-        start = time.perf_counter()
-        f = compile_expression(source, [name])
-        timings.append(time.perf_counter() - start)
-    assert min(timings) < 0.05, timings
+    f = compile_expression(source, [name])
     assert float(f(jnp.asarray([0.5]))) == pytest.approx(
         len(source.split(" + ")) * 2.5 * np.sin(0.5), rel=1e-12
     )
-    start = time.perf_counter()
-    with pytest.raises(InvalidExpressionError):
+    with pytest.raises(InvalidExpressionError) as info:
         compile_expression("x" * 1_000_000)
-    assert time.perf_counter() - start < 0.05
+    assert str(MAX_EXPRESSION_CHARS) in info.value.detail, info.value.detail
 
 
 def test_long_left_deep_sums_are_not_limited_by_depth():
