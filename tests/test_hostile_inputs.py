@@ -494,7 +494,7 @@ def read_until_closed(s: socket.socket) -> bytes:
         while chunk := s.recv(65536):
             got += chunk
     except TimeoutError:
-        raise AssertionError(f"the server kept the connection open; it sent {got[:200]!r}")
+        raise AssertionError(f"the server kept the connection open; it sent {got[:200]!r}") from None
     except ConnectionResetError:
         pass
     return got
