@@ -65,7 +65,6 @@ DEFAULT_CHUNK_MEMORY_BYTES = 512 * 1024**2
 #: basis vectors keeps matrix products as efficient as one call (bench/chunking.py).
 CHUNK_FROM = 1024
 CHUNKS = 10
-_FAMILIES = frozenset({"jacobian", "hessian"})
 
 
 def _is_array(tree: Any) -> bool:
@@ -77,17 +76,18 @@ def chunker_for(
     compiled: bool, batched: bool, limits: ComputeLimits | None,
 ) -> Chunker | None:
     """A ``Chunker`` for this prep, or None where its operator always runs one-shot."""
-    if family not in _FAMILIES or not compiled or batched:
+    if OPERATORS[family].chunks != "basis" or not compiled or batched:
         return None
     if not (_is_array(x) and _is_array(y)) or type(engine).jacobian is not Engine.jacobian:
         return None  # pytree blocks, or an engine with its own Jacobian (sparse)
     n = math.prod(x.shape)
-    m = n if family == "hessian" else math.prod(y.shape)
+    second = OPERATORS[family].order == 2  # the Jacobian of the gradient
+    m = n if second else math.prod(y.shape)
     if n < 2 or m < 1:
         return None
     forward = engine.mode == "forward"
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
-    shape = (*y.shape, *x.shape) if family == "jacobian" else (*x.shape, *x.shape)
+    shape = (*x.shape, *x.shape) if second else (*y.shape, *x.shape)
     return Chunker(
         family, f, engine, inner, n, m, forward, shape, budget, limits, _chunk_from(limits)
     )
@@ -241,14 +241,16 @@ class Chunker:
         """``block(x, contexts, start)``: basis vectors ``start .. start + size``
         pushed forward (J's columns, ``(m, size)``) or pulled back (J's rows,
         ``(size, n)``)."""
-        f, engine, inner, family = self.f, self.engine, self.inner, self.family
+        f, engine, inner = self.f, self.engine, self.inner
         forward, n, m = self.forward, self.n, self.m
+        second = OPERATORS[self.family].order == 2
 
         def chunk(x, contexts, start):
             def g(u):
                 return f(u, *contexts)
 
-            target = (lambda u: inner.gradient(g, u)[1]) if family == "hessian" else g
+            # a second-order family chunks the Jacobian of the inner backend's gradient
+            target = (lambda u: inner.gradient(g, u)[1]) if second else g
             width = n if forward else m
             basis = (jnp.arange(size)[:, None] + start == jnp.arange(width)[None, :])
             if forward:
@@ -296,7 +298,6 @@ def _starts(total: int, size: int) -> list[int]:
 
 
 # --- batches: tangents and points -------------------------------------------------
-_TANGENT_FAMILIES = frozenset({"pushforward", "pullback", "hvp"})
 
 
 def slicer_for(
@@ -310,7 +311,7 @@ def slicer_for(
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
     if batched and points > 1:
         return Slicer("points", points, budget, limits, _chunk_from(limits))
-    if not batched and family in _TANGENT_FAMILIES and tangents > 1:
+    if not batched and OPERATORS[family].chunks == "tangents" and tangents > 1:
         return Slicer("tangents", tangents, budget, limits, _chunk_from(limits))
     return None
 
