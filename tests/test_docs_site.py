@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,35 @@ def test_the_table_has_a_row_per_setting(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "| `dxserve.examples` |" in by_name["DXSERVE_FUNCTIONS"]
     assert "| `33554432` |" in by_name["DXSERVE_MAX_UPLOAD_BYTES"]
     assert "Largest `POST /functions` body" in by_name["DXSERVE_MAX_UPLOAD_BYTES"]
+
+
+def _nav_pages(entries: list) -> list[str]:
+    pages: list[str] = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages.extend(_nav_pages(value) if isinstance(value, list) else [value])
+    return pages
+
+
+def test_the_nav_lists_every_page_once() -> None:
+    yaml = pytest.importorskip("yaml")
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    pages = _nav_pages(nav)
+    on_disk = {
+        p.relative_to(REPO / "docs").as_posix()
+        for p in (REPO / "docs").rglob("*.md") if "hooks" not in p.parts
+    }
+    assert sorted(pages) == sorted(on_disk)
+
+
+def test_the_pages_name_only_real_settings() -> None:
+    """Every ``DXSERVE_<NAME>`` the README or a page names is a setting (or one that a
+    setting's spelling shares, such as ``DXSERVE_EXPORT_GATE*``)."""
+    settings = {f"DXSERVE_{name.upper()}" for name in Settings.model_fields}
+    for path in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]:
+        named = set(re.findall(r"DXSERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8")))
+        unknown = {n for n in named if n not in settings and n not in ("DXSERVE_URL",)}
+        assert not unknown, (path.name, sorted(unknown))
 
 
 @pytest.mark.slow

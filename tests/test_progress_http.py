@@ -297,7 +297,7 @@ def test_large_plain_hessians_answer_within_the_memory_budget(
         h = client.hessian("rosenbrock", backend, x)
     _, peak = _peak_rss(srv.proc.pid)
     np.testing.assert_allclose(h, rosenbrock_hessian(x), rtol=rtol, atol=rtol * 1e3)
-    # the documented bound (README): the result twice (computed, then sent) plus one
+    # the documented bound (docs/http.md): the result twice (computed, then sent) plus one
     # chunk's budget, beside what the server held before; 256 MiB for XLA's own pools
     result = n * n * 8
     assert peak - rss_before <= 2 * result + 512 * 1024**2 + 256 * 1024**2, (peak, rss_before)

@@ -78,7 +78,7 @@ def test_in_process_sparse_equals_dense(name: str) -> None:
     assert type(S).__name__ == "BCOO" and S.shape == ref.shape
     _close(_bcoo_to_scipy(S).toarray(), ref)
     _close(_bcoo_to_scipy(S2).toarray(), ref)
-    with dxserve.float64_scope():  # BCOO.todense in float64 (see README)
+    with dxserve.float64_scope():  # BCOO.todense in float64 (see docs/library.md)
         _close(np.asarray(S.todense()), ref)
 
 
