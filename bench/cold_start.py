@@ -3,7 +3,7 @@
 Starts ``dxserve serve`` with a fresh JAX compilation cache directory, times the
 first request for several (operator, n) pairs (trace + compile + run), stops the
 server, starts it again on the same cache, and times the same first requests.
-Also shows a warm (second) request for scale. Target (issue 6): restart with a warm
+Also shows a warm (second) request for scale. Target: restart with a warm
 compilation cache, first request <= 0.3x the cold first request.
 
     .venv/bin/python bench/cold_start.py [--save '']

@@ -33,7 +33,7 @@ if command -v wrk >/dev/null; then
   "$PY" bench/throughput.py --save throughput-gpu.md
   # a function with real work per request, where merging requests should pay on a GPU
   "$PY" bench/throughput.py --n 1000000 --save throughput-n1e6-gpu.md
-  # opt-in rounding batching vs exact vs off, 32 clients (issue 16)
+  # opt-in rounding batching vs exact vs off, 32 clients
   "$PY" bench/batching_rounding.py --seconds 2 --rounds 3 --save batching-rounding-gpu.md
 else
   echo "wrk not installed: throughput table skipped (apt-get install wrk)"

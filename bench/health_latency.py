@@ -5,7 +5,7 @@ finite-difference Jacobian (the first call traces, compiles and runs; then a few
 warm repeats) from a separate client process and probes /health from this one,
 with one keep-alive connection, while the Jacobians run. The job has its own
 process so that receiving and decoding its result (18 MB at n = 1500) does not
-hold this process's GIL while a probe waits. Target (issue 6): p99 under 10 ms while a long
+hold this process's GIL while a probe waits. Target: p99 under 10 ms while a long
 computation runs.
 
     .venv/bin/python bench/health_latency.py [--save '']

@@ -6,7 +6,7 @@ connection for the per-request latency. Each row: requests/s and p50/p99 latency
 connections (medians over ``--rounds`` wrk runs), p50 at one connection.
 
 * ``1 process`` and ``2 --workers`` run side by side and are measured interleaved
-  (round robin), so the ratio is not a drift of the machine; target (issue 17): 2
+  (round robin), so the ratio is not a drift of the machine; target: 2
   workers >= 1.6x one process on a 2-core machine.
 * ``Ray 1 replica`` and ``Ray 2 replicas`` (``dxserve ray``, each replica a full
   server behind Ray Serve's HTTP proxy) run after them, one at a time (Ray's own

@@ -9,7 +9,7 @@ n = 10^3 .. 10^6, a real server (subprocess) and the binary client time, interle
   server's result limit (and at n = 5000 for the 50x target);
 * ``pushforward``: one ``client.pushforward(f, "jax-forward", x, (t,), prep=...)``.
 
-Targets (issue 14): sparse at n = 10^5 within 5x of one pushforward; sparse at least
+Targets: sparse at n = 10^5 within 5x of one pushforward; sparse at least
 50x faster than dense at n = 5000. ``python bench/sparse.py [--quick]``; the table is
 saved to ``bench/results/sparse-cpu.md``.
 """

@@ -15,7 +15,7 @@ processes of one configuration differ by several percent on a small VM, and a tw
 different x), so merged batches hold different inputs. "merged" is the share of
 requests answered from a vmapped batch (``dxserve_batched_requests_total``).
 
-Target (issue 6): 32 clients >= 1.8x a single sequential client, zero errors;
+Target: 32 clients >= 1.8x a single sequential client, zero errors;
 batching on never slower than off.
 
     .venv/bin/python bench/throughput.py [--seconds 2] [--rounds 5] [--n 100] [--save '']

@@ -1,4 +1,4 @@
-"""The persistent executable cache (``dxserve.executable_cache``, issue 6).
+"""The persistent executable cache (``dxserve.executable_cache``).
 
 (a) a restarted process loads its operators without running the function's Python
 body and returns the same bits; an executable that JAX itself loaded from its

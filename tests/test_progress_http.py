@@ -1,4 +1,4 @@
-"""Progress streams, cancellation and chunked work over real HTTP (issue 18).
+"""Progress streams, cancellation and chunked work over real HTTP.
 
 A real ``dxserve serve`` on a free port: ``Accept: text/event-stream`` on operator
 routes (progress events, then the route's exact answer or a problem document), both

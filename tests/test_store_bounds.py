@@ -1,5 +1,5 @@
 """The store stays bounded: a byte quota, lazily built functions in an LRU, and a
-capped compilation cache (issue 12, "Store and start-up")."""
+capped compilation cache."""
 
 from __future__ import annotations
 
