@@ -6,7 +6,7 @@ artifact's length, offset and sha256 recomputed, so the container checks pass an
 the bytes reach JAX's native deserializer (in the export gate's child process).
 
 ``DXSERVE_FUZZ_COUNT`` sets how many mutations the default test posts (150);
-the ``slow`` test posts ``DXSERVE_FUZZ_SLOW_COUNT`` (3000). Each prints its counts.
+the ``slow`` test posts ``DXSERVE_FUZZ_SLOW_COUNT`` (1000). Each prints its counts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 from dxclient.export import ARTIFACTS, MAGIC, export_function, split_bundle
 
 FAST_COUNT = int(os.environ.get("DXSERVE_FUZZ_COUNT", "150"))
-SLOW_COUNT = int(os.environ.get("DXSERVE_FUZZ_SLOW_COUNT", "3000"))
+SLOW_COUNT = int(os.environ.get("DXSERVE_FUZZ_SLOW_COUNT", "1000"))
 CHECK_EVERY = 10  # /health and a gradient after every 10th mutation and at the end
 X = [0.5, -1.2, 0.8]
 
