@@ -201,3 +201,55 @@ def test_the_contract_imports_neither_side_nor_jax() -> None:
         for module in _all_imports(path):
             top = module.split(".")[0]
             assert top not in ("dxserve", "dxclient", "jax", "jaxlib", "httpx"), (path, module)
+
+
+# --- layers --------------------------------------------------------------------------
+#: The library: operators own the maths, backends the mechanics; preparation, chunking
+#: and what they use make a prepared executable of them. In process, no server runs.
+LIBRARY_ROOTS = ("dxserve.operators", "dxserve.backends", "dxserve.preparation", "dxserve.chunking")
+#: The service (registry, stores, workers, admission) and the doors into it (the request
+#: pipeline, HTTP, the Ray handle, the CLI): what the library must never reach.
+SERVER_LAYERS = (
+    "dxserve.service", "dxserve.admission", "dxserve.worker", "dxserve.registry",
+    "dxserve.store", "dxserve.stores", "dxserve.kinds", "dxserve.compiling",
+    "dxserve.memory", "dxserve.pipeline", "dxserve.http", "dxserve.ray_serve",
+    "dxserve.cli", "dxserve.runtime", "dxserve.supervisor", "dxserve.describe",
+)
+WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn", "httptools", "h11", "prometheus_client")
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _reached_from(roots: tuple[str, ...]) -> dict[str, str]:
+    """Every dxserve module the ``roots`` import, directly or not: ``{module: importer}``."""
+    modules = _modules()
+    graph = {name: {m for m in _imports(path, name) if m in modules and m != name}
+             for name, path in modules.items()}
+    seen: dict[str, str] = {}
+    stack = [name for name in modules if _within(name, roots)]
+    seen.update({name: name for name in stack})
+    while stack:
+        node = stack.pop()
+        for nxt in graph[node]:
+            if nxt not in seen:
+                seen[nxt] = node
+                stack.append(nxt)
+    return seen
+
+
+def test_the_library_imports_nothing_of_the_service_or_its_doors() -> None:
+    reached = _reached_from(LIBRARY_ROOTS)
+    assert {m: by for m, by in reached.items() if _within(m, SERVER_LAYERS)} == {}
+
+
+def test_the_service_imports_no_web_framework() -> None:
+    """Only the doors (``http/``, the Ray handle, the CLI that starts uvicorn) know one."""
+    doors = ("dxserve.http", "dxserve.ray_serve", "dxserve.cli")
+    modules = _modules()
+    offending = {
+        name: sorted(m for m in _all_imports(path) if m.split(".")[0] in WEB_FRAMEWORKS)
+        for name, path in modules.items() if not _within(name, doors)
+    }
+    assert {name: found for name, found in offending.items() if found} == {}

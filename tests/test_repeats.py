@@ -173,13 +173,14 @@ def test_repeated_header_gives_the_parsed_request() -> None:
     op = OPERATORS["pushforward"]
     backend = {"type": "jax-forward", "batch_size": 2}
     x, t = {"a": np.ones(3), "b": np.zeros((2, 2))}, np.arange(3.0)
+    memo = wire.WireMemo()
 
     def decode(scale: float) -> wire.OperatorRequest:
         body, ctype, n = _request_body(
             function="f", backend=backend, x={k: v * scale for k, v in x.items()},
             tangents=[{"a": t * scale, "b": np.ones((2, 2))}], contexts=[np.ones(2)],
         )
-        return wire.decode_operator_request(body, ctype, n, op)
+        return wire.decode_operator_request(body, ctype, n, op, memo)
 
     first = decode(1.0)
     again = decode(2.0)  # from the header's memo
@@ -199,27 +200,39 @@ def test_repeated_header_gives_the_parsed_request() -> None:
 
 def test_header_memo_is_per_operator() -> None:
     body, ctype, n = _request_body(function="f", backend="auto", x=np.ones(3))
-    wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"])
-    wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"])
+    memo = wire.WireMemo()
+    wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], memo)
+    wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], memo)
     with pytest.raises(Exception, match="needs tangents"):  # validated again for hvp
-        wire.decode_operator_request(body, ctype, n, OPERATORS["hvp"])
+        wire.decode_operator_request(body, ctype, n, OPERATORS["hvp"], memo)
+
+
+def test_memos_are_per_door() -> None:
+    body, ctype, n = _request_body(function="f", backend="auto", x=np.ones(3))
+    one, other = wire.WireMemo(), wire.WireMemo()
+    wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], one)
+    assert wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], one).signature
+    assert wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], other).signature is None
+    assert wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"]).signature is None
 
 
 def test_inline_json_arrays_in_a_binary_header_are_validated_every_time() -> None:
     op = OPERATORS["gradient"]
     header = b'{"function":"f","x":[1.0,2.0]}'
     header += b" " * (-len(header) % 64)
+    memo = wire.WireMemo()
     for _ in range(2):
-        req = wire.decode_operator_request(header, codec.BINARY_TYPE, str(len(header)), op)
+        req = wire.decode_operator_request(header, codec.BINARY_TYPE, str(len(header)), op, memo)
         assert req.signature is None
         np.testing.assert_array_equal(req.x, [1.0, 2.0])
 
 
 def test_invalid_request_is_refused_every_time() -> None:
     body, ctype, n = _request_body(function="f", x=np.ones(2), bogus=1)
+    memo = wire.WireMemo()
     for _ in range(2):
         with pytest.raises(Exception, match="unknown field 'bogus'"):
-            wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"])
+            wire.decode_operator_request(body, ctype, n, OPERATORS["gradient"], memo)
 
 
 # --- metrics --------------------------------------------------------------

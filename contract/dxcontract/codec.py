@@ -162,8 +162,8 @@ def decode_body_and_layout(
     """``decode_body``, and the ``BinaryLayout`` of a binary body's header (None for
     JSON bodies and headers over ``BinaryLayout.MAX_HEADER`` bytes).
 
-    A repeated header is not parsed again, and a caller can keep what it derives from
-    the header in ``layout.memo``.
+    A repeated header is not parsed again: the same layout object comes back, so a
+    caller may key what it derives from the header on it.
     """
     decoder = decoder_for(content_type)
     # the built-in JSON decoding, not an encoding's own (which gets its body as before)

@@ -71,7 +71,15 @@ class EncodingCosts:
 
 
 def costs_of(encoding: Encoding) -> EncodingCosts:
-    """``encoding``'s declarations, the defaults where it declares none."""
+    """``encoding``'s declarations, the defaults where it declares none (read once, when
+    it is registered: every request asks)."""
+    known = _COSTS.get(encoding.name)
+    if known is not None and ENCODINGS.get(encoding.name) is encoding:
+        return known
+    return _declared(encoding)
+
+
+def _declared(encoding: Encoding) -> EncodingCosts:
     default = EncodingCosts()
     return EncodingCosts(**{
         name: getattr(encoding, name, getattr(default, name))
@@ -86,6 +94,8 @@ MEDIA_TYPES: dict[str, Encoding] = {}
 #: media type (lower case) -> the one encoding that writes it, for media types only one
 #: encoding writes (an ``Accept`` of that type names the encoding: no parameter needed)
 SOLE_WRITERS: dict[str, Encoding] = {}
+#: name -> the registered encoding's ``EncodingCosts``
+_COSTS: dict[str, EncodingCosts] = {}
 
 
 def register_encoding(encoding: Encoding) -> Encoding:
@@ -95,6 +105,7 @@ def register_encoding(encoding: Encoding) -> Encoding:
     if encoding.name in ENCODINGS:
         unregister_encoding(encoding.name)
     ENCODINGS[encoding.name] = encoding
+    _COSTS[encoding.name] = _declared(encoding)
     MEDIA_TYPES.setdefault(encoding.media_type.lower(), encoding)
     _count_writers()
     return encoding
@@ -103,6 +114,7 @@ def register_encoding(encoding: Encoding) -> Encoding:
 def unregister_encoding(name: str) -> None:
     """Forget the encoding called ``name`` (and its media type, if it decoded it)."""
     encoding = ENCODINGS.pop(name)
+    _COSTS.pop(name, None)
     media = encoding.media_type.lower()
     if MEDIA_TYPES.get(media) is encoding:
         del MEDIA_TYPES[media]

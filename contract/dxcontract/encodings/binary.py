@@ -108,8 +108,8 @@ class Binary:
         headers over ``BinaryLayout.MAX_HEADER`` bytes.
 
         The same header comes back again and again (same function, backend, shapes and
-        dtypes), so its layout is remembered: a repeated header is not parsed again, and
-        a caller can keep what it derives from the header in ``layout.memo``.
+        dtypes), so its layout is remembered: a repeated header is not parsed again (the
+        same layout object comes back, so a caller may key what it derives on it).
         """
         field = HEADER_LENGTH
         if header_length is None:
@@ -167,7 +167,6 @@ class BinaryLayout:
     Decoding a body with a known layout is a copy of the small JSON tree plus one
     ``np.frombuffer`` view per array. Built only from a header ``decode_body`` has just
     checked in full, so a layout is valid for every body at least ``end`` bytes past it.
-    ``memo`` is for callers (the server keeps each operator's parsed request there).
     """
 
     MAX_HEADER = 2048  # bytes; longer headers are parsed every time
@@ -175,7 +174,6 @@ class BinaryLayout:
     def __init__(self, header: dict) -> None:
         self.end = 0
         self.tree = self._slots(header)
-        self.memo: dict[Any, Any] = {}
 
     def _slots(self, value: Any) -> Any:
         if isinstance(value, dict):

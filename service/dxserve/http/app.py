@@ -31,6 +31,7 @@ from dxcontract.encodings import ENCODINGS
 from dxcontract.operators import OPERATORS, OperatorSpec
 
 from .. import __version__
+from ..pipeline import WireMemo
 from ..service import Service
 from ..settings import Settings
 from . import problems, routes, schemas
@@ -80,8 +81,11 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     app.add_middleware(
         RequestRecords, metrics=metrics, log_requests=service.settings.log_format == "json"
     )
+    memo = WireMemo()  # this app's validated requests: repeats skip validation
     for name in _by_use():
-        app.router.add_route(f"/{name}", OperatorEndpoint(service, OPERATORS[name]), methods=["POST"])
+        app.router.add_route(
+            f"/{name}", OperatorEndpoint(service, OPERATORS[name], memo), methods=["POST"]
+        )
     for name in _by_use():
         app.router.add_route(
             f"/prepare/{name}", PrepareEndpoint(service, OPERATORS[name]), methods=["POST"]

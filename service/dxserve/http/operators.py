@@ -21,7 +21,7 @@ from dxcontract.operators import OperatorSpec
 
 from ..admission import SMALL_BYTES
 from ..jobs import Job
-from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead
+from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead, WireMemo
 from ..service import Service
 from .streaming import DisconnectWatch, EventStream
 
@@ -70,11 +70,12 @@ DRAIN_BYTES = 64 * 1024
 
 
 async def admit(
-    scope: Scope, receive: Receive, service: Service, op: OperatorSpec, head: RequestHead
+    scope: Scope, receive: Receive, service: Service, op: OperatorSpec, head: RequestHead,
+    memo: WireMemo | None = None,
 ) -> OperatorCall:
     """The request's ``OperatorCall`` (authorized, limited and admitted: see it)."""
     try:
-        return OperatorCall(service, op, head)
+        return OperatorCall(service, op, head, memo)
     except Exception as exc:
         await drop_body(scope, receive, head, exc)
         raise
@@ -145,14 +146,15 @@ GONE = Answer("text/plain", [], 0, status=499)
 
 
 class OperatorEndpoint:
-    """``POST /{operator}``: the operator's results, named after it."""
+    """``POST /{operator}``: the operator's results, named after it. ``memo``: the
+    requests this app has validated (one per app, shared by its endpoints)."""
 
-    def __init__(self, service: Service, op: OperatorSpec) -> None:
-        self.service, self.op = service, op
+    def __init__(self, service: Service, op: OperatorSpec, memo: WireMemo | None = None) -> None:
+        self.service, self.op, self.memo = service, op, memo
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         head = request_head(scope["headers"])
-        call = await admit(scope, receive, self.service, self.op, head)
+        call = await admit(scope, receive, self.service, self.op, head, self.memo)
         with call.ticket:
             if wants_stream(head):
                 body = await read_body(scope, receive, call)

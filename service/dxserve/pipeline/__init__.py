@@ -7,6 +7,6 @@ back validated requests, results with progress and cancellation, and encoded
 """
 
 from .operators import Answer, BodyBuffer, OperatorCall, RequestHead
-from .wire import OperatorRequest
+from .wire import OperatorRequest, WireMemo
 
-__all__ = ["Answer", "BodyBuffer", "OperatorCall", "OperatorRequest", "RequestHead"]
+__all__ = ["Answer", "BodyBuffer", "OperatorCall", "OperatorRequest", "RequestHead", "WireMemo"]

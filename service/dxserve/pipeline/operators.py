@@ -33,6 +33,7 @@ from ..jobs import Job, JobCancelled
 from ..service import Service
 from .wire import (
     OperatorRequest,
+    WireMemo,
     decode_operator_request,
     parse_operator_request,
     result_nbytes,
@@ -78,8 +79,10 @@ class OperatorCall:
     what that body takes to decode in the budget (503 past it); nothing of the body has
     been read yet when these are raised."""
 
-    def __init__(self, service: Service, op: OperatorSpec, head: RequestHead) -> None:
-        self.service, self.op, self.head = service, op, head
+    def __init__(
+        self, service: Service, op: OperatorSpec, head: RequestHead, memo: WireMemo | None = None
+    ) -> None:
+        self.service, self.op, self.head, self.memo = service, op, head, memo
         settings = service.settings
         if settings.require_token_for_compute:
             service.authorize(head.token, "compute")
@@ -109,10 +112,13 @@ class OperatorCall:
         self.ticket.encode_factor = costs_of(ENCODINGS[self.encoding]).encode_factor
         if len(body) > SMALL_BYTES and not decodes_quickly(body, self.views, head.header_length):
             req = await asyncio.to_thread(
-                decode_operator_request, body, head.content_type, head.header_length, self.op
+                decode_operator_request, body, head.content_type, head.header_length, self.op,
+                self.memo,
             )
         else:
-            req = decode_operator_request(body, head.content_type, head.header_length, self.op)
+            req = decode_operator_request(
+                body, head.content_type, head.header_length, self.op, self.memo
+            )
         self.ticket.hold_body(len(body))  # decoded: the inputs take about the body's size
         return req
 

@@ -57,40 +57,53 @@ class OperatorRequest:
     batch_axis: int | None = None
 
 
+class WireMemo:
+    """The requests one door into a server has validated, so that a repeat of one is
+    not validated again: by binary header (its ``BinaryLayout``) and operator, and by a
+    JSON request's fields besides x (``_json_frame``); each bounded by count. A door
+    (the HTTP app) owns one; nothing of it is shared between servers."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.binary: LRU[tuple[Any, str], _Repeat] = LRU(size)
+        self.json: LRU[tuple, _JsonRepeat] = LRU(size)
+
+
 def decode_operator_request(
-    body: bytes, content_type: str | None, header_length: str | None, op: OperatorSpec
+    body: bytes, content_type: str | None, header_length: str | None, op: OperatorSpec,
+    memo: WireMemo | None = None,
 ) -> OperatorRequest:
     """Decode and validate the body of ``POST /{op}``; errors name the field.
 
-    A binary header seen before for this operator is not validated again: its layout
-    keeps the request it described (``_Repeat``), and only the arrays are new. A JSON
-    request that repeats all but x has its other fields checked once (``_JsonRepeat``).
+    With a ``memo``, a binary header seen before for this operator is not validated
+    again (``_Repeat``: only the arrays are new), and a JSON request that repeats all but
+    x has its other fields checked once (``_JsonRepeat``).
     """
     obj, layout = codec.decode_body_and_layout(body, content_type, header_length, arrays=_X)
+    if memo is None:
+        return parse_operator_request(obj, op)
     if layout is not None:
-        repeat = layout.memo.get(op.name)
+        key = (layout, op.name)  # the memo holds the layout: its identity stays its own
+        repeat = memo.binary.get(key)
         if repeat is not None:
             return repeat.request(obj)
         frame = None
     else:
         frame = _json_frame(obj, op)
         if frame is not None:
-            repeat = _JSON_FRAMES.get(frame)
+            repeat = memo.json.get(frame)
             if repeat is not None:
                 return repeat.request(obj)
     req = parse_operator_request(obj, op)
     if layout is not None and _all_binary(obj):
-        layout.memo[op.name] = _Repeat(req)
+        memo.binary.put(key, _Repeat(req))
     elif frame is not None:
-        _JSON_FRAMES.put(frame, _JsonRepeat(req))
+        memo.json.put(frame, _JsonRepeat(req))
     return req
 
 
 #: x is one array or pytree: a long flat JSON list of numbers there may be parsed
 #: straight into its float64 array
 _X = ("x",)
-#: JSON requests whose fields besides x were validated already, by those fields
-_JSON_FRAMES: LRU[tuple, _JsonRepeat] = LRU(256)
 _FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))
 _MAX_FRAME_CHARS = 2048
 
