@@ -411,13 +411,28 @@ def register_backend_type(descriptor: type, parameters: tuple[str, ...] = ()) ->
 
 
 def backend_to_json(value: Any, field: str = "backend") -> Any:
-    """The JSON form of a descriptor or shorthand; a dict of a type this process does
-    not know (a server-side plug-in) is passed on as it is, for the server to check."""
-    if isinstance(value, dict):
-        kind = value.get("type")
-        if isinstance(kind, str) and kind not in BACKEND_TYPES:
-            return value
+    """The JSON form of a descriptor or shorthand. A type this process does not know (a
+    plug-in registered on the server only) is passed on as it is, a bare name as
+    ``{"type": name}``, also inside ``second-order``: the server knows its plug-ins, and
+    refuses an unknown name with a 422 listing the types it serves. A known type with
+    parameters it does not take is refused here."""
+    if isinstance(value, str) and value not in _SHORTHANDS and value not in BACKEND_TYPES:
+        return {"type": value}
+    if isinstance(value, dict) and _names_unknown_type(value):
+        return value
     return backend_from_json(value, field).to_json()
+
+
+def _names_unknown_type(value: dict) -> bool:
+    """Does ``value``, or a backend nested in it, name a type this process does not know?"""
+    kind = value.get("type")
+    if isinstance(kind, str) and kind not in BACKEND_TYPES:
+        return True
+    return any(
+        (isinstance(v, str) and v not in _SHORTHANDS and v not in BACKEND_TYPES)
+        or (isinstance(v, dict) and _names_unknown_type(v))
+        for k, v in value.items() if k in ("outer", "inner", "dense")
+    )
 
 
 class _DescriptorClasses:
