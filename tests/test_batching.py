@@ -23,7 +23,7 @@ import pytest
 import dxserve
 from dxclient import Client
 from dxcontract.errors import DeadlineExceededError
-from dxserve import request_batching as batching
+from dxserve.frameworks.jax import primitives
 from dxserve.preparation import prepare
 from dxserve.request_batching import Batcher, bucket
 from dxserve.worker import DeviceWorker
@@ -126,7 +126,7 @@ def test_control_flow_is_never_batched():
 
 def test_primitives_finds_nested_jaxprs():
     closed = jax.make_jaxpr(jax.grad(branchy))(np.ones(3))
-    found = batching.primitives(closed.jaxpr)
+    found = primitives(closed.jaxpr)
     assert "cond" in found and "sqrt" in found
 
 

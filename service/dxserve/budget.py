@@ -1,16 +1,15 @@
 """Budgets: what one request may cost, known before it runs.
 
-Per request (``ComputeLimits``): XLA's own analysis of a compiled executable says how
-much device memory it needs (arguments, outputs, temporaries, generated code) and how
-much work it does (flops, transcendentals, bytes accessed). ``preparation`` reads it
+Per request (``ComputeLimits``): the function's framework estimates how much device
+memory a compiled executable needs (arguments, outputs, temporaries, generated code)
+and how much work it does (flops, transcendentals, bytes accessed); for JAX that is
+XLA's own analysis (``frameworks/jax.py``). ``preparation`` reads it
 once, when it compiles, and refuses with ``BudgetExceededError`` (422) an operator over
 a bound, before it ever runs. XLA cannot interrupt a running executable, so this
 refusal is the only bound on device time: an operator whose estimate at the assumed
 (conservative) rates exceeds the request timeout is refused, not started.
 
-XLA counts the body of a loop once; ``estimate`` multiplies by the largest trip count
-the compiled program states (``known_trip_count``), and a loop whose count depends on
-data is counted once. Functions JAX cannot trace (server-side numpy code) have no
+Functions JAX cannot trace (server-side numpy code) have no
 analysis and are not bounded here: they are trusted code.
 
 What all requests hold at once is ``admission``'s.
@@ -18,12 +17,12 @@ What all requests hold at once is ``admission``'s.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from dxcontract.errors import BudgetExceededError
+
+from .frameworks import Estimate, get_framework
 
 #: Each byte an executable needs counts this many bytes of traffic in the time estimate:
 #: fresh buffers are allocated, zeroed by the OS and first touched, which on CPU costs
@@ -31,69 +30,12 @@ from dxcontract.errors import BudgetExceededError
 #: with 1 GB of temporaries ran 5x longer than its traffic alone predicts).
 ALLOCATION_WEIGHT = 10
 
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
-
-@dataclass(frozen=True, slots=True)
-class Estimate:
-    """What XLA's analysis says one executable costs."""
-
-    memory_bytes: int  # arguments + outputs + temporaries + generated code
-    flops: float  # flops and transcendentals, times the longest stated loop
-    bytes_accessed: float  # memory traffic, times the longest stated loop
-    loop_trips: int = 1  # the largest known trip count of a loop in the program
-
-
-def estimate(executable: Any) -> Estimate | None:
-    """``executable``'s memory and cost analysis, or None where XLA gives none."""
-    try:
-        memory = executable.memory_analysis()
-        cost = executable.cost_analysis()
-    except Exception:  # noqa: BLE001 - a backend without the analysis: nothing to bound
-        return None
-    if isinstance(cost, list | tuple):  # older JAX: one dict per computation
-        cost = cost[0] if cost else None
-    if memory is None and not cost:
-        return None
-    size = 0
-    if memory is not None:
-        size = sum(
-            int(getattr(memory, name, 0) or 0)
-            for name in (
-                "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                "generated_code_size_in_bytes", "host_argument_size_in_bytes",
-                "host_output_size_in_bytes", "host_temp_size_in_bytes",
-                "host_generated_code_size_in_bytes",
-            )
-        )
-        # a donated argument and the output it becomes share one buffer
-        size -= sum(
-            int(getattr(memory, name, 0) or 0)
-            for name in ("alias_size_in_bytes", "host_alias_size_in_bytes")
-        )
-    cost = cost or {}
-    trips = _longest_loop(executable)
-    flops = (_number(cost.get("flops")) + _number(cost.get("transcendentals"))) * trips
-    return Estimate(size, flops, _number(cost.get("bytes accessed")) * trips, trips)
-
-
-def _number(value: Any) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return value if math.isfinite(value) and value > 0 else 0.0
-
-
-def _longest_loop(executable: Any) -> int:
-    """The largest ``known_trip_count`` in the compiled program (1 if none or unknown)."""
-    try:
-        text = executable.as_text()
-    except Exception:  # noqa: BLE001 - no text: count loops once
-        return 1
-    if not text or "while" not in text:
-        return 1
-    return max((int(n) for n in _TRIP_COUNT.findall(text)), default=1)
+def estimate(executable: Any, framework: Any = None) -> Estimate | None:
+    """``executable``'s memory and work as its framework estimates them (JAX: XLA's
+    analyses), or None where it gives none. ``framework``: the one that compiled it
+    (None: the default, JAX)."""
+    return (framework or get_framework()).estimate(executable)
 
 
 @dataclass(frozen=True)
@@ -125,9 +67,10 @@ class ComputeLimits:
         traffic = est.bytes_accessed + ALLOCATION_WEIGHT * est.memory_bytes
         return est.flops / self.flops_per_second + traffic / self.bytes_per_second
 
-    def check(self, executable: Any, what: str) -> Estimate | None:
-        """Raise ``BudgetExceededError`` if ``executable`` is over a bound; its estimate."""
-        est = estimate(executable)
+    def check(self, executable: Any, what: str, framework: Any = None) -> Estimate | None:
+        """Raise ``BudgetExceededError`` if ``executable`` (compiled by ``framework``, None:
+        JAX) is over a bound; its estimate."""
+        est = estimate(executable, framework)
         if est is None:
             return None
         if self.max_memory_bytes is not None and est.memory_bytes > self.max_memory_bytes:

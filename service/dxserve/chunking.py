@@ -32,6 +32,9 @@ chunks the ``Job`` gets a progress report and is checked for cancellation. Only 
 whose single basis vector does not fit the budget is refused (``BudgetExceededError``,
 422).
 
+Everything framework-specific (basis vectors, compiling with a donated buffer, the
+estimates, devices) goes through the prep's ``Framework``.
+
 Only plain array inputs and outputs of traced functions are chunked by basis vectors
 (pytree blocks, black boxes, sparse engines run one-shot). Batches are chunked by a
 ``Slicer``, by the same rules: a batch of points (``batch_axis=0``, any operator) by
@@ -46,15 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dxcontract.errors import BudgetExceededError
 from dxcontract.operators import OPERATORS
 
 from .backends.engine import Engine
-from .budget import ComputeLimits, Estimate, estimate
+from .budget import ComputeLimits, Estimate
+from .frameworks import Framework, get_framework
 from .jobs import Job
 
 #: Default bytes of device memory one chunk may need by XLA's estimate (512 MiB).
@@ -74,6 +76,7 @@ def _is_array(tree: Any) -> bool:
 def chunker_for(
     family: str, f: Callable, engine: Engine, inner: Engine | None, x: Any, y: Any,
     compiled: bool, batched: bool, limits: ComputeLimits | None,
+    framework: Framework | None = None,
 ) -> Chunker | None:
     """A ``Chunker`` for this prep, or None where its operator always runs one-shot."""
     if OPERATORS[family].chunks != "basis" or not compiled or batched:
@@ -89,7 +92,8 @@ def chunker_for(
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
     shape = (*x.shape, *x.shape) if second else (*y.shape, *x.shape)
     return Chunker(
-        family, f, engine, inner, n, m, forward, shape, budget, limits, _chunk_from(limits)
+        family, f, engine, inner, n, m, forward, shape, budget, limits, _chunk_from(limits),
+        framework=framework or engine.ops,
     )
 
 
@@ -112,6 +116,11 @@ class Chunker:
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
+    framework: Framework = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.framework is None:
+            self.framework = get_framework()
 
     @property
     def total(self) -> int:
@@ -129,7 +138,7 @@ class Chunker:
     def fits(self, operator: str, executable: Any) -> bool:
         """Does the one-shot ``executable`` fit the chunk budget? If not, ``operator``
         runs in chunks from now on (its one-shot executable is never run)."""
-        est = estimate(executable)
+        est = self.framework.estimate(executable)
         if est is None or est.memory_bytes <= self.budget:
             return True
         self.oversized[operator] = est
@@ -164,12 +173,13 @@ class Chunker:
             job.check()
             job.start(total, self.unit)
         # on the device once, not once per chunk (a large context would be copied each time)
-        x, contexts = jax.device_put((x, contexts), jax.config.jax_default_device)
+        fw = self.framework
+        x, contexts = fw.to_device((x, contexts))
         # Blocks land in one host array that is never zeroed: each chunk writes its own
         # columns or rows once, as the one-shot program writes its result once.
         one = exe.out_info  # the shape and dtype of one chunk's block
         out = np.empty((self.m, self.n), one.dtype)
-        block = jnp.empty(one.shape, one.dtype)
+        block = fw.xp.empty(one.shape, one.dtype)
         for start in _starts(total, size):
             if job is not None:
                 job.check()
@@ -198,7 +208,8 @@ class Chunker:
     def _chunk_executable(self, operator: str, x: Any, contexts: tuple, size: int) -> tuple:
         """``(executable, size)`` for chunks of at most ``size``, shrunk until one chunk
         fits the budget; ``BudgetExceededError`` when not even one basis vector does."""
-        device = jax.config.jax_default_device
+        fw = self.framework
+        device = fw.device()
         size = _remembered(self._sizes, device, size)
         exe = self._executables.get((device, size))
         if exe is not None:
@@ -206,16 +217,15 @@ class Chunker:
 
         def compile_at(size: int) -> Any:
             fn = self._block_fn(size)
-            block = jax.eval_shape(fn, x, contexts, np.int32(0))
-            donating = jax.jit(
+            block = fw.eval_shape(fn, x, contexts, np.int32(0))
+            return fw.compile_donating(
                 lambda x, contexts, start, previous: fn(x, contexts, start),
-                donate_argnums=3,
+                (x, contexts, np.int32(0), block),
             )
-            return donating.lower(x, contexts, np.int32(0), block).compile()
 
         exe, est, size = _compile_fitting(
             compile_at, size, self.budget, self._sizes, device,
-            f"{operator} runs in chunks of basis vectors",
+            f"{operator} runs in chunks of basis vectors", fw,
         )
         if self.limits is not None and est is not None:
             self._check(operator, exe, est, size)
@@ -227,7 +237,7 @@ class Chunker:
         deadline); in total: the flops bound, over all chunks."""
         limits = self.limits
         assert limits is not None
-        limits.check(exe, f"{operator} (one chunk of {size} {self.unit})")
+        limits.check(exe, f"{operator} (one chunk of {size} {self.unit})", self.framework)
         chunks = -(-self.total // size)
         if limits.max_flops is not None and est.flops * chunks > limits.max_flops:
             raise BudgetExceededError(
@@ -244,6 +254,8 @@ class Chunker:
         f, engine, inner = self.f, self.engine, self.inner
         forward, n, m = self.forward, self.n, self.m
         second = OPERATORS[self.family].order == 2
+        fw = self.framework
+        xp = fw.xp
 
         def chunk(x, contexts, start):
             def g(u):
@@ -252,17 +264,17 @@ class Chunker:
             # a second-order family chunks the Jacobian of the inner backend's gradient
             target = (lambda u: inner.gradient(g, u)[1]) if second else g
             width = n if forward else m
-            basis = (jnp.arange(size)[:, None] + start == jnp.arange(width)[None, :])
+            basis = (xp.arange(size)[:, None] + start == xp.arange(width)[None, :])
             if forward:
-                v = jnp.ravel(x)
+                v = xp.ravel(x)
                 _, cols = engine.pushforward(
-                    lambda u: target(jnp.reshape(u, x.shape)), v, basis.astype(v.dtype)
+                    lambda u: target(xp.reshape(u, x.shape)), v, basis.astype(v.dtype)
                 )
-                return jnp.reshape(cols, (size, m)).T  # columns of J, as J's own layout
-            y = jax.eval_shape(target, x)
-            cot = jnp.reshape(basis.astype(y.dtype), (size, *y.shape))
+                return xp.reshape(cols, (size, m)).T  # columns of J, as J's own layout
+            y = fw.eval_shape(target, x)
+            cot = xp.reshape(basis.astype(y.dtype), (size, *y.shape))
             _, rows = engine.pullback(target, x, cot)
-            return jnp.reshape(rows, (size, n))
+            return xp.reshape(rows, (size, n))
 
         return chunk
 
@@ -302,7 +314,7 @@ def _starts(total: int, size: int) -> list[int]:
 
 def slicer_for(
     family: str, compiled: bool, batched: bool, points: int, tangents: int,
-    limits: ComputeLimits | None,
+    limits: ComputeLimits | None, framework: Framework | None = None,
 ) -> Slicer | None:
     """A ``Slicer`` over the points of a batch (``batch_axis=0``) or, for operators
     that take tangents, over the tangents; None where there is nothing to slice."""
@@ -310,9 +322,11 @@ def slicer_for(
         return None
     budget = getattr(limits, "chunk_memory_bytes", None) or DEFAULT_CHUNK_MEMORY_BYTES
     if batched and points > 1:
-        return Slicer("points", points, budget, limits, _chunk_from(limits))
+        return Slicer("points", points, budget, limits, _chunk_from(limits), framework=framework)
     if not batched and OPERATORS[family].chunks == "tangents" and tangents > 1:
-        return Slicer("tangents", tangents, budget, limits, _chunk_from(limits))
+        return Slicer(
+            "tangents", tangents, budget, limits, _chunk_from(limits), framework=framework
+        )
     return None
 
 
@@ -337,6 +351,11 @@ class Slicer:
     oversized: dict[str, Estimate] = field(default_factory=dict)
     _executables: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
+    framework: Framework = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.framework is None:
+            self.framework = get_framework()
 
     fits = Chunker.fits
     executables = Chunker.executables
@@ -357,12 +376,13 @@ class Slicer:
             job.start(self.total, self.unit)
         parts: list[tuple] = []
         done = 0
-        contexts = jax.device_put(contexts, jax.config.jax_default_device)
+        fw = self.framework
+        contexts = fw.to_device(contexts)
         for start in _starts(self.total, size):
             if job is not None:
                 job.check()
             xs, ts = self._slice(x, tangents, start, size)
-            out = jax.block_until_ready(exe(xs, ts, contexts))
+            out = fw.block(exe(xs, ts, contexts))
             skip = done - start  # the overlap of a last chunk: computed twice, kept once
             parts.append(tuple(self._drop(name, v, skip, op) for name, v in
                                zip(op.results, out, strict=True)))
@@ -384,22 +404,23 @@ class Slicer:
         if self.unit == "tangents":
             return x, tuple(tangents[start:start + size])
         cut = lambda v: v[start:start + size]  # noqa: E731
-        ts = None if tangents is None else jax.tree_util.tree_map(cut, tangents)
-        return jax.tree_util.tree_map(cut, x), ts
+        tmap = self.framework.tree_map
+        ts = None if tangents is None else tmap(cut, tangents)
+        return tmap(cut, x), ts
 
     def _drop(self, name: str, value: Any, skip: int, op: Any) -> Any:
         if skip <= 0:
             return value
         if self.unit == "tangents":
             return tuple(value[skip:]) if name in op.batch_results else value
-        return jax.tree_util.tree_map(lambda v: v[skip:], value)
+        return self.framework.tree_map(lambda v: v[skip:], value)
 
     def _join(self, name: str, values: list, op: Any) -> Any:
         if self.unit == "tangents":
             if name not in op.batch_results:
                 return values[0]  # value, gradient: the same in every chunk
             return tuple(item for value in values for item in value)
-        return jax.tree_util.tree_map(
+        return self.framework.tree_map(
             lambda *vs: np.concatenate([np.asarray(v) for v in vs]), *values
         )
 
@@ -408,7 +429,7 @@ class Slicer:
     ) -> tuple:
         """``(executable, size)`` for chunks of ``size`` items, shrunk until one fits the
         budget (``BudgetExceededError`` when one item does not)."""
-        device = jax.config.jax_default_device
+        device = self.framework.device()
         size = _remembered(self._sizes, device, size)
         exe = self._executables.get((operator, device, size))
         if exe is not None:
@@ -420,7 +441,7 @@ class Slicer:
 
         exe, _, size = _compile_fitting(
             compile_at, size, self.budget, self._sizes, device,
-            f"{operator} runs in chunks of {self.unit}",
+            f"{operator} runs in chunks of {self.unit}", self.framework,
         )
         self._executables[(operator, device, size)] = exe
         return exe, size
@@ -435,14 +456,14 @@ def _remembered(sizes: dict, device: Any, size: int) -> int:
 
 def _compile_fitting(
     compile_at: Callable[[int], Any], size: int, budget: int, sizes: dict, device: Any,
-    what: str,
+    what: str, framework: Framework,
 ) -> tuple[Any, Estimate | None, int]:
     """``(executable, estimate, size)``: ``compile_at(size)``, with ``size`` shrunk until
     XLA's estimate of one chunk fits ``budget`` (each shrink remembered in ``sizes``);
     ``BudgetExceededError`` when not even a chunk of one fits (``what`` says of what)."""
     while True:
         exe = compile_at(size)
-        est = estimate(exe)
+        est = framework.estimate(exe)
         if est is None or est.memory_bytes <= budget:
             return exe, est, size
         if size == 1:

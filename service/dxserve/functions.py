@@ -28,16 +28,20 @@ class FunctionInfo:
     description: str
     #: example arguments ``(x, *contexts)`` (arrays or pytrees of them), or None
     example: tuple | None = field(default=None, compare=False, repr=False)
+    #: the array framework it is written in (``frameworks``; None: JAX)
+    framework: str | None = None
 
 
 def function(
     fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
-    example: Sequence[Any] | None = None,
+    example: Sequence[Any] | None = None, framework: str | None = None,
 ) -> Callable:
     """Mark ``fn(x, *contexts)`` for registration (usable with or without arguments).
 
     ``example``: arguments ``(x, *contexts)`` it can be called with, shown (shapes,
-    dtypes, a request to try) by ``GET /functions/{name}``.
+    dtypes, a request to try) by ``GET /functions/{name}``. ``framework``: the name of
+    the registered ``frameworks.Framework`` it is written in (None: JAX); it is
+    differentiated, prepared and run through that framework, in process or served.
     """
     if example is not None and (isinstance(example, str) or not isinstance(example, Sequence)):
         raise TypeError("example is the arguments (x, *contexts): a tuple, e.g. (x,)")
@@ -46,7 +50,7 @@ def function(
         doc = (inspect.getdoc(fn) or "").strip().splitlines()
         fn.__dxserve__ = FunctionInfo(
             name or fn.__name__, description or (doc[0] if doc else ""),
-            tuple(example) if example is not None else None,
+            tuple(example) if example is not None else None, framework,
         )
         return fn
 

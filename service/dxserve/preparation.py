@@ -10,7 +10,11 @@ and by the bytes the preps keep alive (``Prep.nbytes``).
 
 ``batch_axis=0`` makes x (every leaf) and the tangents carry a leading axis of
 independent points, contexts shared: the family is checked and built for one point
-and the operator is ``jax.vmap``ped over the points inside the one compiled call.
+and the operator is vmapped over the points inside the one compiled call.
+
+Everything framework-specific (probing, compiling, vmapping, devices, precision) goes
+through the function's ``Framework`` (``frameworks``; JAX unless the function names
+another).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import jax
 import numpy as np
 
 from dxcontract.backends import Backend, backend_from_json
@@ -40,28 +43,21 @@ from dxcontract.errors import (
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS
 
-from . import executable_cache, packing
+from . import packing
 from .arity import check_contexts
 from .backends import engines_for, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
 from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
+from .frameworks import Framework, framework_of, get_framework
 from .jobs import Job, JobCancelled
-from .precision import float64_scope
 from .signature import Signature
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
 #: results that hold one value per tangent, packed by the programs (see ``packing``)
 _BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
-
-_NOT_TRACEABLE = (
-    jax.errors.TracerArrayConversionError,
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerIntegerConversionError,
-)
 
 
 # --- inputs and signatures -------------------------------------------------
@@ -71,8 +67,8 @@ def as_tree(value: Any) -> Tree:
     numpy and JAX arrays keep their dtype; dicts, tuples and lists of anything else
     (arrays, pytrees, None) are pytree nodes.
     """
-    if type(value) is np.ndarray or isinstance(value, (np.ndarray, jax.Array)):
-        return value  # (the exact-type test first: isinstance on jax.Array is slow)
+    if type(value) is np.ndarray:
+        return value  # (the fast path; any other array falls through unchanged)
     if isinstance(value, dict):
         return {k: as_tree(v) for k, v in value.items()}
     if isinstance(value, tuple):
@@ -97,6 +93,8 @@ class Inputs:
     tangents: tuple | None
     contexts: tuple
     y: Tree  # ShapeDtypeStruct pytree of f(x, *contexts)
+    #: the function's framework (its pytrees: what the checks walk)
+    framework: Framework = field(default_factory=get_framework)
 
 
 Builder = Callable[[Callable, Engine, "Engine | None", Inputs], Callable]
@@ -158,6 +156,9 @@ class Prep:
     #: told (with this prep) when it compiled something more: the cache holding it
     #: measures it again (``PrepCache``, ``Service``'s handles)
     on_grow: Callable[[Prep], None] | None = field(default=None, repr=False)
+    #: the framework the operator runs in (the function's, or its eager companion
+    #: where it is not compiled)
+    framework: Framework = field(default_factory=get_framework, repr=False)
 
     def nbytes(self) -> int:
         """The bytes this prep keeps alive, estimated (see ``footprint``): its compiled
@@ -169,8 +170,8 @@ class Prep:
         held = PREP_BYTES + self.compiler.held_bytes()
         for plan in list(self.batch_plans.values()):
             exes += [exe for exe in list(plan.executables.values()) if exe is not None]
-            if plan.jaxpr is not None:  # the traced program and its constants
-                held += EXECUTABLE_BYTES + array_bytes(plan.jaxpr.consts)
+            if plan.program is not None:  # the traced program and its constants
+                held += EXECUTABLE_BYTES + array_bytes(plan.arrays)
         return held + sum(executable_bytes(exe) for exe in exes)
 
     def grew(self) -> None:
@@ -213,7 +214,7 @@ class Prep:
     def executable(self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple) -> Callable:
         """The executable for ``operator`` on the current default device (compiled on
         first use there: a compiled executable is bound to the device it was built for)."""
-        key = (operator, jax.config.jax_default_device)
+        key = (operator, self.framework.device())
         exe = self.executables.get(key)
         if exe is None:
             exe = self.executables[key] = self._compile(operator, x, tangents, contexts)
@@ -224,7 +225,7 @@ class Prep:
              contexts: tuple) -> Callable:
         """An executable of some of ``operator``'s ``results`` only (a chunked run's value
         and gradient: XLA drops the rest of the program)."""
-        key = (("head", operator, results), jax.config.jax_default_device)
+        key = (("head", operator, results), self.framework.device())
         exe = self.executables.get(key)
         if exe is None:
             exe = self.executables[key] = self._compile(operator, x, tangents, contexts, results)
@@ -249,7 +250,7 @@ class Prep:
             return self._packed(run, results, tangents)
         # the tangents stacked, one argument per leaf: compile time independent of k
         packed = packing.pack(tangents, self.signature.batch_axis)
-        key = executable_cache.key(
+        key = self.framework.executable_key(
             self.function, self.resolved, results, x, packed, contexts,
             self.signature.batch_axis,
         )
@@ -276,10 +277,12 @@ class Prep:
         if not chunk and self.chunker is not None and not self.chunker.fits(operator, exe):
             # too large for one call: runs in chunks, each checked; the work is the same
             if self.limits is not None:
-                replace(self.limits, max_memory_bytes=None, max_seconds=None).check(exe, operator)
+                replace(self.limits, max_memory_bytes=None, max_seconds=None).check(
+                    exe, operator, self.framework
+                )
             return exe
         if self.limits is not None:  # once per executable, before it ever runs
-            self.limits.check(exe, operator)
+            self.limits.check(exe, operator, self.framework)
         return exe
 
     def _packed(self, exe: Callable, results: tuple[str, ...], tangents: tuple | None) -> Callable:
@@ -313,11 +316,11 @@ class Prep:
         ``operator``: its executable and, for a chunked run, the chunk's and the
         head's. Then ``run`` only runs programs (the server compiles on threads of its
         own, off the device workers; see ``compiling``)."""
-        device = jax.config.jax_default_device
+        device = self.framework.device()
         if (operator, device) in self.warmed:
             return
         try:
-            with float64_scope():
+            with self.framework.precision_scope():
                 self.executable(operator, x, tangents, contexts)
                 chunker = self.chunker
                 if chunker is not None:
@@ -346,7 +349,7 @@ class Prep:
         ``job``: told the progress of a chunked run, and checked between its chunks
         (``JobCancelled`` once cancelled)."""
         try:
-            with float64_scope():
+            with self.framework.precision_scope():
                 exe = self.executable(operator, x, tangents, contexts)
                 chunker = self.chunker
                 if chunker is not None:
@@ -388,40 +391,30 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
-def probe(f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
-    """``(traced, output spec)``: can JAX trace ``f``, and what does it return."""
-    known = executable_cache.output_spec(f, x, contexts)  # after a restart: no tracing
-    if known is not None:
-        return True, known
+def probe(
+    f: Callable, x: Tree, contexts: tuple, framework: Framework | None = None
+) -> tuple[bool, Tree]:
+    """``(traced, output spec)``: can ``f``'s framework trace ``f``, and what does it
+    return (``Framework.probe``; errors of ``f`` as ``FunctionEvaluationError``)."""
+    framework = framework or framework_of(f)
     check_contexts(f, contexts)  # a missing context is named, not blamed on x
     try:
-        y = jax.eval_shape(f, x, *contexts)
-    except _NOT_TRACEABLE:
-        pass
+        return framework.probe(f, x, contexts)
     except DxError:
         raise
     except Exception as exc:
         raise FunctionEvaluationError(_short(exc), field="x") from exc
-    else:
-        executable_cache.keep_output_spec(f, x, contexts, y)
-        return True, y
-    try:
-        y = f(x, *contexts)
-    except Exception as exc:
-        raise FunctionEvaluationError(_short(exc), field="x") from exc
-    spec = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), y)
-    return False, spec
 
 
-def _size(tree: Tree) -> int:
+def _size(framework: Framework, tree: Tree) -> int:
     # Python ints (math.prod), not numpy's int64: a shape's product cannot overflow
-    return sum(math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(tree))
+    return sum(math.prod(np.shape(v)) for v in framework.leaves(tree))
 
 
-def _extent(tree: Tree) -> int:
+def _extent(framework: Framework, tree: Tree) -> int:
     """Elements ``tree`` would hold if its zero dimensions were ones: a zero-size array
     with huge other dimensions holds nothing, but XLA still lays out its shape."""
-    return sum(math.prod(d or 1 for d in np.shape(v)) for v in jax.tree_util.tree_leaves(tree))
+    return sum(math.prod(d or 1 for d in np.shape(v)) for v in framework.leaves(tree))
 
 
 #: Bytes a prep's Python objects take beside its executables and arrays (its signature,
@@ -440,14 +433,14 @@ def _check_result_size(
 
     ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n).
     ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole)."""
-    n, m = _size(inputs.x), _size(inputs.y)
+    n, m = _size(inputs.framework, inputs.x), _size(inputs.framework, inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
     elements = OPERATORS[family].result_elements(n, m, k) if counted is None else counted
     # The same rule over the nominal sizes (zero dimensions as ones), so zero-size
     # inputs with huge dimensions are refused here, before XLA lays out their shapes.
     extent = elements if counted is not None else OPERATORS[family].result_elements(
-        _extent(inputs.x), _extent(inputs.y), k
+        _extent(inputs.framework, inputs.x), _extent(inputs.framework, inputs.y), k
     )
     elements, extent = elements * points, extent * points
     if points > 1 and elements > limit:
@@ -498,7 +491,7 @@ def prepare(
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
-    with float64_scope():
+    with framework_of(f).precision_scope():
         return _prepare(
             operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits,
             batch_axis,
@@ -512,15 +505,18 @@ def _prepare(
 ) -> Prep:
     family = OPERATORS[operator].family
     backend = backend_from_json(backend)
+    fw = framework_of(f)
     x, tangents, contexts = normalize(x, tangents, contexts)
     points, px, pt = 1, x, tangents  # one point's x and tangents: what is checked and built
     if batch_axis is not None:
         check_batch_axis(batch_axis)
-        points = batch_points(x, tangents)
-        px = _first_point(x)
-        pt = None if tangents is None else tuple(_first_point(t) for t in tangents)
-    traced, y = probe(f, px, contexts)
-    resolved = resolve_backend(backend, family, traced=traced, n=_size(px), m=_size(y))
+        points = batch_points(x, tangents, fw)
+        px = _first_point(fw, x)
+        pt = None if tangents is None else tuple(_first_point(fw, t) for t in tangents)
+    traced, y = probe(f, px, contexts, fw)
+    resolved = resolve_backend(
+        backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y)
+    )
     if batch_axis is not None and (family == "sparsity" or resolved.type == "sparse"):
         raise InvalidArgumentError(
             f"batch_axis is not supported for sparse {family} (a sparse result per point); "
@@ -528,8 +524,11 @@ def _prepare(
             field="batch_axis",
         )
     engine, inner = engines_for(resolved, traced=traced)
+    engine.use(fw)
+    if inner is not None:
+        inner.use(fw)
     spec = FAMILIES[family]
-    inputs = Inputs(px, pt, contexts, y)
+    inputs = Inputs(px, pt, contexts, y, fw)
     spec.check(inputs)
     engine.prepare(family, f, inputs, limits)  # e.g. sparsity detection and colouring, once
     elements = _check_result_size(family, inputs, max_result_elements, engine, points)
@@ -539,18 +538,21 @@ def _prepare(
     if twin is not None:
         return replace(twin, backend=backend)
     compiled = traced and engine.traces and (inner is None or inner.traces)
+    runs_in = fw if compiled else fw.eager()
     build = spec.build(f, engine, inner, inputs)
     if batch_axis is not None:
-        build = over_points(build, tangents is not None, compiled)
-        y = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((points, *s.shape), s.dtype), y)
+        build = over_points(build, tangents is not None, runs_in)
+        y = fw.tree_map(lambda s: fw.spec((points, *s.shape), s.dtype), y)
     chunker = chunker_for(
-        family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits
+        family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits,
+        runs_in,
     ) or slicer_for(
-        family, compiled, batch_axis is not None, points, len(tangents or ()), limits
+        family, compiled, batch_axis is not None, points, len(tangents or ()), limits, runs_in
     )
     prep = Prep(
         operator, f, backend, resolved, signature, y, build,
-        engine, compiled, limits=limits, result_bytes=elements * _itemsize(x), chunker=chunker,
+        engine, compiled, limits=limits, result_bytes=elements * _itemsize(fw, x),
+        chunker=chunker, framework=runs_in,
     )
     prep.executable(operator, x, tangents, contexts)
     if cache is not None:
@@ -570,10 +572,11 @@ def check_batch_axis(batch_axis: Any) -> None:
     )
 
 
-def batch_points(x: Tree, tangents: tuple | None) -> int:
+def batch_points(x: Tree, tangents: tuple | None, framework: Framework | None = None) -> int:
     """B, the leading dimension every leaf of x and of each tangent must share."""
+    framework = framework or get_framework()
     points = None
-    for leaf in jax.tree_util.tree_leaves(x):
+    for leaf in framework.leaves(x):
         shape = np.shape(leaf)
         if not shape:
             raise ShapeMismatchError(
@@ -594,7 +597,7 @@ def batch_points(x: Tree, tangents: tuple | None) -> int:
     if points == 0:
         raise ShapeMismatchError("batch_axis=0 with no points in x; send at least one", field="x")
     for i, t in enumerate(tangents or ()):
-        for leaf in jax.tree_util.tree_leaves(t):
+        for leaf in framework.leaves(t):
             shape = np.shape(leaf)
             if not shape or shape[0] != points:
                 got = f"{shape[0]} points" if shape else "no axis of points"
@@ -606,40 +609,21 @@ def batch_points(x: Tree, tangents: tuple | None) -> int:
     return points
 
 
-def _first_point(tree: Tree) -> Tree:
+def _first_point(framework: Framework, tree: Tree) -> Tree:
     """The first point of a batched pytree (a view for numpy leaves)."""
-    return jax.tree_util.tree_map(lambda v: v[0, ...], tree)
+    return framework.tree_map(lambda v: v[0, ...], tree)
 
 
-def over_points(run: Callable, batched_tangents: bool, compiled: bool) -> Callable:
+def over_points(run: Callable, batched_tangents: bool, framework: Framework) -> Callable:
     """``run(x, tangents, contexts) -> dict`` over a leading axis of points on x (and the
-    tangents), results stacked on that axis, contexts shared.
-
-    Compiled: one ``jax.vmap``, so the batch is one XLA program. Otherwise (a black-box
-    function or an engine that does not trace) a loop, point by point: vmap needs tracing.
-    """
-    if compiled:
-        return jax.vmap(run, in_axes=(0, 0 if batched_tangents else None, None))
-
-    def loop(x: Tree, tangents: tuple | None, contexts: tuple) -> dict:
-        count = np.shape(jax.tree_util.tree_leaves(x)[0])[0]
-        outs = [
-            run(
-                jax.tree_util.tree_map(lambda v, i=i: v[i, ...], x),
-                None if tangents is None
-                else jax.tree_util.tree_map(lambda v, i=i: v[i, ...], tangents),
-                contexts,
-            )
-            for i in range(count)
-        ]
-        return jax.tree_util.tree_map(lambda *vs: np.stack([np.asarray(v) for v in vs]), *outs)
-
-    return loop
+    tangents), results stacked on that axis, contexts shared: ``framework.vmap`` (for
+    JAX one XLA program; for an eager framework a loop, point by point)."""
+    return framework.vmap(run, in_axes=(0, 0 if batched_tangents else None, None))
 
 
-def _itemsize(tree: Tree) -> int:
+def _itemsize(framework: Framework, tree: Tree) -> int:
     """Bytes per result element: results take the input's dtype (8 if that is unknown)."""
-    sizes = [getattr(getattr(v, "dtype", None), "itemsize", 8) for v in jax.tree_util.tree_leaves(tree)]
+    sizes = [getattr(getattr(v, "dtype", None), "itemsize", 8) for v in framework.leaves(tree)]
     return max(sizes, default=8)
 
 
@@ -820,23 +804,23 @@ def call(
     """Run ``operator``; return its result, or a tuple of results (DI's order).
 
     ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...)."""
-    with float64_scope():
+    with framework_of(f).precision_scope():
         found = lookup(
             operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
         if found.tangents is not None and prep.traced:
-            out = _on_device(found.operator, out)
+            out = _on_device(prep.framework, found.operator, out)
     return out[0] if len(out) == 1 else out
 
 
-def _on_device(operator: str, outputs: tuple) -> tuple:
-    """Per-tangent results (numpy views, see ``packing``) as JAX arrays, as the
-    library returns every other result: one transfer for the whole batch."""
+def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
+    """Per-tangent results (numpy views, see ``packing``) as the framework's arrays, as
+    the library returns every other result: one transfer for the whole batch."""
     results = OPERATORS[operator].results
     return tuple(
-        jax.device_put(out) if name in _BATCH_RESULTS else out
+        framework.to_device(out) if name in _BATCH_RESULTS else out
         for name, out in zip(results, outputs, strict=True)
     )
 
@@ -846,6 +830,7 @@ def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *context
     family = OPERATORS[operator].family
     x = as_tree(x)
     contexts = tuple(as_tree(c) for c in contexts)
-    with float64_scope():
-        traced, y = probe(f, x, contexts)
-    return resolve_backend(backend, family, traced=traced, n=_size(x), m=_size(y))
+    fw = framework_of(f)
+    with fw.precision_scope():
+        traced, y = probe(f, x, contexts, fw)
+    return resolve_backend(backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y))

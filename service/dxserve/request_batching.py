@@ -6,10 +6,11 @@ it vectorizes a [B, n] loop differently from an [n] one, so fused multiply-adds 
 reduction orders change (``bench/batching_bits.py`` shows both). So a batched
 executable is *earned*, per (prep, operator, bucket):
 
-1. Functions with data-dependent control flow (``cond``, ``while``), host callbacks
-   or uploaded exports are never batched: vmap turns a ``cond`` into a select that
-   runs both branches, which can differ (a NaN gradient from the branch not taken)
-   on inputs no check has seen.
+1. Programs the function's framework will not merge are never batched
+   (``Framework.batch_program``). For JAX: functions with data-dependent control
+   flow (``cond``, ``while``), host callbacks or uploaded exports, since vmap turns a
+   ``cond`` into a select that runs both branches, which can differ (a NaN gradient
+   from the branch not taken) on inputs no check has seen.
 2. The first time a batch of that bucket forms, every request in it is also run
    alone; the requests are answered from those unbatched runs, and the batched
    executable is kept only if each of its rows matched bit for bit. Otherwise that
@@ -40,18 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-import jax.extend.core as jex
 import numpy as np
 
 from dxcontract.operators import OPERATORS
-
-from .precision import float64_scope
-
-#: Primitives that make a function ineligible (see the module docstring).
-UNBATCHABLE_PRIMITIVES = frozenset(
-    {"cond", "while", "pure_callback", "io_callback", "callback", "dxserve_export_call"}
-)
 
 Inputs = tuple[Any, Any, Any]  # (x, tangents, contexts), normalized
 
@@ -59,30 +51,6 @@ Inputs = tuple[Any, Any, Any]  # (x, tangents, contexts), normalized
 def bucket(k: int) -> int:
     """The smallest power of two >= ``k``."""
     return 1 << max(0, k - 1).bit_length()
-
-
-def _subjaxprs(params: dict) -> list[Any]:
-    found = []
-    for value in params.values():
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        for item in items:
-            if isinstance(item, jex.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jex.Jaxpr):
-                found.append(item)
-    return found
-
-
-def primitives(jaxpr: Any) -> set[str]:
-    """Names of every primitive in ``jaxpr`` and the jaxprs nested in it."""
-    names: set[str] = set()
-    stack = [jaxpr]
-    while stack:
-        current = stack.pop()
-        for eqn in current.eqns:
-            names.add(eqn.primitive.name)
-            stack.extend(_subjaxprs(eqn.params))
-    return names
 
 
 #: Batching modes (``Settings.batching``): bit-identical rows only, or rows equal to rounding.
@@ -125,8 +93,9 @@ class _Plan:
 
     eligible: bool
     why: str = ""
-    jaxpr: Any = None  # ClosedJaxpr of the unbatched operator, flat in and out
+    program: Any = None  # the unbatched operator, flat in and out (``Framework.batch_program``)
     out_tree: Any = None
+    arrays: list = field(default_factory=list)  # what the program keeps alive
     # (bucket, device) -> compiled batched executable, or None once it failed the bit check
     executables: dict[tuple, Any] = field(default_factory=dict)
     verified: set[tuple] = field(default_factory=set)
@@ -159,7 +128,7 @@ class Batcher:
         plan = prep.batch_plans.get(operator)
         if plan is None:
             plan = prep.batch_plans[operator] = _make_plan(prep, operator, inputs)
-            if plan.jaxpr is not None:
+            if plan.program is not None:
                 prep.grew()  # the traced program is kept: its cache measures it again
         return plan
 
@@ -168,7 +137,8 @@ class Batcher:
         """One result (or the exception it raised) per request in ``group``."""
         if len(group) == 1:  # the prep's own run (in a float64 scope of its own)
             return [_alone(prep, operator, group[0])]
-        with float64_scope():  # batched executables trace and run as the prep's own do
+        # batched executables trace and run as the prep's own do
+        with prep.framework.precision_scope():
             return self._run_group(prep, operator, group)
 
     def _run_group(self, prep: Any, operator: str, group: Sequence[Inputs]) -> list[Any]:
@@ -176,12 +146,12 @@ class Batcher:
         packed = [(x, prep.pack(t), c) for x, t, c in group]
         plan = self.plan(prep, operator, packed[0])
         size = bucket(len(group))
-        slot = (size, jax.config.jax_default_device)  # executables are bound to a device
+        slot = (size, prep.framework.device())  # executables are bound to a device
         if not plan.eligible or plan.executables.get(slot, True) is None:
             return [_alone(prep, operator, inputs) for inputs in group]
         compiles = self.compiles
         try:
-            batched = self._run_batched(plan, slot, packed, prep.limits)
+            batched = self._run_batched(plan, slot, packed, prep.limits, prep.framework)
         except Exception:  # noqa: BLE001 - e.g. out of memory at B rows: each alone says why
             return [_alone(prep, operator, inputs) for inputs in group]
         finally:
@@ -197,7 +167,10 @@ class Batcher:
             self.batched_requests += len(group)
             return batched
         alone = [_alone(prep, operator, inputs) for inputs in group]
-        if all(_same_result(a, b, self._agree) for a, b in zip(alone, batched, strict=True)):
+        if all(
+            _same_result(a, b, self._agree, prep.framework)
+            for a, b in zip(alone, batched, strict=True)
+        ):
             plan.verified.add(slot)
         else:
             plan.executables[slot] = None
@@ -205,46 +178,45 @@ class Batcher:
         return alone
 
     def _run_batched(
-        self, plan: _Plan, slot: tuple, group: Sequence[Inputs], limits: Any = None
+        self, plan: _Plan, slot: tuple, group: Sequence[Inputs], limits: Any, framework: Any,
     ) -> list[Any]:
-        rows = [jax.tree_util.tree_leaves(inputs) for inputs in group]
+        rows = [framework.leaves(inputs) for inputs in group]
         rows += [rows[-1]] * (slot[0] - len(rows))  # pad to the bucket
         stacked = [np.stack(column) for column in zip(*rows, strict=True)]
         exe = plan.executables.get(slot)
         if exe is None:
-            fn = jax.vmap(jex.jaxpr_as_fun(plan.jaxpr))
-            exe = plan.executables[slot] = jax.jit(fn).lower(*stacked).compile()
+            exe = plan.executables[slot] = framework.compile_batched(plan.program, stacked)
             self.compiles += 1
             if limits is not None:  # B rows cost B times one: over a bound, they run alone
                 try:
-                    limits.check(exe, f"a batch of {slot[0]}")
+                    limits.check(exe, f"a batch of {slot[0]}", framework)
                 except Exception:
                     plan.executables[slot] = None
                     raise
         outputs = [np.asarray(out) for out in exe(*stacked)]
         return [
-            jax.tree_util.tree_unflatten(plan.out_tree, [out[i] for out in outputs])
+            framework.unflatten(plan.out_tree, [out[i] for out in outputs])
             for i in range(len(group))
         ]
 
 
 def _make_plan(prep: Any, operator: str, inputs: Inputs) -> _Plan:
+    framework = prep.framework
     if not prep.traced:
-        return _Plan(False, "not traceable by JAX")
+        return _Plan(False, f"not traceable by {framework.name}")
     results = OPERATORS[operator].results
 
     def run(x, tangents, contexts):
         out = prep.build(x, tangents, contexts)
         return tuple(out[name] for name in results)
 
-    try:
-        closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*inputs)
-    except Exception as exc:  # noqa: BLE001 - the unbatched path reports real errors
-        return _Plan(False, f"could not trace: {type(exc).__name__}")
-    found = primitives(closed.jaxpr) & UNBATCHABLE_PRIMITIVES
-    if found:
-        return _Plan(False, f"uses {', '.join(sorted(found))}")
-    return _Plan(True, jaxpr=closed, out_tree=jax.tree_util.tree_structure(out_shape))
+    program, why = framework.batch_program(run, inputs)
+    if program is None:
+        return _Plan(False, why)
+    return _Plan(
+        True, program=program, out_tree=framework.out_structure(program),
+        arrays=framework.program_arrays(program),
+    )
 
 
 def _alone(prep: Any, operator: str, inputs: Inputs) -> Any:
@@ -254,9 +226,10 @@ def _alone(prep: Any, operator: str, inputs: Inputs) -> Any:
         return exc
 
 
-def _same_result(alone: Any, batched: Any, agree: Any = _bits_equal) -> bool:
+def _same_result(alone: Any, batched: Any, agree: Any, framework: Any) -> bool:
     if isinstance(alone, BaseException):
         return False
-    a, b = jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(batched)
+    a, b = framework.leaves(alone), framework.leaves(batched)
     return len(a) == len(b) and all(agree(u, v) for u, v in zip(a, b, strict=True))
+
 

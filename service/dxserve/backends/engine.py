@@ -9,7 +9,8 @@ where it can do better (JAX's reverse mode reaches pushforwards by transposing i
 VJP, for instance, instead of building the Jacobian).
 
 ``g`` is a function of the active input alone (contexts are already closed over);
-tangent batches carry a leading axis.
+tangent batches carry a leading axis. Arrays, pytrees, maps and compilation come from
+the function's ``Framework`` (``engine.ops``), so the fallbacks hold for any framework.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .. import executable_cache
-from . import _tangents
-from ._tangents import Tree
+from ..frameworks import Framework, get_framework
+
+Tree = Any
 
 Fn = Callable[[Tree], Tree]
 Mode = Literal["forward", "reverse"]
@@ -35,10 +34,10 @@ class Engine:
 
     Class attributes an engine sets:
 
-    * ``traces``: True when the engine's maths runs under JAX tracing (``jit``,
-      ``vmap``); False for engines that need concrete arrays (a numpy engine). An
-      operator is compiled only when every engine it uses traces and JAX can trace
-      the function.
+    * ``traces``: True when the engine's maths runs under its framework's transforms
+      (``jit``, ``vmap``); False for engines that need concrete arrays (a numpy engine
+      beside JAX). An operator is compiled only when every engine it uses traces and
+      the framework can trace the function.
     * ``mode``: the direction the engine computes without help. Fallbacks use it to
       pick the cheaper way (columns for forward, rows for reverse). Left unset, it is
       the direction the subclass overrides.
@@ -50,6 +49,8 @@ class Engine:
     batch_size: int | None = None
     #: False when the function is a black box: the engine then gets concrete arrays.
     traced: bool = True
+    #: the function's framework (set by ``use`` at preparation; None: the default, JAX)
+    framework: Framework | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -60,23 +61,30 @@ class Engine:
         if "mode" not in cls.__dict__ and not hasattr(cls, "mode"):
             cls.mode = "forward" if forward else "reverse"
 
-    # --- array helpers: JAX when traced, numpy on black boxes ------------------
+    def use(self, framework: Framework) -> Engine:
+        """This engine, computing in ``framework`` (engines are made per preparation)."""
+        object.__setattr__(self, "framework", framework)  # frozen dataclass engines too
+        return self
+
+    # --- array helpers: the framework's, its eager companion on black boxes ----
+    @property
+    def ops(self) -> Framework:
+        """The framework this engine computes in for the current function."""
+        framework = self.framework or get_framework()
+        return framework if self.traced and self.traces else framework.eager()
+
     @property
     def xp(self) -> Any:
         """The array module this engine computes with for the current function."""
-        return jnp if self.traced and self.traces else np
+        return self.ops.xp
 
     def map(self, fn: Fn, batch: Tree) -> Tree:
         """``fn`` over the leading axis of ``batch``, ``batch_size`` items at a time."""
-        if self.traced and self.traces:
-            return _tangents.chunked_vmap(fn, batch, self.batch_size)
-        return _tangents.loop_map(fn, batch, self.batch_size)
+        return self.ops.map(fn, batch, self.batch_size)
 
     def flatten(self, x: Tree) -> tuple[Any, Callable[[Any], Tree]]:
         """``(vector, unflatten)`` of a pytree of arrays."""
-        if self.traced and self.traces:
-            return _tangents.flat(x)
-        return _tangents.np_flat(x)
+        return self.ops.ravel(x)
 
     def basis(self, n: int, dtype: Any) -> Any:
         """The ``(n, n)`` identity: row i is the i-th basis tangent."""
@@ -92,7 +100,7 @@ class Engine:
         xp = self.xp
         t_flat = self.map(lambda t: self.flatten(t)[0], tx)  # (k, n)
         products = xp.reshape(t_flat, (t_flat.shape[0], -1)) @ xp.reshape(rows, (rows.shape[0], -1)).T
-        return y, self.map(lambda r: _unflatten_like(r, y, xp), products)
+        return y, self.map(lambda r: _unflatten_like(self.ops, r, y), products)
 
     def pullback(self, g: Fn, x: Tree, ty: Tree) -> tuple[Tree, Tree]:
         """``(g(x), J^T @ c for c in ty)``; ``ty`` has y's structure plus a leading axis.
@@ -101,8 +109,8 @@ class Engine:
         """
         xp = self.xp
         y, cols, unflatten = self._columns(g, x)
-        col_leaves = jax.tree_util.tree_leaves(cols)
-        ct_leaves = jax.tree_util.tree_leaves(ty)
+        col_leaves = self.ops.leaves(cols)
+        ct_leaves = self.ops.leaves(ty)
         k = ct_leaves[0].shape[0]
         n = col_leaves[0].shape[0]
         total = 0
@@ -114,17 +122,17 @@ class Engine:
     def gradient(self, g: Fn, x: Tree) -> tuple[Any, Tree]:
         """``(g(x), ∇g(x))`` for scalar ``g``; the gradient has x's structure."""
         if self.mode == "reverse":
-            y = g(x) if not self.traced or not self.traces else jax.eval_shape(g, x)
+            y = self.ops.eval_shape(g, x)
             ones = self.xp.ones((1, *np.shape(y)), _dtype_of(y))
             y, grads = self.pullback(g, x, ones)
-            return y, jax.tree_util.tree_map(lambda leaf: leaf[0], grads)
+            return y, self.ops.tree_map(lambda leaf: leaf[0], grads)
         y, cols, unflatten = self._columns(g, x)
         return y, unflatten(cols)
 
     def derivative(self, g: Fn, x: Any) -> tuple[Tree, Tree]:
         """``(g(x), g'(x))`` for scalar ``x``; the derivative has y's structure."""
         y, ty = self.pushforward(g, x, self.xp.ones((1,), x.dtype))
-        return y, jax.tree_util.tree_map(lambda t: t[0], ty)
+        return y, self.ops.tree_map(lambda t: t[0], ty)
 
     def jacobian(self, g: Fn, x: Tree) -> tuple[Tree, Tree]:
         """``(g(x), J)``; for array x and y ``J.shape == y.shape + x.shape``.
@@ -138,15 +146,15 @@ class Engine:
             y, rows, _ = self._rows(g, x)  # (m, n) over flat y and flat x
             if _is_leaf(x) and _is_leaf(y):
                 return y, xp.reshape(rows, (*np.shape(y), *np.shape(x)))
-            sizes = [math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(y)]
-            return y, _blocks(xp, _split(xp, rows, sizes, axis=0), y, x)
+            sizes = [math.prod(np.shape(v)) for v in self.ops.leaves(y)]
+            return y, _blocks(self.ops, _split(rows, sizes, axis=0), y, x)
         y, cols, _ = self._columns(g, x)  # y's structure, leaves (n, *y_leaf.shape)
-        col_leaves = jax.tree_util.tree_leaves(cols)
+        col_leaves = self.ops.leaves(cols)
         n = col_leaves[0].shape[0] if col_leaves else 0
         if _is_leaf(x) and _is_leaf(y):
             m = int(np.prod(np.shape(y)))
             return y, xp.reshape(xp.reshape(cols, (n, m)).T, (*np.shape(y), *np.shape(x)))
-        return y, _blocks(xp, [xp.reshape(c, (n, -1)).T for c in col_leaves], y, x)
+        return y, _blocks(self.ops, [xp.reshape(c, (n, -1)).T for c in col_leaves], y, x)
 
     def symmetric_products(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
         """``(g(x), J @ t for t in tx)`` for a ``g`` whose Jacobian is symmetric (a
@@ -196,11 +204,11 @@ class Engine:
     def compile(self, fn: Callable, args: tuple, key: Any = None) -> Callable:
         """``fn`` compiled for ``args`` (or ``fn`` itself where it cannot be traced).
 
-        ``key`` (see ``executable_cache.key``) persists the executable across restarts.
+        ``key`` (see ``Framework.executable_key``) persists the executable across restarts.
         """
         if not (self.traced and self.traces):
             return fn
-        return executable_cache.compile_or_load(key, fn, *args)
+        return self.ops.compile(fn, args, key)
 
     # --- fallback helpers ---------------------------------------------------------
     def _columns(self, g: Fn, x: Tree) -> tuple[Tree, Any, Callable]:
@@ -212,22 +220,23 @@ class Engine:
     def _rows(self, g: Fn, x: Tree) -> tuple[Any, Any, Callable]:
         """``(g(x), rows, unflatten)``: rows stacks flat ``J^T @ e_j`` over flat y, (m, n)."""
         xp = self.xp
-        shape_y = jax.eval_shape(g, x) if self.traced and self.traces else g(x)
+        ops = self.ops
+        shape_y = ops.eval_shape(g, x)
         if _is_leaf(shape_y):
             m = int(np.prod(np.shape(shape_y)))
             eye = self.basis(m, _dtype_of(shape_y))
             y, out = self.pullback(g, x, xp.reshape(eye, (m, *np.shape(shape_y))))
         else:  # a pytree y: row j of the basis, cut into y's leaves
-            leaves, y_def = jax.tree_util.tree_flatten(shape_y)
+            leaves, y_def = ops.flatten(shape_y)
             sizes = [math.prod(np.shape(v)) for v in leaves]
             m = sum(sizes)
             eye = self.basis(m, np.result_type(*[_dtype_of(v) for v in leaves]))
-            parts = _split(xp, eye, sizes, axis=1)
+            parts = _split(eye, sizes, axis=1)
             cotangents = [
                 xp.reshape(p, (m, *np.shape(v))).astype(_dtype_of(v))
                 for p, v in zip(parts, leaves, strict=True)
             ]
-            y, out = self.pullback(g, x, jax.tree_util.tree_unflatten(y_def, cotangents))
+            y, out = self.pullback(g, x, ops.unflatten(y_def, cotangents))
         flat_rows = self.map(lambda r: self.flatten(r)[0], out)
         _, unflatten = self.flatten(x)
         return y, flat_rows, unflatten
@@ -238,7 +247,7 @@ def _is_leaf(tree: Any) -> bool:
     return not isinstance(tree, dict | list | tuple) and hasattr(tree, "shape")
 
 
-def _split(xp: Any, a: Any, sizes: list[int], axis: int) -> list[Any]:
+def _split(a: Any, sizes: list[int], axis: int) -> list[Any]:
     """``a`` cut along ``axis`` into consecutive pieces of ``sizes`` (zero sizes allowed)."""
     out, at = [], 0
     for size in sizes:
@@ -249,32 +258,34 @@ def _split(xp: Any, a: Any, sizes: list[int], axis: int) -> list[Any]:
     return out
 
 
-def _blocks(xp: Any, rows: list[Any], y: Tree, x: Tree) -> Tree:
+def _blocks(ops: Framework, rows: list[Any], y: Tree, x: Tree) -> Tree:
     """``jax.jacobian``'s nesting from ``rows[i]``, the ``(y_leaf_i.size, x.size)`` rows of
     the flat Jacobian belonging to y's i-th leaf: y's structure of x-structured blocks."""
-    x_leaves, x_def = jax.tree_util.tree_flatten(x)
-    y_leaves, y_def = jax.tree_util.tree_flatten(y)
+    xp = ops.xp
+    x_leaves, x_def = ops.flatten(x)
+    y_leaves, y_def = ops.flatten(y)
     sizes = [math.prod(np.shape(v)) for v in x_leaves]
     nested = []
     for part, y_leaf in zip(rows, y_leaves, strict=True):
         blocks = [
             xp.reshape(b, (*np.shape(y_leaf), *np.shape(x_leaf))).astype(_dtype_of(x_leaf))
-            for b, x_leaf in zip(_split(xp, part, sizes, axis=1), x_leaves, strict=True)
+            for b, x_leaf in zip(_split(part, sizes, axis=1), x_leaves, strict=True)
         ]
-        nested.append(jax.tree_util.tree_unflatten(x_def, blocks))
-    return jax.tree_util.tree_unflatten(y_def, nested)
+        nested.append(ops.unflatten(x_def, blocks))
+    return ops.unflatten(y_def, nested)
 
 
 def _dtype_of(y: Any) -> Any:
     return y.dtype if hasattr(y, "dtype") else np.asarray(y).dtype
 
 
-def _unflatten_like(flat: Any, y: Tree, xp: Any) -> Tree:
+def _unflatten_like(ops: Framework, flat: Any, y: Tree) -> Tree:
     """A flat ``(y.size,)`` vector in ``y``'s structure and shapes."""
+    xp = ops.xp
     if _is_leaf(y):
         return xp.reshape(flat, np.shape(y))
-    leaves, y_def = jax.tree_util.tree_flatten(y)
-    parts = _split(xp, flat, [math.prod(np.shape(v)) for v in leaves], axis=0)
-    return jax.tree_util.tree_unflatten(
+    leaves, y_def = ops.flatten(y)
+    parts = _split(flat, [math.prod(np.shape(v)) for v in leaves], axis=0)
+    return ops.unflatten(
         y_def, [xp.reshape(p, np.shape(v)) for p, v in zip(parts, leaves, strict=True)]
     )

@@ -1,9 +1,10 @@
 """Finite differences: the mechanics behind ``finite-differences``.
 
-Works on any callable. When JAX can trace the function the differences are
-taken inside one compiled, vmapped program (and can themselves be differentiated,
-e.g. a JAX outer mode over a finite-difference gradient); when it cannot (plain
-numpy code), the same formulas run eagerly in numpy, one evaluation per tangent.
+Works on any callable, in any framework. When the function's framework can trace it
+the differences are taken inside one compiled, vmapped program (and can themselves be
+differentiated, e.g. a JAX outer mode over a finite-difference gradient); when it
+cannot (plain numpy code beside JAX), the same formulas run eagerly in numpy, one
+evaluation per tangent.
 Everything but the pushforward comes from ``Engine``'s fallbacks (the Jacobian's
 columns, one pushforward of the basis).
 
@@ -19,14 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ._tangents import Tree
-from .engine import Engine, Fn
-
-tmap = jax.tree_util.tree_map
+from .engine import Engine, Fn, Tree
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ class FiniteDifferencesEngine(Engine):
     nested: bool = False  # True inside another finite difference: coarser default step
 
     def _h(self, x: Tree) -> Any:
-        leaves = jax.tree_util.tree_leaves(x)
+        leaves = self.ops.leaves(x)
         dtype = leaves[0].dtype
         eps = float(np.finfo(dtype).eps)
         power = {("central", False): 1 / 3, ("forward", False): 1 / 2,
@@ -50,12 +46,13 @@ class FiniteDifferencesEngine(Engine):
             if leaf.size:
                 scale = xp.maximum(scale, xp.max(xp.abs(leaf)))
         if self.traced:
-            return jnp.asarray(base * scale, dtype)
+            return xp.asarray(base * scale, dtype)
         return float(base * scale)
 
     def pushforward(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
         y = g(x)
         h = self._h(x)
+        tmap = self.ops.tree_map
 
         def shifted(t: Tree, sign: float) -> Tree:
             return g(tmap(lambda a, b: a + (sign * h) * b, x, t))

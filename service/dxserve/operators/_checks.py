@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 from dxcontract.errors import (
@@ -17,15 +16,13 @@ from dxcontract.errors import (
 
 from ..preparation import Inputs
 
-leaves = jax.tree_util.tree_leaves
-
 
 def _is_array(tree: Any) -> bool:
     return not isinstance(tree, (dict, list, tuple)) and hasattr(tree, "shape")
 
 
 def differentiable_x(inputs: Inputs) -> None:
-    for leaf in leaves(inputs.x):
+    for leaf in inputs.framework.leaves(inputs.x):
         if not np.issubdtype(leaf.dtype, np.inexact):
             raise DtypeMismatchError(
                 f"x must be floating point to be differentiated, got {np.dtype(leaf.dtype).name}; "
@@ -94,10 +91,11 @@ def tangents_like(inputs: Inputs, like: Any, what: str) -> None:
         raise ShapeMismatchError(
             "tangents must be a non-empty batch (a list of tangents, e.g. [t])", field="tangents"
         )
-    want_leaves, want_def = jax.tree_util.tree_flatten(like)
+    flatten = inputs.framework.flatten
+    want_leaves, want_def = flatten(like)
     flat_numbers(tangents, like, what)
     for i, t in enumerate(tangents):
-        got_leaves, got_def = jax.tree_util.tree_flatten(t)
+        got_leaves, got_def = flatten(t)
         field = f"tangents[{i}]"
         if got_def != want_def:
             raise ShapeMismatchError(
