@@ -253,3 +253,33 @@ def test_the_service_imports_no_web_framework() -> None:
         for name, path in modules.items() if not _within(name, doors)
     }
     assert {name: found for name, found in offending.items() if found} == {}
+
+
+#: Modules written against ``frameworks.Framework`` alone: they reach JAX (or any other
+#: array framework) only through the function's framework, never by importing it.
+FRAMEWORK_NEUTRAL = (
+    "operators", "backends/engine.py", "backends/finite_differences.py", "preparation.py",
+    "chunking.py", "budget.py", "request_batching.py", "frameworks/__init__.py",
+)
+
+
+def _neutral_files() -> list[Path]:
+    out = []
+    for name in FRAMEWORK_NEUTRAL:
+        path = PACKAGE / name
+        out.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    return out
+
+
+@pytest.mark.parametrize("path", _neutral_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_neutral_core_imports_no_jax(path: Path) -> None:
+    """Not at module level, not inside a function, not for type checking: the one
+    JAX-specific place is ``frameworks/jax.py`` (with the JAX engines and kinds)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in ("jax", "jaxlib")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in ("jax", "jaxlib"):
+                found.append(node.module)
+    assert found == []
