@@ -18,7 +18,7 @@ class ComplexStep:
     """Complex-step differentiation: f'(x) t = Im f(x + i h t) / h, exact to rounding for
     functions analytic in x (no subtraction, so h can be tiny)."""
 
-    type: ClassVar[str] = "complex-step"
+    type: ClassVar[str] = "imaginary-step"
     h: float = 1e-30
 
     def to_json(self) -> dict:

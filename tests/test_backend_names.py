@@ -36,15 +36,15 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def test_this_process_does_not_know_the_plug_in() -> None:
-    assert "complex-step" not in BACKEND_TYPES
+    assert "imaginary-step" not in BACKEND_TYPES
 
 
 @pytest.mark.parametrize("backend", [
-    "complex-step", {"type": "complex-step"}, {"type": "complex-step", "h": 1e-40},
+    "imaginary-step", {"type": "imaginary-step"}, {"type": "imaginary-step", "h": 1e-40},
 ])
 def test_a_server_side_plug_in_by_name(srv: ServerProcess, backend) -> None:
     with Client(srv.url) as client:
-        assert "complex-step" in {b["type"] for b in client.backends()}
+        assert "imaginary-step" in {b["type"] for b in client.backends()}
         g = client.gradient("rosenbrock", backend, X)
         # complex steps have no subtraction: exact to rounding
         np.testing.assert_allclose(g, rosenbrock_gradient(X), rtol=1e-13)
@@ -57,7 +57,7 @@ def test_from_the_async_client(srv: ServerProcess) -> None:
 
     async def go() -> np.ndarray:
         async with AsyncClient(srv.url) as client:
-            return await client.gradient("rosenbrock", "complex-step", X)
+            return await client.gradient("rosenbrock", "imaginary-step", X)
 
     np.testing.assert_allclose(asyncio.run(go()), rosenbrock_gradient(X), rtol=1e-13)
 
@@ -71,9 +71,9 @@ def test_nested_in_second_order_the_name_travels_as_written() -> None:
 
 def test_an_unknown_name_fails_before_anything_runs(srv: ServerProcess) -> None:
     with Client(srv.url) as client, pytest.raises(InvalidBackendError) as info:
-        client.gradient("rosenbrock", "complex-stpe", X)
+        client.gradient("rosenbrock", "imaginary-stpe", X)
     assert info.value.field == "backend.type"
-    assert "complex-step" in info.value.detail and "jax-reverse" in info.value.detail
+    assert "imaginary-step" in info.value.detail and "jax-reverse" in info.value.detail
 
 
 def test_a_known_type_with_a_wrong_parameter_is_refused_in_the_client() -> None:
