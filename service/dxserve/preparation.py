@@ -491,6 +491,7 @@ def prepare(
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
+    backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor
     with framework_of(f).precision_scope():
         return _prepare(
             operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits,
@@ -499,12 +500,11 @@ def prepare(
 
 
 def _prepare(
-    operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
+    operator: str, f: Callable, backend: Backend, x: Any, tangents: Sequence | None,
     contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
     limits: ComputeLimits | None = None, batch_axis: int | None = None,
 ) -> Prep:
     family = OPERATORS[operator].family
-    backend = backend_from_json(backend)
     fw = framework_of(f)
     x, tangents, contexts = normalize(x, tangents, contexts)
     points, px, pt = 1, x, tangents  # one point's x and tangents: what is checked and built
@@ -760,7 +760,7 @@ class Lookup:
 def lookup(
     operator: str,
     f: Callable,
-    backend: Backend | str,
+    backend: Backend,
     x: Any,
     tangents: Sequence | None,
     contexts: Sequence,
@@ -776,7 +776,6 @@ def lookup(
     does for a repeated request), saving its computation. ``batch_axis``: 0 for a
     batch of points (checked here; the points themselves at preparation)."""
     op = OPERATORS[operator]
-    backend = backend_from_json(backend)
     x, tangents, contexts = normalize(x, tangents, contexts)
     if batch_axis is not None:
         check_batch_axis(batch_axis)
@@ -804,6 +803,7 @@ def call(
     """Run ``operator``; return its result, or a tuple of results (DI's order).
 
     ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...)."""
+    backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor
     with framework_of(f).precision_scope():
         found = lookup(
             operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis
@@ -827,6 +827,7 @@ def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
 
 def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:
     """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied)."""
+    backend = backend_from_json(backend)
     family = OPERATORS[operator].family
     x = as_tree(x)
     contexts = tuple(as_tree(c) for c in contexts)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from dxcontract.backends import Backend
+from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
@@ -356,6 +356,7 @@ class Service:
         written. Without one, the call holds its own until it returns.
         """
         op = OPERATORS[operator]
+        backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)

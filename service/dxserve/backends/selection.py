@@ -20,7 +20,7 @@ from dxcontract.backends import (
     JaxForward,
     JaxReverse,
     SecondOrder,
-    backend_from_json,
+    Sparse,
 )
 from dxcontract.errors import UnsupportedOperatorError
 from dxcontract.operators import OPERATORS
@@ -33,12 +33,12 @@ SECOND_ORDER = tuple(name for name, op in OPERATORS.items() if op.family == name
 
 
 def resolve_backend(
-    backend: Backend | str, family: str, *, traced: bool, n: int = 0, m: int = 0
+    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0
 ) -> Backend:
-    """The concrete descriptor used for ``family`` (never ``Auto``)."""
-    backend = backend_from_json(backend)
+    """The concrete descriptor used for ``family`` (never ``Auto``); ``backend`` is a
+    descriptor, parsed where the call came in."""
     if family == "sparsity" and backend.type != "sparse":  # the pattern: any backend's
-        backend = backend_from_json({"type": "sparse", "dense": backend.to_json()})
+        backend = Sparse(dense=backend)
     plugin = PLUGINS.get(backend.type)
     if plugin is not None and plugin.resolve is not None:
         return plugin.resolve(backend, family, traced=traced, n=n, m=m)
