@@ -40,12 +40,28 @@ def module_list(values: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``dxserve`` with the arguments ``argv`` (default: the command line's); returns
+    the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "ray":
+        return run_ray(args)
+    return serve(args, argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dxserve`` parser: its ``serve`` and ``ray`` commands and their flags."""
     parser = argparse.ArgumentParser(
         prog="dxserve", description="Differentiation as a service",
         epilog="Every flag has a DXSERVE_* environment variable; see 'dxserve serve --help'.",
     )
     parser.add_argument("--version", action="version", version=f"dxserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    _add_ray_parser(sub)
+    return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve", help="start the HTTP server",
         description="Start the HTTP server. Every flag has a DXSERVE_* environment variable "
@@ -68,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
     serve.add_argument("--token", help="bearer token for registry writes (DXSERVE_TOKEN)")
     serve.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def _add_ray_parser(sub: Any) -> None:
     ray = sub.add_parser("ray", help="serve on Ray Serve: replicas, GPUs, autoscaling "
                          "(needs the ray extra: pip install -e '.[ray]' at the repository "
                          "root; see dxserve.ray_serve)")
@@ -82,19 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     ray.add_argument("--store", help="shared registry: an absolute path or postgresql://...")
     ray.add_argument("--functions", action="append", metavar="MODULES", help=FUNCTIONS_HELP)
     ray.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
-    args = parser.parse_args(argv)
-    if args.command == "ray":
-        return run_ray(args)
 
-    overrides = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
-    }
-    if "functions" in overrides:
-        overrides["functions"] = module_list(overrides["functions"])
-    try:
-        settings = Settings(**overrides)
-    except ValidationError as exc:
-        print(f"dxserve: {setting_problem(exc, overrides)}", file=sys.stderr)
+
+def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``dxserve serve``: the server until it stops (or, with ``--workers`` N, the
+    supervisor of N worker processes); returns the exit status."""
+    settings = _serve_settings(args)
+    if settings is None:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     worker = os.environ.get(WORKER_INDEX)
@@ -105,6 +118,37 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    app = _load_app(settings)
+    if app is None:
+        return 2
+    log = logging.getLogger("dxserve")
+    log.info("access: %s", app.state.service.access_mode())
+    options = _uvicorn_options(settings, log)
+    if worker is None:
+        uvicorn.run(app, **options)
+    else:
+        _run_worker(app, options, settings, worker, log)
+    return 0
+
+
+def _serve_settings(args: argparse.Namespace) -> Settings | None:
+    """``Settings`` from the environment and ``serve``'s flags (the flags win); None,
+    after saying why on stderr, where a setting is bad."""
+    overrides = {
+        k: v for k, v in vars(args).items() if k != "command" and v is not None
+    }
+    if "functions" in overrides:
+        overrides["functions"] = module_list(overrides["functions"])
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        print(f"dxserve: {setting_problem(exc, overrides)}", file=sys.stderr)
+        return None
+
+
+def _load_app(settings: Settings) -> Any:
+    """The application for ``settings``, its runtime set up; None, after saying why on
+    stderr, where its store is locked or a ``--functions`` module does not import."""
     from .http import create_app
     from .runtime import bootstrap
     from .store import StoreLockedError
@@ -112,16 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.getcwd())  # so --functions can name modules of the working directory
     bootstrap(settings)
     try:
-        app = create_app(settings)
+        return create_app(settings)
     except StoreLockedError as exc:
         print(f"dxserve: {exc}; give this server its own --store", file=sys.stderr)
-        return 2
     except ModuleNotFoundError as exc:
         print(f"dxserve: cannot import a --functions module: {exc}", file=sys.stderr)
-        return 2
-    log = logging.getLogger("dxserve")
-    log.info("access: %s", app.state.service.access_mode())
-    options = {
+    return None
+
+
+def _uvicorn_options(settings: Settings, log: logging.Logger) -> dict[str, Any]:
+    """uvicorn's options for ``settings``: address, logging and the connection bounds."""
+    return {
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level.lower(),
@@ -131,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         **({"log_config": None, "access_log": False} if settings.log_format == "json" else {}),
         **connection_options(settings, log),
     }
-    if worker is None:
-        uvicorn.run(app, **options)
-        return 0
-    # One of --workers N processes: its own listening socket on the shared port
-    # (SO_REUSEPORT), so the kernel spreads new connections over the processes.
+
+
+def _run_worker(
+    app: Any, options: dict[str, Any], settings: Settings, worker: str, log: logging.Logger
+) -> None:
+    """Serve ``app`` as worker ``worker`` of ``--workers`` N until it stops."""
+    import uvicorn
     from prometheus_client import Gauge
 
     from .supervisor import reuse_port_socket
@@ -143,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     # which process answered a scrape: one series per worker (index, pid)
     Gauge("dxserve_worker", "This --workers process (always 1)", ["index", "pid"],
           registry=app.state.metrics.registry).labels(worker, str(os.getpid())).set(1)
+    # its own listening socket on the shared port (SO_REUSEPORT), so the kernel spreads
+    # new connections over the processes
     sock = reuse_port_socket(settings.host, settings.port, settings.backlog)
     log.info("worker %s (pid %d) listening on %s:%d", worker, os.getpid(), settings.host,
              settings.port)
     uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=[sock])
-    return 0
 
 
 def run_ray(args: argparse.Namespace) -> int:

@@ -395,73 +395,10 @@ def _eval_dim(e: Any, env: dict[str, int]) -> int | None:
 # the user-facing callable
 # ----------------------------------------------------------------------------
 def _make_fn(h: _Artifacts) -> Callable[..., Any]:
+    """``g(x, *contexts)`` over the artifacts ``h``: checks its arguments against the
+    export's signature, then binds the primal (whose rules make it differentiable)."""
     in_tree = h.primal.in_tree
-    in_avals = h.primal.in_avals
     out_tree = h.primal.out_tree
-
-    def check(leaves):
-        dims: dict[str, int] = {}
-        out = []
-        for i, (v, a) in enumerate(zip(leaves, in_avals, strict=True)):
-            where = "x" if i < h.nx else "contexts"
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                v = jnp.asarray(v, dtype=a.dtype)
-            elif not isinstance(v, jax.Array | jax.core.Tracer):
-                v = np.asarray(v)
-            if np.dtype(v.dtype) != np.dtype(a.dtype):
-                raise DtypeMismatchError(
-                    f"leaf {i} has dtype {np.dtype(v.dtype).name}, the export expects "
-                    f"{np.dtype(a.dtype).name}",
-                    field=where,
-                )
-            shape = tuple(np.shape(v))
-            ok = len(shape) == len(a.shape)
-            for s, e in zip(shape, a.shape, strict=True) if ok else ():
-                if jex.is_symbolic_dim(e):
-                    name = str(e)
-                    if name.isidentifier():
-                        ok = ok and dims.setdefault(name, s) == s and s >= 1
-                else:
-                    ok = ok and s == e
-            if not ok:
-                raise ShapeMismatchError(
-                    f"leaf {i} has shape {shape}, the export expects "
-                    f"({', '.join(str(d) for d in a.shape)})" + (f" with {dims}" if dims else ""),
-                    field=where,
-                )
-            out.append(jnp.asarray(v))
-        if h.poly:
-            _check_symbolic(out, dims)
-        return out
-
-    def _check_symbolic(leaves, env):
-        """Compound dims (``2*n``) and the export's constraints, before lowering.
-
-        Uses JAX's symbolic-expression evaluator (``_evaluate``, private); where
-        it is unavailable the check is skipped and JAX's own shape assertions
-        report the problem when the call is lowered.
-        """
-        for i, (v, a) in enumerate(zip(leaves, in_avals, strict=True)):
-            for j, e in enumerate(a.shape):
-                if jex.is_symbolic_dim(e):
-                    want = _eval_dim(e, env)
-                    if want is not None and want != v.shape[j]:
-                        raise ShapeMismatchError(
-                            f"leaf {i} dimension {j} is {v.shape[j]}, the export expects "
-                            f"{e} = {want} with {env}",
-                            field="x" if i < h.nx else "contexts",
-                        )
-        for c in h.constraints:
-            v1, v2 = _eval_dim(c.e1, env), _eval_dim(c.e2, env)
-            if v1 is None or v2 is None:
-                continue
-            if (v1 == v2) if c.cmp.name == "EQ" else (v1 >= v2):
-                continue
-            raise ShapeMismatchError(
-                f"the argument shapes ({env}) violate the export's constraint {c.debug_str!r}",
-                field="x",
-            )
-
     n_contexts = len(in_tree.children()[0].children()) - 1  # in_tree: ((x, *contexts), {})
 
     def g(x, *contexts):
@@ -472,13 +409,86 @@ def _make_fn(h: _Artifacts) -> Callable[..., Any]:
             raise ShapeMismatchError(
                 f"arguments have structure {tree}, the export expects {in_tree}", field="x"
             )
-        leaves = check(leaves)
+        leaves = _checked_leaves(h, leaves)
         outs = _bind("primal", h, leaves[: h.nx], [], leaves[h.nx :])
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     g.__name__ = h.name
     g.__qualname__ = h.name
     return g
+
+
+def _checked_leaves(h: _Artifacts, leaves: list[Any]) -> list[Any]:
+    """The argument ``leaves`` as arrays, checked against the primal's input avals;
+    raises ``DtypeMismatchError`` or ``ShapeMismatchError``."""
+    dims: dict[str, int] = {}  # symbolic dimension -> its size in these arguments
+    out = []
+    for i, (v, a) in enumerate(zip(leaves, h.primal.in_avals, strict=True)):
+        out.append(_checked_leaf(i, v, a, "x" if i < h.nx else "contexts", dims))
+    if h.poly:
+        _check_symbolic(h, out, dims)
+    return out
+
+
+def _checked_leaf(i: int, v: Any, a: Any, where: str, dims: dict[str, int]) -> Any:
+    """Leaf ``i`` as an array of aval ``a``'s dtype and shape; the sizes of ``a``'s
+    symbolic dimensions named by one symbol are recorded in (and checked against)
+    ``dims``."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        v = jnp.asarray(v, dtype=a.dtype)
+    elif not isinstance(v, jax.Array | jax.core.Tracer):
+        v = np.asarray(v)
+    if np.dtype(v.dtype) != np.dtype(a.dtype):
+        raise DtypeMismatchError(
+            f"leaf {i} has dtype {np.dtype(v.dtype).name}, the export expects "
+            f"{np.dtype(a.dtype).name}",
+            field=where,
+        )
+    shape = tuple(np.shape(v))
+    ok = len(shape) == len(a.shape)
+    for s, e in zip(shape, a.shape, strict=True) if ok else ():
+        if jex.is_symbolic_dim(e):
+            name = str(e)
+            if name.isidentifier():
+                ok = ok and dims.setdefault(name, s) == s and s >= 1
+        else:
+            ok = ok and s == e
+    if not ok:
+        raise ShapeMismatchError(
+            f"leaf {i} has shape {shape}, the export expects "
+            f"({', '.join(str(d) for d in a.shape)})" + (f" with {dims}" if dims else ""),
+            field=where,
+        )
+    return jnp.asarray(v)
+
+
+def _check_symbolic(h: _Artifacts, leaves: list[Any], env: dict[str, int]) -> None:
+    """Compound dims (``2*n``) and the export's constraints, before lowering.
+
+    Uses JAX's symbolic-expression evaluator (``_evaluate``, private); where
+    it is unavailable the check is skipped and JAX's own shape assertions
+    report the problem when the call is lowered.
+    """
+    for i, (v, a) in enumerate(zip(leaves, h.primal.in_avals, strict=True)):
+        for j, e in enumerate(a.shape):
+            if jex.is_symbolic_dim(e):
+                want = _eval_dim(e, env)
+                if want is not None and want != v.shape[j]:
+                    raise ShapeMismatchError(
+                        f"leaf {i} dimension {j} is {v.shape[j]}, the export expects "
+                        f"{e} = {want} with {env}",
+                        field="x" if i < h.nx else "contexts",
+                    )
+    for c in h.constraints:
+        v1, v2 = _eval_dim(c.e1, env), _eval_dim(c.e2, env)
+        if v1 is None or v2 is None:
+            continue
+        if (v1 == v2) if c.cmp.name == "EQ" else (v1 >= v2):
+            continue
+        raise ShapeMismatchError(
+            f"the argument shapes ({env}) violate the export's constraint {c.debug_str!r}",
+            field="x",
+        )
 
 
 # ----------------------------------------------------------------------------
@@ -556,104 +566,145 @@ def load_exported(
     64-bit dtypes without ``jax_enable_x64``, or a manifest that disagrees with
     the exports it describes.
     """
-    if not isinstance(bundle, bytes | bytearray | memoryview):
-        raise _bad(f"the export must be bytes, got {type(bundle).__name__}")
-    if len(bundle) > max_bytes:
-        raise _bad(f"the export is {len(bundle)} bytes; the limit is {max_bytes}")
-    try:
-        manifest, blobs = split_bundle(bytes(bundle))
-    except ValueError as e:
-        raise _bad(str(e)) from None
-
+    manifest, blobs = _open_bundle(bundle, max_bytes)
     platform = export_platform(platform) if platform else server_platform()
-    try:
-        platforms = tuple(str(p) for p in _as_list(manifest.get("platforms")))
-        sig = manifest["signature"]
-        nx, nc, ny = (int(sig[k]) for k in ("n_x_leaves", "n_context_leaves", "n_output_leaves"))
-        x_sk = _skeleton(sig["x"])
-        c_sk = [_skeleton(c) for c in _as_list(sig["contexts"])]
-        y_sk = _skeleton(sig["output"])
-        batch_dim = str(manifest.get("batch_dim", ""))
-        name = str(manifest.get("function_name", "export"))[:200]
-    except (KeyError, TypeError, ValueError) as e:
-        raise _bad(f"malformed manifest: {e}") from None
-    if platform not in platforms:
+    m = _read_manifest(manifest)
+    if platform not in m.platforms:
         raise _bad(
-            f"the export has lowerings for {list(platforms)} but this server runs on "
+            f"the export has lowerings for {list(m.platforms)} but this server runs on "
             f"{platform!r}; export again with platforms including {platform!r}"
         )
-    if not (0 < nx <= MAX_LEAVES and 0 <= nc <= MAX_LEAVES and 0 < ny <= MAX_LEAVES):
+    if not (0 < m.nx <= MAX_LEAVES and 0 <= m.nc <= MAX_LEAVES and 0 < m.ny <= MAX_LEAVES):
         raise _bad("leaf counts out of range")
 
     exps: dict[str, Any] = {}
     targets: set[str] = set()
     for art in ARTIFACTS:
-        try:
-            exp = jex.deserialize(bytearray(blobs[art]))
-        except Exception as e:  # flatbuffer / MLIR errors come in many types
-            raise _bad(
-                f"artifact {art!r} cannot be read by this server's jax {jax.__version__} "
-                f"(exported with jax {manifest.get('jax_version')!r}): "
-                f"{type(e).__name__}: {str(e)[:300]}"
-            ) from None
-        ccv = exp.calling_convention_version
-        lo, hi = (
-            jex.minimum_supported_calling_convention_version,
-            jex.maximum_supported_calling_convention_version,
-        )
-        if not lo <= ccv <= hi:
-            raise _bad(
-                f"artifact {art!r} uses calling convention {ccv}; this server's jax "
-                f"{jax.__version__} supports {lo}..{hi}"
-            )
-        if tuple(exp.platforms) != platforms:
-            raise _bad(
-                f"artifact {art!r} is lowered for {exp.platforms}, manifest says {platforms}"
-            )
-        if exp.nr_devices != 1:
-            raise _bad(f"artifact {art!r} needs {exp.nr_devices} devices; only 1 is supported")
-        if exp.ordered_effects or exp.unordered_effects:
-            raise _bad(f"artifact {art!r} has side effects")
-        if exp.disabled_safety_checks:
-            raise _bad(f"artifact {art!r} was exported with disabled safety checks")
-        try:
-            text = exp.mlir_module()
-            found = custom_call_targets(text)
-        except Exception as e:
-            raise _bad(f"artifact {art!r}: cannot inspect the module: {str(e)[:300]}") from None
-        bad = sorted(found - set(allowed_custom_calls))
-        if bad:
-            raise _bad(f"artifact {art!r} uses custom calls that are not allowed here: {bad}")
-        for op in _FORBIDDEN_OPS:
-            if re.search(re.escape(op) + r"\b", text):
-                raise _bad(f"artifact {art!r} uses {op}, which is not allowed")
-        targets |= found
-        exps[art] = exp
+        exps[art] = _deserialize(art, blobs[art], manifest)
+        targets |= _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
+    _check_signatures(exps, m)
 
-    # -- the manifest must describe the exports exactly
-    primal = exps["primal"]
-    tu = jax.tree_util
+    h = _Artifacts(exps, m.nx, m.nc, m.ny, m.name)
+    h.constraints = _constraints(manifest)
+    return LoadedExport(
+        fn=_make_fn(h),
+        signature=manifest,
+        platforms=m.platforms,
+        custom_call_targets=frozenset(targets),
+        nbytes=len(bundle),
+        artifacts=h,
+    )
+
+
+def _open_bundle(bundle: Any, max_bytes: int) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """``(manifest, blobs)`` of the container ``bundle`` of at most ``max_bytes``."""
+    if not isinstance(bundle, bytes | bytearray | memoryview):
+        raise _bad(f"the export must be bytes, got {type(bundle).__name__}")
+    if len(bundle) > max_bytes:
+        raise _bad(f"the export is {len(bundle)} bytes; the limit is {max_bytes}")
     try:
-        want_tree = tu.tree_structure(((x_sk, *c_sk), {}), is_leaf=_is_leaf)
-        want_in = tu.tree_leaves(((x_sk, *c_sk), {}), is_leaf=_is_leaf)
-        want_out = tu.tree_leaves(y_sk, is_leaf=_is_leaf)
-        want_out_tree = tu.tree_structure(y_sk, is_leaf=_is_leaf)
+        return split_bundle(bytes(bundle))
+    except ValueError as e:
+        raise _bad(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Manifest:
+    """What ``load_exported`` reads of a manifest: platforms, leaf counts, the pytree
+    skeletons of x, the contexts and the output, the batch dimension's name."""
+
+    platforms: tuple[str, ...]
+    nx: int
+    nc: int
+    ny: int
+    x_sk: Any
+    c_sk: list[Any]
+    y_sk: Any
+    batch_dim: str
+    name: str
+
+
+def _read_manifest(manifest: dict[str, Any]) -> _Manifest:
+    """The fields ``load_exported`` needs of ``manifest``; malformed ones are refused."""
+    try:
+        platforms = tuple(str(p) for p in _as_list(manifest.get("platforms")))
+        sig = manifest["signature"]
+        nx, nc, ny = (int(sig[k]) for k in ("n_x_leaves", "n_context_leaves", "n_output_leaves"))
+        return _Manifest(
+            platforms=platforms,
+            nx=nx, nc=nc, ny=ny,
+            x_sk=_skeleton(sig["x"]),
+            c_sk=[_skeleton(c) for c in _as_list(sig["contexts"])],
+            y_sk=_skeleton(sig["output"]),
+            batch_dim=str(manifest.get("batch_dim", "")),
+            name=str(manifest.get("function_name", "export"))[:200],
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise _bad(f"malformed manifest: {e}") from None
+
+
+def _deserialize(art: str, blob: bytes, manifest: dict[str, Any]) -> Any:
+    """Artifact ``art``'s ``Exported``, in a calling convention this jax supports."""
+    try:
+        exp = jex.deserialize(bytearray(blob))
+    except Exception as e:  # flatbuffer / MLIR errors come in many types
+        raise _bad(
+            f"artifact {art!r} cannot be read by this server's jax {jax.__version__} "
+            f"(exported with jax {manifest.get('jax_version')!r}): "
+            f"{type(e).__name__}: {str(e)[:300]}"
+        ) from None
+    ccv = exp.calling_convention_version
+    lo, hi = (
+        jex.minimum_supported_calling_convention_version,
+        jex.maximum_supported_calling_convention_version,
+    )
+    if not lo <= ccv <= hi:
+        raise _bad(
+            f"artifact {art!r} uses calling convention {ccv}; this server's jax "
+            f"{jax.__version__} supports {lo}..{hi}"
+        )
+    return exp
+
+
+def _check_artifact(
+    art: str, exp: Any, platforms: tuple[str, ...], allowed_custom_calls: frozenset[str] | set[str]
+) -> set[str]:
+    """Refuse what ``exp`` may not do here (other platforms, several devices, effects,
+    disabled checks, custom calls not in ``allowed_custom_calls``, host or collective
+    ops); returns its custom-call targets."""
+    if tuple(exp.platforms) != platforms:
+        raise _bad(f"artifact {art!r} is lowered for {exp.platforms}, manifest says {platforms}")
+    if exp.nr_devices != 1:
+        raise _bad(f"artifact {art!r} needs {exp.nr_devices} devices; only 1 is supported")
+    if exp.ordered_effects or exp.unordered_effects:
+        raise _bad(f"artifact {art!r} has side effects")
+    if exp.disabled_safety_checks:
+        raise _bad(f"artifact {art!r} was exported with disabled safety checks")
+    try:
+        text = exp.mlir_module()
+        found = custom_call_targets(text)
     except Exception as e:
-        raise _bad(f"malformed signature: {e}") from None
-    if want_tree != primal.in_tree or want_out_tree != primal.out_tree:
-        raise _bad("the manifest's signature does not match the exported function's structure")
-    if [_aval_key(a) for a in primal.in_avals] != want_in or [
-        _aval_key(a) for a in primal.out_avals
-    ] != want_out:
-        raise _bad("the manifest's shapes/dtypes do not match the exported function")
-    if len(want_in) != nx + nc or len(want_out) != ny:
-        raise _bad("the manifest's leaf counts do not match its signature")
-    xk = [_aval_key(a) for a in primal.in_avals[:nx]]
-    ck = [_aval_key(a) for a in primal.in_avals[nx:]]
+        raise _bad(f"artifact {art!r}: cannot inspect the module: {str(e)[:300]}") from None
+    bad = sorted(found - set(allowed_custom_calls))
+    if bad:
+        raise _bad(f"artifact {art!r} uses custom calls that are not allowed here: {bad}")
+    for op in _FORBIDDEN_OPS:
+        if re.search(re.escape(op) + r"\b", text):
+            raise _bad(f"artifact {art!r} uses {op}, which is not allowed")
+    return found
+
+
+def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:
+    """The manifest must describe the exports exactly: the primal's structure, shapes
+    and dtypes, and each derivative map's signature for its role."""
+    primal = exps["primal"]
+    _check_primal_signature(primal, m)
+    xk = [_aval_key(a) for a in primal.in_avals[: m.nx]]
+    ck = [_aval_key(a) for a in primal.in_avals[m.nx :]]
     yk = [_aval_key(a) for a in primal.out_avals]
 
     def kb(keys):
-        return [((batch_dim, *s), d) for s, d in keys]
+        return [((m.batch_dim, *s), d) for s, d in keys]
 
     expect = {
         "jvp": (xk + kb(xk) + ck, kb(yk)),
@@ -671,22 +722,37 @@ def load_exported(
     if not jax.config.jax_enable_x64 and any(d in _x64_dtypes() for _, d in xk + ck + yk):
         raise _bad("the export uses 64-bit dtypes but this server runs without jax_enable_x64")
 
-    h = _Artifacts(exps, nx, nc, ny, name)
+
+def _check_primal_signature(primal: Any, m: _Manifest) -> None:
+    """The primal's pytrees, shapes, dtypes and leaf counts are the manifest's."""
+    tu = jax.tree_util
+    try:
+        want_tree = tu.tree_structure(((m.x_sk, *m.c_sk), {}), is_leaf=_is_leaf)
+        want_in = tu.tree_leaves(((m.x_sk, *m.c_sk), {}), is_leaf=_is_leaf)
+        want_out = tu.tree_leaves(m.y_sk, is_leaf=_is_leaf)
+        want_out_tree = tu.tree_structure(m.y_sk, is_leaf=_is_leaf)
+    except Exception as e:
+        raise _bad(f"malformed signature: {e}") from None
+    if want_tree != primal.in_tree or want_out_tree != primal.out_tree:
+        raise _bad("the manifest's signature does not match the exported function's structure")
+    if [_aval_key(a) for a in primal.in_avals] != want_in or [
+        _aval_key(a) for a in primal.out_avals
+    ] != want_out:
+        raise _bad("the manifest's shapes/dtypes do not match the exported function")
+    if len(want_in) != m.nx + m.nc or len(want_out) != m.ny:
+        raise _bad("the manifest's leaf counts do not match its signature")
+
+
+def _constraints(manifest: dict[str, Any]) -> list[Any]:
+    """The manifest's symbolic constraints, parsed (empty without any)."""
     try:
         constraints = [str(c) for c in _as_list(manifest.get("constraints", []))]
         if constraints:
             scope = jex.SymbolicScope(constraints)
-            h.constraints = list(getattr(scope, "_explicit_constraints", ()))
+            return list(getattr(scope, "_explicit_constraints", ()))
     except Exception as e:
         raise _bad(f"bad symbolic constraints {manifest.get('constraints')!r}: {e}") from None
-    return LoadedExport(
-        fn=_make_fn(h),
-        signature=manifest,
-        platforms=platforms,
-        custom_call_targets=frozenset(targets),
-        nbytes=len(bundle),
-        artifacts=h,
-    )
+    return []
 
 
 # ----------------------------------------------------------------------------

@@ -145,24 +145,51 @@ class _nullcontext:
 
 
 def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
+    """The bundle of ``fn`` at the example specs ``concrete`` (x64 already set as needed)."""
     import jax
-    import numpy as np
     from jax import export as jex
 
-    tracer_errors = _tracer_errors()
-    tu = jax.tree_util
+    def export(f, *args):
+        return jex.export(jax.jit(f), platforms=platforms)(*args)
+
     scope = jex.SymbolicScope(constraints)
-    if polymorphic_shapes is None:
-        specs = concrete
-    else:
-        specs = jex.symbolic_args_specs(concrete, polymorphic_shapes, scope=scope)
+    specs = _input_specs(concrete, polymorphic_shapes, scope)
     x_spec, c_specs = specs[0], tuple(specs[1:])
     # validate structures early (also produces the JSON signature)
-    x_sig = tree_spec(x_spec, "x")
-    c_sig = [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(c_specs)]
+    signature = {
+        "x": tree_spec(x_spec, "x"),
+        "contexts": [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(c_specs)],
+    }
+    x_leaves, x_tree = jax.tree_util.tree_flatten(x_spec)
+    c_leaves, c_tree = jax.tree_util.tree_flatten(c_specs)
+    _check_x_leaves(x_leaves)
 
-    x_leaves, x_tree = tu.tree_flatten(x_spec)
-    c_leaves, c_tree = tu.tree_flatten(c_specs)
+    primal = _export_primal(export, fn, x_spec, c_specs)
+    signature["output"] = tree_spec(_output_spec(primal), "output")
+    signature.update(n_x_leaves=len(x_leaves), n_context_leaves=len(c_leaves),
+                     n_output_leaves=len(primal.out_avals))
+    maps = _FlatMaps(fn, x_tree, c_tree, len(x_leaves), len(c_leaves))
+    (k,) = jex.symbolic_shape(BATCH_DIM, scope=scope)
+    derivatives = _export_derivatives(export, maps, k, x_leaves, primal.out_avals, c_leaves)
+    exps = {"primal": primal, **derivatives}
+    _check_exports(exps)
+    blobs = {name: bytes(exps[name].serialize(vjp_order=0)) for name in ARTIFACTS}
+    return pack(_manifest(fn, primal, platforms, signature, specs, constraints), blobs)
+
+
+def _input_specs(concrete: tuple, polymorphic_shapes: Any, scope: Any) -> tuple:
+    """The specs the functions are exported at: ``concrete``, or its symbolic shapes."""
+    from jax import export as jex
+
+    if polymorphic_shapes is None:
+        return concrete
+    return jex.symbolic_args_specs(concrete, polymorphic_shapes, scope=scope)
+
+
+def _check_x_leaves(x_leaves: list[Any]) -> None:
+    """Raise ``ValueError`` unless ``x`` has leaves, all real floating point."""
+    import numpy as np
+
     if not x_leaves:
         raise ValueError("x has no array leaves")
     for i, s in enumerate(x_leaves):
@@ -171,125 +198,160 @@ def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
                 f"x leaf {i} has dtype {np.dtype(s.dtype).name}; the differentiated "
                 "input must be real floating point (pass integer data as a context)"
             )
-    nx = len(x_leaves)
 
-    def export(f, *args):
-        return jex.export(jax.jit(f), platforms=platforms)(*args)
 
-    # -- primal, with the user's pytree structure
+def _export_primal(export: Callable, fn: Callable, x_spec: Any, c_specs: tuple) -> Any:
+    """``fn`` exported with the user's pytree structure; its outputs checked to be real
+    floating point. A function JAX cannot trace raises ``TypeError``."""
+    import numpy as np
+
     try:
         primal = export(fn, x_spec, *c_specs)
-    except tracer_errors as exc:
+    except _tracer_errors() as exc:
         raise TypeError(_untraceable_message(fn, exc)) from exc
-    y_leaves_avals = primal.out_avals
-    for i, a in enumerate(y_leaves_avals):
+    for i, a in enumerate(primal.out_avals):
         if not np.issubdtype(np.dtype(a.dtype), np.floating):
             raise ValueError(
                 f"output leaf {i} has dtype {np.dtype(a.dtype).name}; outputs must be "
                 "real floating point to be differentiated"
             )
-    ny = len(y_leaves_avals)
-    y_spec = tu.tree_unflatten(
-        primal.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_avals]
-    )
-    y_sig = tree_spec(y_spec, "output")
+    return primal
 
-    # -- derivative maps over flat leaves, linear inputs batched on a leading k
-    (k,) = jex.symbolic_shape(BATCH_DIM, scope=scope)
 
-    def kb(avals):
-        return [jax.ShapeDtypeStruct((k, *a.shape), a.dtype) for a in avals]
+def _output_spec(primal: Any) -> Any:
+    """The primal's output as a pytree of ShapeDtypeStructs."""
+    import jax
 
-    x_avals = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in x_leaves]
-    y_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_leaves_avals]
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in primal.out_avals]
+    return jax.tree_util.tree_unflatten(primal.out_tree, leaves)
 
-    nc = len(c_leaves)
 
-    def unpack(args):
+class _FlatMaps:
+    """The four derivative maps of ``fn`` over flat leaves: each takes the x leaves, then
+    its linear leaves (batched on a leading ``k``), then the context leaves, and returns
+    flat leaves (see the module's table)."""
+
+    def __init__(self, fn: Callable, x_tree: Any, c_tree: Any, nx: int, nc: int) -> None:
+        self.fn, self.x_tree, self.c_tree, self.nx, self.nc = fn, x_tree, c_tree, nx, nc
+
+    def unpack(self, args: tuple) -> tuple[list, list, list]:
         """flat args -> (x leaves, linear leaves, context leaves)"""
+        nx, nc = self.nx, self.nc
         return list(args[:nx]), list(args[nx : len(args) - nc]), list(args[len(args) - nc :])
 
-    def fx_of(cs):
-        contexts = tu.tree_unflatten(c_tree, cs)
+    def fx_of(self, cs: list) -> Callable[[list], list]:
+        """``f`` of the x leaves alone, at the context leaves ``cs``, to flat outputs."""
+        import jax
+
+        tu = jax.tree_util
+        contexts = tu.tree_unflatten(self.c_tree, cs)
 
         def fx(xs):
-            return tu.tree_leaves(fn(tu.tree_unflatten(x_tree, xs), *contexts))
+            return tu.tree_leaves(self.fn(tu.tree_unflatten(self.x_tree, xs), *contexts))
 
         return fx
 
-    def jvp_art(*args):
-        xs, lin, cs = unpack(args)
-        fx = fx_of(cs)
+    def jvp_art(self, *args):
+        import jax
+
+        xs, lin, cs = self.unpack(args)
+        fx = self.fx_of(cs)
         return tuple(jax.vmap(lambda t: jax.jvp(fx, (xs,), (t,))[1])(lin))
 
-    def vjp_art(*args):
-        xs, lin, cs = unpack(args)
-        _, pull = jax.vjp(fx_of(cs), xs)
+    def vjp_art(self, *args):
+        import jax
+
+        xs, lin, cs = self.unpack(args)
+        _, pull = jax.vjp(self.fx_of(cs), xs)
         return tuple(jax.vmap(lambda w: pull(w)[0])(lin))
 
-    def jvp_jvp_art(*args):
-        xs, lin, cs = unpack(args)
-        fx = fx_of(cs)
-        a_s, b_s = list(lin[:nx]), list(lin[nx:])
+    def jvp_jvp_art(self, *args):
+        import jax
+
+        xs, lin, cs = self.unpack(args)
+        fx = self.fx_of(cs)
+        a_s, b_s = list(lin[: self.nx]), list(lin[self.nx :])
 
         def one(a, b):
             return jax.jvp(lambda z: jax.jvp(fx, (z,), (a,))[1], (xs,), (b,))[1]
 
         return tuple(jax.vmap(one)(a_s, b_s))
 
-    def jvp_vjp_art(*args):
-        xs, lin, cs = unpack(args)
-        fx = fx_of(cs)
-        u_s, w_s = list(lin[:nx]), list(lin[nx:])
+    def jvp_vjp_art(self, *args):
+        import jax
+
+        xs, lin, cs = self.unpack(args)
+        fx = self.fx_of(cs)
+        u_s, w_s = list(lin[: self.nx]), list(lin[self.nx :])
 
         def one(u, w):
             return jax.jvp(lambda z: jax.vjp(fx, z)[1](w)[0], (xs,), (u,))[1]
 
         return tuple(jax.vmap(one)(u_s, w_s))
 
-    cs_avals = list(c_leaves)
-    exps = {
-        "primal": primal,
-        "jvp": export(jvp_art, *x_avals, *kb(x_avals), *cs_avals),
-        "vjp": export(vjp_art, *x_avals, *kb(y_avals), *cs_avals),
-        "jvp_jvp": export(jvp_jvp_art, *x_avals, *kb(x_avals), *kb(x_avals), *cs_avals),
-        "jvp_vjp": export(jvp_vjp_art, *x_avals, *kb(x_avals), *kb(y_avals), *cs_avals),
+
+def _export_derivatives(
+    export: Callable, maps: _FlatMaps, k: Any, x_leaves: list, y_avals: list, c_leaves: list
+) -> dict[str, Any]:
+    """The four derivative artifacts, their linear inputs batched on the symbolic ``k``."""
+    import jax
+
+    def kb(avals):
+        return [jax.ShapeDtypeStruct((k, *a.shape), a.dtype) for a in avals]
+
+    xs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in x_leaves]
+    ys = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_avals]
+    cs = list(c_leaves)
+    return {
+        "jvp": export(maps.jvp_art, *xs, *kb(xs), *cs),
+        "vjp": export(maps.vjp_art, *xs, *kb(ys), *cs),
+        "jvp_jvp": export(maps.jvp_jvp_art, *xs, *kb(xs), *kb(xs), *cs),
+        "jvp_vjp": export(maps.jvp_vjp_art, *xs, *kb(xs), *kb(ys), *cs),
     }
+
+
+def _check_exports(exps: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for an artifact the server would refuse: side effects, or
+    more than one device."""
     for name, e in exps.items():
         if e.ordered_effects or e.unordered_effects:
             raise ValueError(f"{name}: functions with side effects cannot be exported")
         if e.nr_devices != 1:
             raise ValueError(f"{name}: only single-device functions can be exported")
-    blobs = {name: bytes(exps[name].serialize(vjp_order=0)) for name in ARTIFACTS}
 
-    symbolic = sorted(
+
+def _symbolic_dims(specs: Any) -> list[str]:
+    """The names of the symbolic dimensions in ``specs``, sorted."""
+    import jax
+    from jax import export as jex
+
+    return sorted(
         {
             str(v)
-            for s in tu.tree_leaves(specs)
+            for s in jax.tree_util.tree_leaves(specs)
             for d in s.shape
             if jex.is_symbolic_dim(d)
             for v in d._get_vars()
         }
     )
-    manifest = {
+
+
+def _manifest(fn, primal, platforms, signature, specs, constraints) -> dict[str, Any]:
+    """The bundle's manifest (see ``dxcontract.bundle``)."""
+    import jax
+
+    symbolic = _symbolic_dims(specs)
+    return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "jax_version": jax.__version__,
         "calling_convention_version": primal.calling_convention_version,
         "platforms": list(platforms),
         "function_name": getattr(fn, "__name__", "fn"),
-        "signature": {
-            "x": x_sig,
-            "contexts": c_sig,
-            "output": y_sig,
-            "n_x_leaves": nx,
-            "n_context_leaves": len(c_leaves),
-            "n_output_leaves": ny,
-        },
+        "signature": signature,
         "polymorphic": bool(symbolic),
         "symbolic_dims": symbolic,
         "constraints": list(constraints),
         "batch_dim": BATCH_DIM,
         "max_derivative_order": 2,
     }
-    return pack(manifest, blobs)

@@ -1,8 +1,9 @@
 """Bounded connections: uvicorn's httptools protocol with read, write and size limits.
 
-The one module of dxserve that builds on uvicorn's internals, and only here: it
-subclasses ``HttpToolsProtocol`` and is plugged in through uvicorn's public ``http=``
-option (``dxserve serve`` does it; see ``cli.connection_options``). It is written
+The one module of dxserve that builds on uvicorn's internals, and only here:
+``bounded_protocol(limits)`` subclasses ``HttpToolsProtocol`` with ``BoundedConnection``
+(the limits' class attribute set), and the class is plugged in through uvicorn's public
+``http=`` option (``dxserve serve`` does it; see ``cli.connection_options``). It is written
 against the uvicorn versions the package pins and checked against the lowest and the
 highest of them in CI. With any other version, without httptools, or with
 ``DXSERVE_HTTP=h11``, ``bounded_protocol`` returns None: the server runs on uvicorn's own
@@ -44,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dxcontract.codec import BINARY_TYPE, dumps
 from dxcontract.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
@@ -118,8 +119,235 @@ def supported_uvicorn(version: str) -> bool:
     return low <= found < high
 
 
+class BoundedConnection:
+    """The limits and fast paths of this module, as a mixin over uvicorn's
+    ``HttpToolsProtocol`` (the class that follows it in the bases supplies the parsing,
+    the cycle and the flow control). ``limits`` is read per connection:
+    ``bounded_protocol`` makes the subclass that sets it."""
+
+    #: the bounds this protocol enforces; set by ``bounded_protocol`` on its subclass
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._phase = _HEAD
+        self._deadline = self.loop.time() + self.limits.header_timeout
+        self._begin_head(by_parser=False)
+        #: the body being received into one buffer, if any
+        self._inbox: _OneBuffer | None = None
+        #: an oversized head behind a request still being answered: refused after it
+        self._refusing: DxError | None = None
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, "Service Unavailable", OverloadedError(
+                f"the server holds its limit of {self.limits.max_connections} open "
+                "connections; retry shortly", retry_after=1,
+            ), "retry-after: 1")
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._stop_write_timer()
+        self._inbox = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusing is not None:  # nothing more is read on this connection
+            return
+        if self._phase == _APP:  # the first bytes of the next request (or of junk)
+            self._begin()
+        if self._phase == _HEAD and self._count_raw(data):
+            return
+        super().data_received(data)
+
+    # --- the head's size ------------------------------------------------------------
+    # A head that starts where a read starts is counted from the raw bytes, exactly.
+    # One that starts inside a read (pipelined behind a body) is counted from what
+    # the parser reports (request line and header lines as sent with ": "), and its
+    # later reads from the raw bytes as well, so neither can grow past the limit.
+    def _begin_head(self, by_parser: bool) -> None:
+        self._head_bytes = 0  # raw bytes of the head so far
+        self._parsed_bytes = 0  # bytes the parser has reported (by_parser only)
+        self._tail = b""  # the last bytes of the head: a CRLF CRLF may span reads
+        self._by_parser = by_parser
+
+    def _count_raw(self, data: bytes) -> bool:
+        """Count the head bytes in ``data``; True when past the limit (refused)."""
+        seen = self._tail + data
+        end = seen.find(_END_OF_HEAD)
+        if end < 0:
+            self._head_bytes += len(data)
+            self._tail = seen[-3:]
+        else:  # the head ends in this read: what follows is body, or the next request
+            self._head_bytes += end + len(_END_OF_HEAD) - len(self._tail)
+            self._tail = b""
+        return self._head_bytes > self.limits.max_header_bytes and self._too_large()
+
+    def _count_parsed(self, nbytes: int) -> bool:
+        self._parsed_bytes += nbytes
+        return self._parsed_bytes > self.limits.max_header_bytes and self._too_large()
+
+    def _too_large(self) -> bool:
+        error = MalformedRequestError(
+            f"request headers exceed {self.limits.max_header_bytes} bytes", field="headers",
+        )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and self._by_parser:
+            # pipelined behind a request still being answered: answer that one first
+            self._refusing = error
+            self.flow.pause_reading()
+        else:
+            self._refuse(431, "Request Header Fields Too Large", error)
+        return True
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase != _HEAD:  # a pipelined request began inside a read
+            self._begin(by_parser=True)
+
+    def on_url(self, url: bytes) -> None:
+        if self._refusing is not None or self.transport.is_closing():
+            return
+        super().on_url(url)
+        if self._by_parser:  # "METHOD url HTTP/1.1\r\n"
+            first = not self._parsed_bytes
+            extra = len(self.parser.get_method()) + len(" HTTP/1.1\r\n") + 1 if first else 0
+            self._count_parsed(len(url) + extra)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refusing is not None or self.transport.is_closing():
+            return
+        super().on_header(name, value)
+        if self._by_parser:
+            self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
+
+    def on_headers_complete(self) -> None:
+        if self._refusing is not None or self.transport.is_closing():
+            return
+        if self._by_parser and self._count_parsed(2):
+            return
+        self._phase = _BODY  # the armed timer moves on to this deadline when it fires
+        self._deadline = self.loop.time() + self.limits.body_timeout
+        if self.limits.body_timeout < self.limits.header_timeout:  # ... unless it comes sooner
+            self._disarm()
+            self._arm()
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
+            return
+        cycle.transport = out = _HeadWithBody(self.transport, self.loop)
+        cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
+        length, binary = _framing(self.headers)
+        if self.limits.one_buffer_bytes <= length <= self.limits.max_body_bytes:
+            # read by run_asgi when its task first runs, after this callback
+            cycle.receive = _OneBuffer(self, cycle, length, binary).receive
+            self.flow.pause_reading()  # nothing more until the application asks
+
+    def on_body(self, body: bytes) -> None:
+        inbox = self._inbox
+        if inbox is None or inbox.cycle is not self.cycle:
+            super().on_body(body)
+        elif not self.cycle.response_complete:  # answered early: the rest is dropped
+            inbox.add(body)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._inbox = None  # the receive holding it returns it; the next gets its own
+        self._phase = _APP
+        self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusing is not None and not self.transport.is_closing():
+            self._refuse(431, "Request Header Fields Too Large", self._refusing)
+
+    # --- writes -----------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        timer = getattr(self, "_write_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._write_timer = None
+
+    def _stalled(self) -> None:
+        self._write_timer = None
+        log.info(
+            "closing %s: it took nothing of its answer for %g s",
+            self.client, self.limits.write_timeout,
+        )
+        self.transport.abort()  # close() would wait for the client to read
+
+    # --- read timers ----------------------------------------------------------------
+    def _begin(self, by_parser: bool = False) -> None:
+        self._phase = _HEAD
+        self._begin_head(by_parser)
+        self._deadline = self.loop.time() + self.limits.header_timeout
+        self._disarm()
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_at(self._deadline, self._expired)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self._phase == _APP or self.transport.is_closing():
+            return
+        if self.loop.time() < self._deadline:  # the deadline moved on (headers done)
+            self._arm()
+            return
+        if self.pipeline:  # a pipelined request waits unread behind one still running:
+            self._deadline = self.loop.time() + self.limits.body_timeout  # not its sender's
+            self._arm()  # fault; the one before it is bounded by the request timeout
+            return
+        if self._phase == _HEAD:
+            what, limit = "headers", self.limits.header_timeout
+        else:
+            what, limit = "body", self.limits.body_timeout
+        log.info("closing %s: request %s not received within %g s", self.client, what, limit)
+        error = RequestTimeoutError(
+            f"the request {what} did not arrive within {limit:g} s", field=what
+        )
+        cycle = self.cycle if self._phase == _BODY else None
+        if cycle is None or not cycle.response_started:
+            self.transport.write(raw_problem(408, "Request Timeout", error))
+        self._disconnect_cycle()
+        self.transport.close()
+
+    def _refuse(self, status: int, reason: str, error: DxError, *headers: str) -> None:
+        self._disarm()
+        self._phase = _APP
+        self._disconnect_cycle()
+        self.transport.write(raw_problem(status, reason, error, *headers))
+        self.transport.close()
+
+    def _disconnect_cycle(self) -> None:
+        """The request being served sees its client gone (and sends nothing more)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+
+
 def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
-    """uvicorn's httptools protocol with ``limits``, or None where it cannot be built
+    """uvicorn's httptools protocol with ``limits`` (``BoundedConnection`` before
+    ``HttpToolsProtocol``), for uvicorn's ``http=`` option; None where it cannot be built
     (no httptools, or a uvicorn outside ``UVICORN_VERSIONS``)."""
     try:
         import uvicorn
@@ -128,227 +356,9 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
         return None
     if not supported_uvicorn(uvicorn.__version__):
         return None
-
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        """``HttpToolsProtocol`` with ``limits`` (see the module)."""
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._timer: asyncio.TimerHandle | None = None
-            self._write_timer: asyncio.TimerHandle | None = None
-            self._phase = _HEAD
-            self._deadline = self.loop.time() + limits.header_timeout
-            self._begin_head(by_parser=False)
-            #: the body being received into one buffer, if any
-            self._inbox: _OneBuffer | None = None
-            #: an oversized head behind a request still being answered: refused after it
-            self._refusing: DxError | None = None
-            if len(self.connections) > limits.max_connections:
-                self._refuse(503, "Service Unavailable", OverloadedError(
-                    f"the server holds its limit of {limits.max_connections} open "
-                    "connections; retry shortly", retry_after=1,
-                ), "retry-after: 1")
-                return
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            self._stop_write_timer()
-            self._inbox = None
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self._refusing is not None:  # nothing more is read on this connection
-                return
-            if self._phase == _APP:  # the first bytes of the next request (or of junk)
-                self._begin()
-            if self._phase == _HEAD and self._count_raw(data):
-                return
-            super().data_received(data)
-
-        # --- the head's size ------------------------------------------------------------
-        # A head that starts where a read starts is counted from the raw bytes, exactly.
-        # One that starts inside a read (pipelined behind a body) is counted from what
-        # the parser reports (request line and header lines as sent with ": "), and its
-        # later reads from the raw bytes as well, so neither can grow past the limit.
-        def _begin_head(self, by_parser: bool) -> None:
-            self._head_bytes = 0  # raw bytes of the head so far
-            self._parsed_bytes = 0  # bytes the parser has reported (by_parser only)
-            self._tail = b""  # the last bytes of the head: a CRLF CRLF may span reads
-            self._by_parser = by_parser
-
-        def _count_raw(self, data: bytes) -> bool:
-            """Count the head bytes in ``data``; True when past the limit (refused)."""
-            seen = self._tail + data
-            end = seen.find(_END_OF_HEAD)
-            if end < 0:
-                self._head_bytes += len(data)
-                self._tail = seen[-3:]
-            else:  # the head ends in this read: what follows is body, or the next request
-                self._head_bytes += end + len(_END_OF_HEAD) - len(self._tail)
-                self._tail = b""
-            return self._head_bytes > limits.max_header_bytes and self._too_large()
-
-        def _count_parsed(self, nbytes: int) -> bool:
-            self._parsed_bytes += nbytes
-            return self._parsed_bytes > limits.max_header_bytes and self._too_large()
-
-        def _too_large(self) -> bool:
-            error = MalformedRequestError(
-                f"request headers exceed {limits.max_header_bytes} bytes", field="headers",
-            )
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and self._by_parser:
-                # pipelined behind a request still being answered: answer that one first
-                self._refusing = error
-                self.flow.pause_reading()
-            else:
-                self._refuse(431, "Request Header Fields Too Large", error)
-            return True
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            if self._phase != _HEAD:  # a pipelined request began inside a read
-                self._begin(by_parser=True)
-
-        def on_url(self, url: bytes) -> None:
-            if self._refusing is not None or self.transport.is_closing():
-                return
-            super().on_url(url)
-            if self._by_parser:  # "METHOD url HTTP/1.1\r\n"
-                first = not self._parsed_bytes
-                extra = len(self.parser.get_method()) + len(" HTTP/1.1\r\n") + 1 if first else 0
-                self._count_parsed(len(url) + extra)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            if self._refusing is not None or self.transport.is_closing():
-                return
-            super().on_header(name, value)
-            if self._by_parser:
-                self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
-
-        def on_headers_complete(self) -> None:
-            if self._refusing is not None or self.transport.is_closing():
-                return
-            if self._by_parser and self._count_parsed(2):
-                return
-            self._phase = _BODY  # the armed timer moves on to this deadline when it fires
-            self._deadline = self.loop.time() + limits.body_timeout
-            if limits.body_timeout < limits.header_timeout:  # ... unless it comes sooner
-                self._disarm()
-                self._arm()
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is None or cycle.scope is not self.scope:  # an upgrade: not ours
-                return
-            cycle.transport = out = _HeadWithBody(self.transport, self.loop)
-            cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
-            length, binary = _framing(self.headers)
-            if limits.one_buffer_bytes <= length <= limits.max_body_bytes:
-                # read by run_asgi when its task first runs, after this callback
-                cycle.receive = _OneBuffer(self, cycle, length, binary).receive
-                self.flow.pause_reading()  # nothing more until the application asks
-
-        def on_body(self, body: bytes) -> None:
-            inbox = self._inbox
-            if inbox is None or inbox.cycle is not self.cycle:
-                super().on_body(body)
-            elif not self.cycle.response_complete:  # answered early: the rest is dropped
-                inbox.add(body)
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._inbox = None  # the receive holding it returns it; the next gets its own
-            self._phase = _APP
-            self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._refusing is not None and not self.transport.is_closing():
-                self._refuse(431, "Request Header Fields Too Large", self._refusing)
-
-        # --- writes -----------------------------------------------------------------
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._write_timer is None:
-                self._write_timer = self.loop.call_later(limits.write_timeout, self._stalled)
-
-        def resume_writing(self) -> None:
-            self._stop_write_timer()
-            super().resume_writing()
-
-        def _stop_write_timer(self) -> None:
-            timer = getattr(self, "_write_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._write_timer = None
-
-        def _stalled(self) -> None:
-            self._write_timer = None
-            log.info(
-                "closing %s: it took nothing of its answer for %g s",
-                self.client, limits.write_timeout,
-            )
-            self.transport.abort()  # close() would wait for the client to read
-
-        # --- read timers ----------------------------------------------------------------
-        def _begin(self, by_parser: bool = False) -> None:
-            self._phase = _HEAD
-            self._begin_head(by_parser)
-            self._deadline = self.loop.time() + limits.header_timeout
-            self._disarm()
-            self._arm()
-
-        def _arm(self) -> None:
-            if self._timer is None:
-                self._timer = self.loop.call_at(self._deadline, self._expired)
-
-        def _disarm(self) -> None:
-            timer = getattr(self, "_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._timer = None
-
-        def _expired(self) -> None:
-            self._timer = None
-            if self._phase == _APP or self.transport.is_closing():
-                return
-            if self.loop.time() < self._deadline:  # the deadline moved on (headers done)
-                self._arm()
-                return
-            if self.pipeline:  # a pipelined request waits unread behind one still running:
-                self._deadline = self.loop.time() + limits.body_timeout  # not its sender's
-                self._arm()  # fault; the one before it is bounded by the request timeout
-                return
-            if self._phase == _HEAD:
-                what, limit = "headers", limits.header_timeout
-            else:
-                what, limit = "body", limits.body_timeout
-            log.info("closing %s: request %s not received within %g s", self.client, what, limit)
-            error = RequestTimeoutError(
-                f"the request {what} did not arrive within {limit:g} s", field=what
-            )
-            cycle = self.cycle if self._phase == _BODY else None
-            if cycle is None or not cycle.response_started:
-                self.transport.write(raw_problem(408, "Request Timeout", error))
-            self._disconnect_cycle()
-            self.transport.close()
-
-        def _refuse(self, status: int, reason: str, error: DxError, *headers: str) -> None:
-            self._disarm()
-            self._phase = _APP
-            self._disconnect_cycle()
-            self.transport.write(raw_problem(status, reason, error, *headers))
-            self.transport.close()
-
-        def _disconnect_cycle(self) -> None:
-            """The request being served sees its client gone (and sends nothing more)."""
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.message_event.set()
-
-    return BoundedHttpToolsProtocol
+    return type(
+        "BoundedHttpToolsProtocol", (BoundedConnection, HttpToolsProtocol), {"limits": limits}
+    )
 
 
 class _OneBuffer:
