@@ -25,16 +25,12 @@ The protocol here adds, per connection:
   the server has more to send (the transport's buffer is full) is disconnected, so what
   was waiting for it is freed.
 
-And two things for speed. An answer's head is held back and written with its body's
+And one thing for speed: an answer's head is held back and written with its body's
 first parts, in one system call (``_HeadWithBody``): ASGI sends them as separate
 messages, and each write is a system call that costs as much as a small gradient.
-A body whose ``Content-Length`` is at least
-``one_buffer_bytes`` is received into one buffer of that size (64-byte aligned for the
-binary framing, so its arrays go to the device as they are) and handed to the
-application as one message. uvicorn would hand it over 64 KiB at a time, pausing and
-resuming reading and copying each piece twice more on the way; at 8 MB that costs
-milliseconds. Nothing is read or allocated until the application asks for the body
-(after its limits and budget admitted the declared length).
+(Receiving a large body straight into one buffer, bypassing uvicorn's 64 KiB pieces,
+was measured slower: pausing reading until the application asks stalls the sender;
+the pipeline's ``BodyBuffer`` gathers the pieces into one aligned buffer instead.)
 
 No read timer runs while the application works on a complete request (the request
 timeout bounds that). The timers cost one ``call_at`` and one ``cancel`` per request.
@@ -47,10 +43,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dxcontract.codec import BINARY_TYPE, dumps
+from dxcontract.codec import dumps
 from dxcontract.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
 
-from ..pipeline.operators import aligned_buffer
 from .problems import PROBLEM_TYPE, problem_document
 
 log = logging.getLogger("dxserve.http")
@@ -61,7 +56,6 @@ UVICORN_VERSIONS = ((0, 46), (0, 55))
 # what the parser of one connection is doing
 _HEAD, _BODY, _APP = "head", "body", "app"
 _END_OF_HEAD = b"\r\n\r\n"
-_BINARY_TYPE = BINARY_TYPE.encode("latin-1")
 
 
 @dataclass(frozen=True)
@@ -73,10 +67,6 @@ class ConnectionLimits:
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
     write_timeout: float = 60.0
-    #: bodies declaring at least this many bytes are received into one buffer
-    one_buffer_bytes: int = 64 * 1024
-    #: ... and at most this many (the application refuses larger ones unread)
-    max_body_bytes: int = 256 * 1024 * 1024
 
     def describe(self) -> str:
         return (
@@ -135,8 +125,6 @@ class BoundedConnection:
         self._phase = _HEAD
         self._deadline = self.loop.time() + self.limits.header_timeout
         self._begin_head(by_parser=False)
-        #: the body being received into one buffer, if any
-        self._inbox: _OneBuffer | None = None
         #: an oversized head behind a request still being answered: refused after it
         self._refusing: DxError | None = None
         if len(self.connections) > self.limits.max_connections:
@@ -150,7 +138,6 @@ class BoundedConnection:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_write_timer()
-        self._inbox = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -239,22 +226,9 @@ class BoundedConnection:
             return
         cycle.transport = out = _HeadWithBody(self.transport, self.loop)
         cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
-        length, binary = _framing(self.headers)
-        if self.limits.one_buffer_bytes <= length <= self.limits.max_body_bytes:
-            # read by run_asgi when its task first runs, after this callback
-            cycle.receive = _OneBuffer(self, cycle, length, binary).receive
-            self.flow.pause_reading()  # nothing more until the application asks
-
-    def on_body(self, body: bytes) -> None:
-        inbox = self._inbox
-        if inbox is None or inbox.cycle is not self.cycle:
-            super().on_body(body)
-        elif not self.cycle.response_complete:  # answered early: the rest is dropped
-            inbox.add(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._inbox = None  # the receive holding it returns it; the next gets its own
         self._phase = _APP
         self._disarm()
 
@@ -359,70 +333,6 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
     return type(
         "BoundedHttpToolsProtocol", (BoundedConnection, HttpToolsProtocol), {"limits": limits}
     )
-
-
-class _OneBuffer:
-    """A body of ``length`` bytes received into one buffer for ``cycle`` (uvicorn's
-    request-response cycle): ``receive`` is the cycle's ASGI receive, delivering the
-    whole body in its first message; later calls are the cycle's own (they wait for the
-    disconnect)."""
-
-    __slots__ = ("binary", "buffer", "cycle", "got", "length", "own_receive", "protocol")
-
-    def __init__(self, protocol: Any, cycle: Any, length: int, binary: bool) -> None:
-        self.protocol, self.cycle, self.length, self.binary = protocol, cycle, length, binary
-        self.own_receive = cycle.receive
-        self.buffer: Any = None
-        self.got = 0
-
-    def add(self, data: bytes) -> None:
-        end = self.got + len(data)
-        if end <= self.length:  # httptools frames the body by its Content-Length
-            self.buffer[self.got:end] = data
-            self.got = end
-
-    async def receive(self) -> dict:
-        cycle = self.cycle
-        if self.buffer is not None or not cycle.more_body or cycle.disconnected or (
-            cycle.response_complete
-        ):
-            return await self.own_receive()  # in already (or gone): uvicorn's way
-        # a binary body's arrays sit at 64-byte offsets in it: in an aligned buffer
-        # the device can use their bytes as they are
-        self.buffer = aligned_buffer(self.length) if self.binary else bytearray(self.length)
-        self.add(bytes(cycle.body))  # what uvicorn holds already
-        cycle.body = bytearray()
-        protocol = self.protocol
-        protocol._inbox = self
-        if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
-            cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            cycle.waiting_for_100_continue = False
-        while cycle.more_body and not cycle.disconnected and not cycle.response_complete:
-            cycle.flow.resume_reading()
-            await cycle.message_event.wait()
-            cycle.message_event.clear()
-        if protocol._inbox is self:  # gone before the last byte
-            protocol._inbox = None
-        if cycle.disconnected or cycle.response_complete:
-            return {"type": "http.disconnect"}
-        return {"type": "http.request", "body": self.buffer, "more_body": False}
-
-
-def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
-    """``(Content-Length, whether the body is the binary framing)``; the length is -1
-    without one, for a chunked body, or one repeated or not a plain number (left to
-    uvicorn and the application)."""
-    length, binary = -1, False
-    for name, value in headers:
-        if name == b"content-length":
-            if length >= 0 or not value.isdigit() or len(value) > 18:
-                return -1, binary
-            length = int(value)
-        elif name == b"transfer-encoding":
-            return -1, binary
-        elif name == b"content-type":
-            binary = _BINARY_TYPE in value.lower()
-    return length, binary
 
 
 
