@@ -1,4 +1,4 @@
-"""Functions of structured inputs for ``tests/test_pytrees.py`` (and its server).
+"""Functions of structured inputs for ``tests/library/test_pytrees.py`` (and its server).
 
 Each is a ``@dxserve.function`` of a pytree: dicts, tuples, lists, nestings, None nodes,
 pytree outputs and pytree contexts. ``SCENARIOS`` gives each one's example ``x`` and

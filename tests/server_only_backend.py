@@ -1,6 +1,6 @@
 """A backend that only the server knows: ``--functions tests.server_only_backend``
 registers it in the server process, and a client process that never imports this
-module names it by its type (``tests/test_backend_names.py``)."""
+module names it by its type (``tests/client/test_backend_names.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Server-side functions that misbehave only while their pattern is being detected, in
 the detection child (where an address-space limit is set): they crash it, exhaust its
 memory or spin past its time. In the server process itself they trace normally, so
-the server's own shape probe of them succeeds. For ``tests/test_sparse_bounds.py``;
+the server's own shape probe of them succeeds. For ``tests/service/test_sparse_bounds.py``;
 never registered by a server that serves anything else.
 """
 

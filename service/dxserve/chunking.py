@@ -15,7 +15,7 @@ chunk instead of fresh pages. Every chunk runs the one compiled program; a remai
 is covered by a last chunk that overlaps its predecessor. Each basis vector's column or
 row is computed by the same operations as in the one-shot program, so both paths agree
 to rounding (bit for bit where XLA vectorizes the two batch widths alike;
-tests/test_progress_chunks.py).
+tests/library/test_progress_chunks.py).
 
 When a run is chunked:
 

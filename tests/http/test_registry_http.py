@@ -291,7 +291,7 @@ def test_upload_and_count_limits(make_server):
 
 
 def _hostile():
-    from test_expressions import HOSTILE
+    from tests.library.test_expressions import HOSTILE
 
     return HOSTILE
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "service" / "dxserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "service" / "dxserve"
 FRAMEWORKS = ("uvicorn", "starlette", "fastapi")
 #: the one module allowed to build on uvicorn's internals
 QUARANTINED = PACKAGE / "http" / "protocol.py"

@@ -118,7 +118,7 @@ def test_script_covers_every_non_operator_method() -> None:
     from dxcontract.operators import OPERATORS
 
     operators = set(OPERATORS) | {f"prepare_{n}" for n in OPERATORS}
-    # scipy() builds a sync-only adapter over the operators (tests/test_scipy_adapter.py)
+    # scipy() builds a sync-only adapter over the operators (tests/client/test_scipy_adapter.py)
     public = {
         name for name, _ in inspect.getmembers(Client, callable)
         if not name.startswith("_") and name not in operators and name not in ("close", "scipy")

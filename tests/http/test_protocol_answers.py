@@ -10,9 +10,9 @@ import socket
 
 import httpx
 import pytest
-from conftest import uvicorn_in_thread
 
 from dxserve.http.protocol import ConnectionLimits, bounded_protocol
+from tests.conftest import uvicorn_in_thread
 
 pytestmark = pytest.mark.protocol
 

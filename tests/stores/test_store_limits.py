@@ -11,7 +11,7 @@
   registers again, and does all that again after a restart.
 
 The same limits across server processes (``--workers 2``, two servers, PostgreSQL) are
-in ``tests/test_store_limits_cluster.py``.
+in ``tests/cluster/test_store_limits_cluster.py``.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def fuzz(server, count: int, seed: int) -> collections.Counter:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    from conftest import start_server, stop_server
+    from tests.conftest import start_server, stop_server
 
     # A short gate timeout: a few mutations make a check run long (a huge shape, say),
     # and a legitimate check of these small bundles takes well under a second.
@@ -174,7 +174,7 @@ def test_many_mutated_bundles_never_crash_the_server(fuzz_server):
 
 
 # --- a bundle that crashes JAX's native reader -----------------------------------------------
-SEGFAULT_BUNDLE = Path(__file__).parent / "data" / "export-segfault.bundle"
+SEGFAULT_BUNDLE = Path(__file__).parents[1] / "data" / "export-segfault.bundle"
 
 
 def _crashes_outside_the_gate(bundle: Path) -> bool:

@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler
 import httpx
 import numpy as np
 import pytest
-from conftest import HandlerInThread
 
 from dxclient import Client
 from dxcontract.errors import DxError
+from tests.conftest import HandlerInThread
 
 
 class Scripted:

@@ -22,14 +22,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import free_port
 
 from dxclient import AsyncClient, Client
 from dxclient.transport import FAST_MIN_BYTES, AsyncFastTransport, FastTransport
 from dxcontract import codec
 from dxserve import JaxReverse
+from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LARGE = FAST_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
 
 

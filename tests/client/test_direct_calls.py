@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import HandlerInThread, free_port
 
 from dxclient import AsyncClient, Client, _models
 from dxclient._direct import Answer, DirectCalls
@@ -31,6 +30,7 @@ from dxclient.transport import request_head
 from dxcontract import codec
 from dxcontract.backends import JaxReverse
 from dxcontract.errors import UnknownFunctionError
+from tests.conftest import HandlerInThread, free_port
 
 N = 20_000  # 160 KB of float64: a body the fast transport takes itself
 

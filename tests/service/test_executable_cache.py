@@ -25,7 +25,7 @@ from dxserve import JaxForward, JaxReverse, executable_cache
 from dxserve.preparation import prepare
 from dxserve.registry import expression_content
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CALLS: list[int] = []
 

@@ -1,7 +1,7 @@
 """The SQLite store in process (fast, in ``make test``): the put/409/replace rules and
 the quota as the directory store has them, a full database as 507, the import of a
 directory store, the change log, and two registries on one store seeing each other's
-registrations, replacements and deletions (``tests/test_shared_store.py`` does the same
+registrations, replacements and deletions (``tests/cluster/test_shared_store.py`` does the same
 with real server processes, and PostgreSQL)."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     store = tmp_path_factory.mktemp("ray-store")
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
     try:
         handle = ray_serve.start(
             port=port, replicas=2, num_cpus=0,

@@ -176,7 +176,7 @@ LIMIT = 8192
 
 @pytest.fixture(scope="module")
 def header_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from conftest import start_server, stop_server
+    from tests.conftest import start_server, stop_server
 
     srv = start_server(tmp_path_factory.mktemp("headers"),
                        env={"DXSERVE_MAX_HEADER_BYTES": str(LIMIT)}, modules=("dxserve.examples",))
@@ -231,7 +231,7 @@ N = 1000  # a Hessian of 8 MB (binary), 32 MB held with its JSON text
 
 @pytest.fixture(scope="module")
 def reader_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from conftest import start_server, stop_server
+    from tests.conftest import start_server, stop_server
 
     srv = start_server(
         tmp_path_factory.mktemp("readers"),

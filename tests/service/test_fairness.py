@@ -16,8 +16,8 @@ import threading
 import httpx
 import numpy as np
 
+from tests.service.test_compile_off_worker import HealthWatch, wait_until
 from tests.slow_functions import heavy_sines_hessian
-from tests.test_compile_off_worker import HealthWatch, wait_until
 
 N = 2000
 

@@ -367,12 +367,12 @@ def test_batches_of_points() -> None:
 # --- over HTTP, from a real server ----------------------------------------------------
 @pytest.fixture(scope="module")
 def numpy_server(tmp_path_factory: pytest.TempPathFactory):
-    from conftest import start_server, stop_server
+    from tests.conftest import start_server, stop_server
 
     srv = start_server(
         tmp_path_factory.mktemp("dxserve-numpy"),
         env={"DXSERVE_CHUNK_FROM": "20", "DXSERVE_MAX_REQUEST_MEMORY_BYTES": str(256 * 1024)},
-        modules=("dxserve.examples", "tests.test_second_framework"),
+        modules=("dxserve.examples", "tests.library.test_second_framework"),
     )
     try:
         yield srv

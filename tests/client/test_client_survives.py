@@ -24,7 +24,7 @@ import dxserve
 from dxclient import AsyncClient, Client
 from dxcontract.errors import UnknownPreparationError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 X = np.array([1.0, 2.0, 3.0])
 GRADIENT = np.array([-400.0, 1002.0, -200.0])

@@ -282,7 +282,7 @@ def test_integer_x_to_gradient_is_a_dtype_mismatch() -> None:
 
 
 def test_jacobian_and_hessian_of_pytree_x_are_jax_blocks() -> None:
-    s = sc.BY_NAME["pytree_tanh_regression"]  # more in tests/test_pytrees.py
+    s = sc.BY_NAME["pytree_tanh_regression"]  # more in tests/library/test_pytrees.py
     J = dxserve.jacobian(s.f, "jax-forward", s.x, *s.contexts)
     sc.assert_close(J, s.gradient, rtol=RTOL, atol=ATOL)  # scalar f: blocks of shape x[k]
     H = dxserve.hessian(s.f, "auto", s.x, *s.contexts)

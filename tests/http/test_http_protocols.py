@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import start_server, stop_server, uvicorn_in_thread
 
 import dxserve
 from dxclient import _models
@@ -35,6 +34,7 @@ from dxserve.examples import rosenbrock
 from dxserve.http.app import create_app
 from dxserve.pipeline import OperatorCall
 from dxserve.settings import Settings
+from tests.conftest import start_server, stop_server, uvicorn_in_thread
 
 pytestmark = pytest.mark.protocol
 

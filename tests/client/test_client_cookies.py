@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
-from conftest import HandlerInThread
 
 from dxclient import AsyncClient, Client
 from dxclient._http import SetCookieOnly
+from tests.conftest import HandlerInThread
 
 #: per request: the Set-Cookie headers of its answer (name as written, value)
 SCRIPT: list[list[tuple[str, str]]] = [

@@ -15,7 +15,7 @@ import pytest
 from dxserve.service import Service
 from dxserve.settings import Settings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "service" / "dxserve"
 
 _CONFIG_PROBE = """

@@ -12,7 +12,7 @@ import pytest
 from dxcontract.operators import OPERATORS
 from dxserve.openapi_dump import document
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "openapi" / "openapi.json"
 PROBLEM = "application/problem+json"
 PROBLEM_STATUSES = ("400", "404", "409", "413", "415", "422", "503", "504")

@@ -9,7 +9,7 @@ from pathlib import Path
 from dxcontract.backends import backend_from_json
 from dxcontract.operators import OPERATORS
 
-SPEC = json.loads((Path(__file__).resolve().parents[1] / "openapi" / "openapi.json").read_text())
+SPEC = json.loads((Path(__file__).resolve().parents[2] / "openapi" / "openapi.json").read_text())
 SCHEMAS = SPEC["components"]["schemas"]
 
 

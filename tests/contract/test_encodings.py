@@ -4,7 +4,7 @@
 ``encode_body_parts``) that the codec wrote for ``CASES`` before the encodings were split
 into one module each; any change to the bytes a client or server writes fails here.
 Regenerate only for a deliberate wire-format change:
-``.venv/bin/python tests/test_encodings.py`` prints a fresh table.
+``.venv/bin/python tests/contract/test_encodings.py`` prints a fresh table.
 """
 
 from __future__ import annotations

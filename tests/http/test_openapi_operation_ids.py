@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dxcontract.operators import OPERATORS
 
-SPEC = json.loads((Path(__file__).resolve().parents[1] / "openapi/openapi.json").read_text())
+SPEC = json.loads((Path(__file__).resolve().parents[2] / "openapi/openapi.json").read_text())
 
 
 def test_operation_ids_are_plain_names() -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cluster.test_shared_store import _wait_workers, postgres  # noqa: F401 - a fixture
 from tests.conftest import ServerProcess, start_server, stop_server
-from tests.test_shared_store import _wait_workers, postgres  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.cluster
 
