@@ -11,6 +11,8 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+# test processes for make test and make test-slow (pytest-xdist); 0 runs them in this one
+PYTEST_WORKERS ?= 2
 
 .PHONY: serve test test-slow test-cluster test-protocol lint openapi docs clean docker-test
 
@@ -28,11 +30,11 @@ serve: $(SERVE_STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not docker and not slow and not cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not docker and not slow and not cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # The bounded HTTP protocol (service/dxserve/http/protocol.py) against the lowest and the
 # highest uvicorn that pyproject.toml allows, each installed apart and put first on the path.
