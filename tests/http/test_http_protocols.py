@@ -207,7 +207,10 @@ def test_both_protocols_answer_alike(servers: tuple[Any, Any], name: str) -> Non
     data = CASES[name]
     (answer,), closed = exchange(bounded.port, data)
     (other,), other_closed = exchange(h11.port, data)
-    assert answer.comparable() == other.comparable(), (name, answer.comparable(), other.comparable())
+    ours, theirs = answer.comparable(), other.comparable()
+    if name == "http/1.0":  # closed either way; older uvicorn httptools says so in no header
+        ours, theirs = _without_connection_close(ours), _without_connection_close(theirs)
+    assert ours == theirs, (name, ours, theirs)
     assert closed == other_closed, name
     assert answer.header(b"x-request-id") and answer.header(b"server-timing"), answer.headers
     if answer.status >= 400:
@@ -216,9 +219,16 @@ def test_both_protocols_answer_alike(servers: tuple[Any, Any], name: str) -> Non
         assert doc["status"] == answer.status and doc["detail"], doc
     if name == "request id echoed":
         assert answer.header(b"x-request-id") == b"proto-test-1"
-    if name in ("http/1.0", "connection close", "past the body limit",
+    if name in ("connection close", "past the body limit",
                 "binary, past the body limit", "b64, past the JSON limit"):
         assert closed and answer.header(b"connection") == b"close", answer.headers
+    if name == "http/1.0":
+        assert closed
+
+
+def _without_connection_close(comparable: tuple) -> tuple:
+    status, headers, body = comparable
+    return status, [h for h in headers if h != (b"connection", b"close")], body
 
 
 def test_a_gradient_is_the_analytic_one(servers: tuple[Any, Any]) -> None:
