@@ -69,7 +69,7 @@ import jax
 import numpy as np
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from .signature import persistent_spec
+from .signature import dtype_key, persistent_spec
 
 log = logging.getLogger("dxserve.executable_cache")
 
@@ -456,7 +456,7 @@ def keep_output_spec(function: Callable, x: Any, contexts: tuple, y: Any) -> Non
         return
     try:
         leaves, treedef = jax.tree_util.tree_flatten(y)
-        spec = [(tuple(v.shape), np.dtype(v.dtype).str, bool(getattr(v, "weak_type", False)))
+        spec = [(tuple(v.shape), dtype_key(v.dtype), bool(getattr(v, "weak_type", False)))
                 for v in leaves]
         _write(_path(k, OUTPUT_SUFFIX), k, (treedef, spec))
     except Exception as exc:

@@ -45,7 +45,7 @@ from dxcontract.operators import OPERATORS
 
 from . import packing
 from .arity import check_contexts
-from .backends import engines_for, resolve_backend
+from .backends import engines_for, refuse_low_precision, resolve_backend
 from .backends.engine import Engine
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
@@ -530,6 +530,7 @@ def _prepare(
     spec = FAMILIES[family]
     inputs = Inputs(px, pt, contexts, y, fw)
     spec.check(inputs)
+    refuse_low_precision(resolved, fw.leaves(px), traced=traced)
     engine.prepare(family, f, inputs, limits)  # e.g. sparsity detection and colouring, once
     elements = _check_result_size(family, inputs, max_result_elements, engine, points)
     signature = Signature.of(x, tangents, contexts, batch_axis)

@@ -24,11 +24,18 @@ Spec = tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]  # (treedef, ((shape,
 _LEAF = jax.tree_util.tree_structure(0)
 
 
+def dtype_key(dtype: Any) -> str:
+    """A dtype as signatures spell it: ``dtype.str`` ("<f4"), or the name of an
+    ``ml_dtypes`` type ("bfloat16"), whose ``str`` is only its size ("<V2")."""
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+    return dt.name if dt.kind == "V" else dt.str
+
+
 def spec_of(tree: Tree) -> Spec:
     if type(tree) is np.ndarray:  # the common case, without flattening
-        return _LEAF, ((tree.shape, tree.dtype.str),)
+        return _LEAF, ((tree.shape, dtype_key(tree.dtype)),)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(v)), np.dtype(v.dtype).str) for v in leaves)
+    return treedef, tuple((tuple(np.shape(v)), dtype_key(v.dtype)) for v in leaves)
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ def persistent_spec(tree: Tree) -> list:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out: list = [str(treedef)]
     for leaf in leaves:
-        item = [list(np.shape(leaf)), np.dtype(leaf.dtype).str, bool(getattr(leaf, "weak_type", False))]
+        item = [list(np.shape(leaf)), dtype_key(leaf.dtype), bool(getattr(leaf, "weak_type", False))]
         if isinstance(leaf, jax.Array):
             item.append(repr(leaf.sharding))
         out.append(item)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dxcontract import codec
+from dxcontract import codec, dtypes
 from dxcontract.codec import (
     BINARY_TYPE,
     ENCODINGS,
@@ -32,7 +32,7 @@ from dxcontract.errors import (
 )
 
 DTYPES = [
-    "float16", "float32", "float64",
+    "bfloat16", "float16", "float32", "float64",
     "int8", "int16", "int32", "int64",
     "uint8", "uint16", "uint32", "uint64",
     "bool", "complex64", "complex128",
@@ -64,7 +64,7 @@ def sample(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         ft = np.dtype("float32") if dt == np.complex64 else np.dtype(dt.name)
         if dt.kind == "c":
             ft = np.dtype("float64") if dt == np.complex128 else ft
-        fi = np.finfo(ft)
+        fi = dtypes.finfo(ft)
         base = np.array(
             [-0.0, 0.1, np.nan, np.inf, -np.inf, fi.smallest_subnormal, fi.max, fi.min, 1.0],
             dtype=ft,
@@ -87,7 +87,7 @@ def assert_identical(got: np.ndarray, want: np.ndarray) -> None:
         parts = [(got, want)]
     for g, w in parts:
         g, w = np.ascontiguousarray(g), np.ascontiguousarray(w)
-        if w.dtype.kind == "f":
+        if dtypes.kind(w.dtype) == "f":
             nan = np.isnan(w)
             assert np.array_equal(np.isnan(g), nan)
             g, w = g[~nan], w[~nan]
@@ -121,7 +121,7 @@ def test_roundtrip_every_dtype_and_shape(encoding, dtype, shape):
     assert_identical(rt_array(a, encoding), a)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "int32", "bool", "complex128"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "int32", "bool", "complex128"])
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_roundtrip_pytree(encoding, dtype):
     tree = {"w": sample(dtype, (2, 3)), "b": {"c": sample(dtype, (4,))}}
@@ -262,6 +262,46 @@ def test_content_type_parameters_and_bytes_like_bodies():
     body, ctype, h = encode_body({"x": np.ones(2)}, "binary")
     d = decode_body(memoryview(body), ctype, h[HEADER_LENGTH])
     assert_identical(d["x"], np.ones(2))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_every_16_bit_float_round_trips(encoding, dtype):
+    """All 65536 bit patterns: bit for bit in binary and b64; in JSON every value
+    exactly (each is a float64, whose shortest repr reads back the same), NaNs as NaN."""
+    a = np.arange(2**16, dtype=np.uint16).view(np.dtype(dtype)).reshape(256, 256)
+    got = rt_array(a, encoding)
+    assert got.dtype == np.dtype(dtype) and got.shape == a.shape
+    if encoding != "json":
+        assert got.tobytes() == a.tobytes()
+        return
+    nan = np.isnan(a)
+    assert np.array_equal(np.isnan(got), nan)
+    assert got[~nan].tobytes() == a[~nan].tobytes()  # -0.0, subnormals and infinities too
+
+
+def test_json_numbers_typed_bfloat16():
+    x = to_tree({"__ndarray__": [0.1, 2, "-Infinity", 1e-45], "dtype": "bfloat16",
+                 "shape": [4]}, "x")
+    assert x.dtype == dtypes.BFLOAT16
+    want = np.array([0.1, 2.0, -np.inf, 1e-45]).astype(dtypes.BFLOAT16)  # nearest, to zero
+    assert x.tobytes() == want.tobytes()
+    assert to_tree({"__ndarray__": "NaN", "dtype": "bfloat16", "shape": []}, "x").dtype == (
+        dtypes.BFLOAT16
+    )
+    body = b'{"x": {"__ndarray__": [[1.5, 3], [0.25, -1]], "dtype": "bfloat16", "shape": [2, 2]}}'
+    got = to_tree(decode_body(body, JSON_TYPE, None)["x"], "x")
+    assert got.dtype == dtypes.BFLOAT16 and got.astype(float).tolist() == [[1.5, 3], [0.25, -1]]
+    with pytest.raises(MalformedRequestError, match="out of range for bfloat16") as e:
+        to_tree({"__ndarray__": [1.0, 1e39], "dtype": "bfloat16", "shape": [2]}, "x")
+    assert e.value.field == "x"
+    with pytest.raises(MalformedRequestError) as e:  # the slow path names the element
+        to_tree({"__ndarray__": [1.0, "one"], "dtype": "bfloat16", "shape": [2]}, "x")
+    assert e.value.field == "x[1]"
+    # b64 of bfloat16 is its two bytes a value, little-endian: 1.0 is 0x3f80
+    wire = codec.from_tree(np.array([1.0], dtypes.BFLOAT16), "b64")
+    assert wire == {"__ndarray__": base64.b64encode(b"\x80\x3f").decode(), "dtype": "bfloat16",
+                    "shape": [1]}
 
 
 def test_plain_lists_default_dtype():
@@ -516,4 +556,4 @@ def test_without_orjson(monkeypatch, encoding):
 def test_module_constants():
     assert tuple(codec.ENCODINGS) == ("json", "b64", "binary")
     assert codec.MARKER == "__ndarray__"
-    assert len(codec.ALLOWED_DTYPES) == 14
+    assert len(codec.ALLOWED_DTYPES) == 15

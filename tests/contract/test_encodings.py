@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dxcontract import codec
+from dxcontract.dtypes import BFLOAT16 as _BF16
 from dxcontract.encodings import common
 
 ENCODING_NAMES = ("json", "b64", "binary")
@@ -58,6 +59,13 @@ def _cases() -> dict[str, tuple[dict[str, Any], tuple[str, ...], tuple[str, ...]
         "float32": (
             {"gradient": _f64(7).astype(np.float32), "h": np.float16([1.0, -2.5, 65504.0])},
             ("gradient", "h"), (),
+        ),
+        "low_precision": (
+            {"bf16": np.array([1.5, -0.0, np.nan, np.inf, 0.1, 3e38, 2.0**-133], _BF16),
+             "bf16_be": np.array([[0.5, -2.0], [1e-3, 7.0]], _BF16).astype(_BF16.newbyteorder(">")),
+             "f16": np.float16([0.1, -0.0, np.nan, -np.inf, 65504.0, 2.0**-24]),
+             "bf16_0d": np.array(-3.25, _BF16)},
+            ("bf16", "bf16_be", "f16", "bf16_0d"), (),
         ),
         "ints": (
             {"i32": np.arange(-3, 4, dtype=np.int32), "i64": np.array([2**62, -(2**63)]),
@@ -169,6 +177,11 @@ GOLDEN: dict[str, dict[str, str]] = {
         "b64": "4529875188b09c95930f472b:9232ff507e017665fc39a10f",
         "binary": "3bfdd5fbb0d90b6148bc7055:000279ca3da21035d49b5c57",
     },
+    "low_precision": {
+        "json": "327e2d18297965e6ff20ec7a:57935e6da4f933affea01e6e",
+        "b64": "c98e1594973de28353d54e6b:8a92802661112e725c587654",
+        "binary": "75eccbef5fcfa8f57c43a887:f8d30bc72e516cfcfd71c050",
+    },
     "ints": {
         "json": "6a583561b6105316aaf34654:2b94eae800a5d75d1da04f53",
         "b64": "1a54a736abe54c872b9a297a:8e2ef21c42a662aa27cf4e6e",
@@ -255,6 +268,11 @@ GOLDEN_WITHOUT_ORJSON: dict[str, dict[str, str]] = {
         "json": "7873cd98e5e6f4bd66baa52d:ac250e17426f51ecd2ca7371",
         "b64": "4529875188b09c95930f472b:9232ff507e017665fc39a10f",
         "binary": "3bfdd5fbb0d90b6148bc7055:000279ca3da21035d49b5c57",
+    },
+    "low_precision": {  # stdlib json writes exponents with two digits ("e-08")
+        "json": "9969ac5b18db501933ebcf85:0d6148b6e066580a1bfecec2",
+        "b64": "c98e1594973de28353d54e6b:8a92802661112e725c587654",
+        "binary": "75eccbef5fcfa8f57c43a887:f8d30bc72e516cfcfd71c050",
     },
     "ints": {
         "json": "6a583561b6105316aaf34654:2b94eae800a5d75d1da04f53",

@@ -129,6 +129,22 @@ def test_in_process_reload_skips_tracing(cache_dir):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+def test_bfloat16_reloads_with_its_dtype(cache_dir):
+    """The stored output spec names bfloat16 (its ``dtype.str`` is only "<V2")."""
+    import ml_dtypes
+
+    x = np.array([0.5, -1.0, 2.0], ml_dtypes.bfloat16)
+    first = run_op("hessian", counted_sin_sq, "auto", x)
+    CALLS.clear()
+    again = run_op("hessian", counted_sin_sq, "auto", x)
+    assert CALLS == []
+    for a, b in zip(first, again, strict=True):
+        assert np.asarray(b).dtype == x.dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with dxserve.float64_scope():  # as preparation keys it
+        assert executable_cache.output_spec(counted_sin_sq, x, ()).dtype == x.dtype
+
+
 # --- (b) bad entries ---------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty"])
 def test_corrupt_entry_falls_back_to_compiling(cache_dir, damage):

@@ -1,6 +1,7 @@
 """What every wire encoding shares: limits, dtype and shape checks, JSON text, tree walking.
 
-Depends only on numpy and the stdlib (orjson and pysimdjson are used when importable).
+Depends only on numpy, ml_dtypes (bfloat16) and the stdlib (orjson and pysimdjson are
+used when importable).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..dtypes import BFLOAT16
 from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
 from . import flat_arrays
 
@@ -43,15 +45,18 @@ MAX_ELEMENTS = 1 << 31
 MAX_MANIFEST_DEPTH = 64
 
 ALLOWED_DTYPES = (
-    "float16", "float32", "float64",
+    "bfloat16", "float16", "float32", "float64",
     "int8", "int16", "int32", "int64",
     "uint8", "uint16", "uint32", "uint64",
     "bool", "complex64", "complex128",
 )  # fmt: skip
-#: name -> little-endian numpy dtype
-LE = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+#: name -> little-endian numpy dtype (bfloat16: ``ml_dtypes``', kind 'V', str '<V2')
+LE = {
+    name: (BFLOAT16 if name == "bfloat16" else np.dtype(name)).newbyteorder("<")
+    for name in ALLOWED_DTYPES
+}
 #: dtype -> its name, for the allowed dtypes in native and little-endian order
-NAMES = {**{np.dtype(name): name for name in ALLOWED_DTYPES}, **{dt: n for n, dt in LE.items()}}
+NAMES = {**{dt.newbyteorder("="): n for n, dt in LE.items()}, **{dt: n for n, dt in LE.items()}}
 #: JSON spellings of the non-finite floats
 SPELLINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 TYPED_KEYS = frozenset((MARKER, "dtype", "shape"))

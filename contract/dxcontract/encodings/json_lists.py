@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import dtypes
 from ..errors import InvalidArgumentError, MalformedRequestError
 from . import common
 from .binary import BINARY_TYPE, HEADER_LENGTH
@@ -51,8 +52,11 @@ class JsonLists(JsonBody):
         "shape"}`` with list data; with orjson the data may be a C-contiguous ndarray."""
         name = check_dtype(a, field)
         shape = list(a.shape)
-        kind = a.dtype.kind
-        if kind == "f":
+        kind = dtypes.kind(a.dtype)
+        if kind == "f":  # float16/32 and bfloat16 widen exactly: their values are written
+            if a.dtype.kind == "V":  # ml_dtypes warns of signalling NaNs: NaN all the same
+                with np.errstate(invalid="ignore"):
+                    a = a.astype(np.float64)
             data = _json_floats(a.astype(np.float64, copy=False))
             if name == "float64" and 0 not in shape[:-1]:
                 return data
@@ -173,7 +177,9 @@ def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
         )
     if type(data) is memoryview:  # base64 left unparsed in a large body (``loads_body``)
         return from_b64(data, dt, shape, field)
-    if isinstance(data, str) and not (shape == () and dt.kind == "f" and data in SPELLINGS):
+    if isinstance(data, str) and not (
+        shape == () and dtypes.kind(dt) == "f" and data in SPELLINGS
+    ):
         return from_b64(data, dt, shape, field)
     # JSON data
     if dt.kind == "c":
@@ -207,7 +213,7 @@ def _data_to_array(
     value: Any, field: str, dt: np.dtype, max_depth: int, complex_pairs: bool = False
 ) -> np.ndarray:
     """JSON number / nested list / spelling string -> ndarray of dtype ``dt``."""
-    kind = dt.kind
+    kind = dtypes.kind(dt)
     if kind == "c" and not complex_pairs:
         # plain numbers for a complex default: real values
         return _data_to_array(value, field, F64, max_depth).astype(dt)
@@ -320,7 +326,7 @@ def _slow(value: list, field: str, dt: np.dtype, ndim: int) -> np.ndarray:
         if not v:
             break
         v = v[0]
-    kind = dt.kind
+    kind = dtypes.kind(dt)
     flat: list[Any] = []
     append = flat.append
 

@@ -71,7 +71,8 @@ class TypedB64(JsonBody):
     def encode_array(self, a: np.ndarray, buffers: Any, field: str) -> Any:
         """An array -> its typed object with base64 of its little-endian C-order bytes."""
         name = check_dtype(a, field)
-        if a.ndim == 1 and wire_ready(a):  # its memory is the wire's bytes already
+        # its memory is the wire's bytes already; bfloat16 (kind 'V') has no buffer format
+        if a.ndim == 1 and wire_ready(a) and a.dtype.kind != "V":
             raw = memoryview(a).cast("B")
         else:
             raw = memoryview(le_contig(a).reshape(-1).view(np.uint8))

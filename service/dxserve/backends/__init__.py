@@ -16,7 +16,7 @@ from dxcontract.backends import (
 )
 
 from .engine import Engine
-from .finite_differences import FiniteDifferencesEngine
+from .finite_differences import FiniteDifferencesEngine, refuse_low_precision
 from .jax_modes import ForwardEngine, ReverseEngine
 from .plugins import PLUGINS, SECOND_ORDER, backend_table, register_backend
 from .selection import engine_for, engines_for, resolve_backend
@@ -76,6 +76,7 @@ __all__ = [
     "backend_table",
     "engine_for",
     "engines_for",
+    "refuse_low_precision",
     "register_backend",
     "resolve_backend",
 ]

@@ -13,14 +13,23 @@ differences (error O(h²), ~1e-10 relative in float64, ~1e-4 in float32) and
 ``eps**(1/2)`` for forward differences (error O(h), ~1e-8 / ~1e-3). Nested inside
 another finite difference (second order), the defaults coarsen to ``eps**(1/4)``
 and ``eps**(1/3)`` so the two truncation errors balance (~1e-8 in float64).
+
+float16 and bfloat16 inputs are refused (``refuse_low_precision``): their steps are
+~0.1 and ~0.2 of ``max(1, max|x|)`` (bfloat16 keeps 8 bits), and what comes out is no derivative.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from dxcontract import dtypes
+from dxcontract.backends import Backend, FiniteDifferences
+from dxcontract.errors import UnsupportedOperatorError
 
 from .engine import Engine, Fn, Tree
 
@@ -65,3 +74,39 @@ class FiniteDifferencesEngine(Engine):
                 return tmap(lambda p, y0: (p - y0) / h, shifted(t, 1.0), y)
 
         return y, self.map(one, tx)
+
+
+def uses_finite_differences(backend: Backend) -> bool:
+    """Does the concrete descriptor ``backend`` take finite differences anywhere (itself,
+    a second-order backend's outer or inner, a sparse backend's dense one)?"""
+    if isinstance(backend, FiniteDifferences):
+        return True
+    if not dataclasses.is_dataclass(backend):
+        return False
+    return any(
+        uses_finite_differences(value)
+        for value in (getattr(backend, f.name) for f in dataclasses.fields(backend))
+        if dataclasses.is_dataclass(value) and hasattr(value, "type")
+    )
+
+
+def refuse_low_precision(backend: Backend, leaves: Iterable[Any], *, traced: bool) -> None:
+    """``UnsupportedOperatorError`` (422, field ``backend``) when ``backend`` (concrete)
+    takes finite differences of an x with a float16 or bfloat16 leaf."""
+    low = next(
+        (np.dtype(leaf.dtype) for leaf in leaves if np.dtype(leaf.dtype) in dtypes.LOW_PRECISION),
+        None,
+    )
+    if low is None or not uses_finite_differences(backend):
+        return
+    eps = float(dtypes.finfo(low).eps)
+    if traced:
+        fix = "use jax-forward or jax-reverse, or send float32/float64"
+    else:  # auto falls back to finite differences; JAX's modes cannot serve either
+        fix = "JAX cannot trace this function, so send float32/float64"
+    raise UnsupportedOperatorError(
+        f"finite-differences cannot differentiate {low.name} x: its step would be "
+        f"{eps ** (1 / 3):.2g} of max(1, max|x|) (cbrt of {low.name}'s eps {eps:.2g}), too coarse "
+        f"for a derivative; {fix}",
+        field="backend",
+    )

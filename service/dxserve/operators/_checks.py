@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from dxcontract import dtypes
 from dxcontract.errors import (
     DtypeMismatchError,
     NotScalarInputError,
@@ -23,7 +24,7 @@ def _is_array(tree: Any) -> bool:
 
 def differentiable_x(inputs: Inputs) -> None:
     for leaf in inputs.framework.leaves(inputs.x):
-        if not np.issubdtype(leaf.dtype, np.inexact):
+        if not dtypes.is_inexact(leaf.dtype):  # bfloat16 too, which numpy calls no float
             raise DtypeMismatchError(
                 f"x must be floating point to be differentiated, got {np.dtype(leaf.dtype).name}; "
                 "send floats (or a float dtype) for the active input",
