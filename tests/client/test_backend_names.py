@@ -14,15 +14,11 @@ from dxclient import AsyncClient, Client
 from dxcontract.backends import BACKEND_TYPES, backend_to_json
 from dxcontract.errors import InvalidBackendError
 from tests.conftest import ServerProcess, start_server, stop_server
+from tests.references import rosenbrock_gradient
 
 X = np.array([1.0, 2.0, 3.0, 0.5])
 
 
-def rosenbrock_gradient(x: np.ndarray) -> np.ndarray:
-    g = np.zeros_like(x)
-    g[:-1] = -400 * x[:-1] * (x[1:] - x[:-1] ** 2) - 2 * (1 - x[:-1])
-    g[1:] += 200 * (x[1:] - x[:-1] ** 2)
-    return g
 
 
 @pytest.fixture(scope="module")

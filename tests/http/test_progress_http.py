@@ -22,7 +22,7 @@ import pytest
 
 from dxclient import AsyncClient, Client
 from dxcontract import codec
-from tests.library.test_progress_chunks import rosenbrock_hessian, sin_cumsum_jacobian
+from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 
 SSE = "text/event-stream"
 SSE_B64 = "text/event-stream; arrays=b64"

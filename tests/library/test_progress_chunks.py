@@ -17,25 +17,13 @@ from dxserve.chunking import CHUNK_FROM
 from dxserve.examples import rosenbrock, sin_cumsum, tanh_layer
 from dxserve.jobs import Job, JobCancelled
 from dxserve.precision import float64_scope
+from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 
 FORWARD_REVERSE_FD = ["jax-forward", "jax-reverse", "finite-differences"]
 
 
-def rosenbrock_hessian(x: np.ndarray) -> np.ndarray:
-    """The analytic Hessian of the extended Rosenbrock function."""
-    n = x.size
-    h = np.zeros((n, n))
-    i = np.arange(n - 1)
-    h[i, i] += 1200 * x[:-1] ** 2 - 400 * x[1:] + 2
-    h[i + 1, i + 1] += 200
-    h[i, i + 1] = h[i + 1, i] = -400 * x[:-1]
-    return h
 
 
-def sin_cumsum_jacobian(x: np.ndarray) -> np.ndarray:
-    """d/dx of sin(x) * cumsum(x): diag(cos(x) * cumsum(x)) + sin(x)[:, None] * tril(1)."""
-    n = x.size
-    return np.diag(np.cos(x) * np.cumsum(x)) + np.sin(x)[:, None] * np.tril(np.ones((n, n)))
 
 
 def _forced(prep: preparation.Prep, operator: str, size: int) -> tuple:

@@ -33,6 +33,7 @@ from dxserve.budget import ComputeLimits
 from dxserve.examples import sin_cumsum
 from dxserve.frameworks import Estimate, get_framework, register_framework
 from dxserve.jobs import Job
+from tests.references import rosenbrock_gradient, rosenbrock_hessian, sin_cumsum_jacobian
 
 Tree = Any
 
@@ -241,26 +242,10 @@ def np_sin_cumsum(x: np.ndarray) -> Any:
     return np.sin(x) * np.cumsum(x)
 
 
-def rosenbrock_gradient(x: np.ndarray) -> np.ndarray:
-    g = np.zeros_like(x)
-    g[:-1] = -400 * x[:-1] * (x[1:] - x[:-1] ** 2) - 2 * (1 - x[:-1])
-    g[1:] += 200 * (x[1:] - x[:-1] ** 2)
-    return g
 
 
-def rosenbrock_hessian(x: np.ndarray) -> np.ndarray:
-    n = x.size
-    h = np.zeros((n, n))
-    i = np.arange(n - 1)
-    h[i, i] += 1200 * x[:-1] ** 2 - 400 * x[1:] + 2
-    h[i + 1, i + 1] += 200
-    h[i, i + 1] = h[i + 1, i] = -400 * x[:-1]
-    return h
 
 
-def sin_cumsum_jacobian(x: np.ndarray) -> np.ndarray:
-    n = x.size
-    return np.diag(np.cos(x) * np.cumsum(x)) + np.sin(x)[:, None] * np.tril(np.ones((n, n)))
 
 
 CS = {"type": "complex-step"}
