@@ -178,3 +178,15 @@ def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
     finally:
         for srv in started:
             stop_server(srv)
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """``{"VmRSS": ..., "VmHWM": ...}``: a process's resident and peak resident memory,
+    in bytes, from ``/proc/<pid>/status``."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out

@@ -27,6 +27,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import memory_of
+
 X3 = [1.0, 2.0, 3.0]
 GRADIENT3 = [-400.0, 1002.0, -200.0]  # rosenbrock at (1, 2, 3), by hand
 
@@ -37,15 +39,6 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
-def _rss(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of ``pid``, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _metric(text: str, name: str) -> float:
@@ -265,7 +258,7 @@ def _expected_hessian_corner() -> np.ndarray:
 @pytest.mark.parametrize("accept", ["application/vnd.dxserve.binary", "text/event-stream"])
 def test_unread_answers_stay_in_the_budget_and_are_cut_off(reader_server: Any, accept: str) -> None:
     srv = reader_server
-    baseline = _rss(srv.proc.pid)["VmRSS"]
+    baseline = memory_of(srv.proc.pid)["VmRSS"]
     clients = [_connect(srv.port) for _ in range(24)]
     with _liveness(srv.url) as failures:
         for s in clients:  # ask, never read
@@ -288,7 +281,7 @@ def test_unread_answers_stay_in_the_budget_and_are_cut_off(reader_server: Any, a
     assert failures == [], failures[:5]
     assert peak <= BUDGET, peak
     assert refused > 0  # 24 answers of 8-32 MB do not fit 64 MiB at once
-    assert _rss(srv.proc.pid)["VmHWM"] - baseline < BUDGET + SLACK
+    assert memory_of(srv.proc.pid)["VmHWM"] - baseline < BUDGET + SLACK
     statuses = []
     for s in clients:  # what each got: a head, and for a plain answer then a cut
         s.settimeout(5)

@@ -24,6 +24,7 @@ from dxcontract.errors import PreparationMismatchError, UnsupportedOperatorError
 from dxserve import FiniteDifferences, JaxReverse, SecondOrder, Sparse
 from dxserve.examples import rosenbrock, sin_cumsum
 from dxserve.request_batching import agree_to_rounding
+from tests.references import rosenbrock_gradient, rosenbrock_hessian
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -37,24 +38,8 @@ T64 = np.array([1.0, -0.5, 0.25, 2.0, -1.0])
 BACKENDS = ["jax-forward", "jax-reverse", "auto"]
 
 
-def rosenbrock_gradient(x: np.ndarray) -> np.ndarray:
-    """float64 (n,) -> the analytic gradient, float64 (n,)."""
-    g = np.zeros_like(x)
-    xm, xp = x[:-1], x[1:]
-    g[:-1] += -400 * xm * (xp - xm**2) - 2 * (1 - xm)
-    g[1:] += 200 * (xp - xm**2)
-    return g
 
 
-def rosenbrock_hessian(x: np.ndarray) -> np.ndarray:
-    """float64 (n,) -> the analytic Hessian, float64 (n, n)."""
-    n = len(x)
-    h = np.zeros((n, n))
-    for i in range(n - 1):
-        h[i, i] += 1200 * x[i] ** 2 - 400 * x[i + 1] + 2
-        h[i, i + 1] = h[i + 1, i] = -400 * x[i]
-        h[i + 1, i + 1] += 200
-    return h
 
 
 def ulps(a: np.ndarray, b: np.ndarray) -> int:

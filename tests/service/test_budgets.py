@@ -28,6 +28,7 @@ from dxcontract.errors import BudgetExceededError, OverloadedError
 from dxserve import executable_cache, preparation
 from dxserve.admission import SMALL_BYTES, Budget
 from dxserve.budget import ComputeLimits, estimate
+from tests.conftest import memory_of
 
 #: n⁴ intermediates that XLA cannot simplify away (a plain sum of the outer products
 #: fuses into one loop with no intermediate, so it is cheap and allowed).
@@ -44,14 +45,6 @@ QUARTICS = {
 }
 
 
-def _rss(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of a process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 # --- per request: refused at preparation -----------------------------------------
@@ -66,7 +59,7 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
     small = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.post("/gradient", json=small).json() == {"gradient": [-400.0, 1002.0, -200.0]}
-    before = _rss(srv.proc.pid)
+    before = memory_of(srv.proc.pid)
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -107,7 +100,7 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
         poller.join()
     assert poller_ok and len(latencies) >= 10  # small gradients answered all along
     # never ran: no multi-gigabyte intermediate was ever allocated
-    assert _rss(srv.proc.pid)["VmHWM"] - before["VmHWM"] < 512 * 2**20
+    assert memory_of(srv.proc.pid)["VmHWM"] - before["VmHWM"] < 512 * 2**20
 
 
 def test_limits_apply_only_when_given() -> None:
@@ -235,7 +228,7 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
         assert gradient(c).status_code == 200
         assert hessian(c).status_code == 200
     time.sleep(0.5)
-    baseline = _rss(srv.proc.pid)["VmRSS"]
+    baseline = memory_of(srv.proc.pid)["VmRSS"]
     statuses: list[tuple[str, int, str | None]] = []
 
     def one(kind: str) -> None:
@@ -246,7 +239,7 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
     for _ in range(2):
         with ThreadPoolExecutor(12) as pool:
             list(pool.map(one, ["gradient"] * 8 + ["hessian"] * 4))
-    peak = _rss(srv.proc.pid)["VmHWM"]
+    peak = memory_of(srv.proc.pid)["VmHWM"]
     print(f"peak {(peak - baseline) / 2**20:.0f} MiB over baseline {baseline / 2**20:.0f} MiB; "
           f"{len(refused := [s for s in statuses if s[1] == 503])} of {len(statuses)} refused")
     assert {s for _, s, _ in statuses} <= {200, 503}, statuses
@@ -257,5 +250,5 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
     with httpx.Client(base_url=srv.url, timeout=30) as c:  # and it still answers
         assert c.get("/health").status_code == 200
     time.sleep(1.0)
-    after = _rss(srv.proc.pid)["VmRSS"]
+    after = memory_of(srv.proc.pid)["VmRSS"]
     assert after - baseline < 256 * 2**20, (after - baseline) / 2**20

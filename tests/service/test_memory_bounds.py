@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
 from dxcontract import codec
+from tests.conftest import memory_of
 
 MiB = 2**20
 
 
-def _rss(pid: int) -> int:
-    """The process's VmRSS, in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _metric(c: httpx.Client, name: str) -> float:
@@ -49,7 +43,7 @@ def test_large_sparsity_patterns_stay_within_the_cache_byte_budget(make_server) 
         # asdex, numba and their compiled code come with the first sparse request
         assert c.post("/sparsity", json={"function": "softmax", "x": [0.1] * 50}).status_code == 200
         time.sleep(0.5)
-        baseline = _rss(srv.proc.pid)
+        baseline = memory_of(srv.proc.pid)["VmRSS"]
         for n in range(1200, 1600, 50):
             r = c.post("/sparsity", json={"function": "softmax", "x": np.linspace(0, 1, n).tolist()})
             assert r.status_code == 200, r.text[:500]
@@ -69,7 +63,7 @@ def test_large_sparsity_patterns_stay_within_the_cache_byte_budget(make_server) 
     # second: wait for that (bounded, generously for a busy machine), not a fixed time.
     bound, grown = CACHE_BYTES + RSS_SLACK, None
     for _ in range(300):
-        grown = _rss(srv.proc.pid) - baseline
+        grown = memory_of(srv.proc.pid)["VmRSS"] - baseline
         if grown < bound:
             break
         time.sleep(0.2)
@@ -136,7 +130,7 @@ def test_memory_is_given_back_after_a_large_dense_hessian(make_server) -> None:
         warm = c.post("/hessian", json={"function": "dense_h", "x": [0.1, 0.2, 0.3]})
         assert warm.status_code == 200
         time.sleep(0.5)
-        before = _rss(srv.proc.pid)
+        before = memory_of(srv.proc.pid)["VmRSS"]
         r = c.post("/hessian", json={"function": "dense_h", "x": x.tolist()})
         assert r.status_code == 200
         h = np.asarray(r.json()["hessian"])
@@ -148,10 +142,10 @@ def test_memory_is_given_back_after_a_large_dense_hessian(make_server) -> None:
         assert c.get("/health").status_code == 200
     # the trim runs in its own thread after the answer is sent: wait for it (bounded)
     deadline = time.monotonic() + 30
-    retained = _rss(srv.proc.pid) - before
+    retained = memory_of(srv.proc.pid)["VmRSS"] - before
     while retained >= RETAINED_MARGIN and time.monotonic() < deadline:
         time.sleep(0.2)
-        retained = _rss(srv.proc.pid) - before
+        retained = memory_of(srv.proc.pid)["VmRSS"] - before
     print(f"retained {retained / MiB:.0f} MiB over {before / MiB:.0f} MiB")
     assert srv.proc.poll() is None
     assert retained < RETAINED_MARGIN, retained / MiB

@@ -24,7 +24,7 @@ import dxserve
 from dxcontract.errors import InvalidBackendError
 from dxserve import Sparse, SparsePattern
 from tests import sparse_functions as sf
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, memory_of, start_server, stop_server
 
 PROBLEM = "application/problem+json"
 #: the server's peak RSS may grow by at most this much while it refuses the attack
@@ -52,15 +52,6 @@ def _post(srv: ServerProcess, path: str, body: dict, timeout: float = 120.0) -> 
     return httpx.post(srv.url + path, json=body, timeout=timeout)
 
 
-def _status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of ``pid`` in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _refused(r: httpx.Response, *types: str) -> dict:
@@ -157,9 +148,9 @@ def test_softmax_8000_is_refused_and_the_server_stays_small(
     srv: ServerProcess, path: str
 ) -> None:
     _post(srv, path, {"function": "softmax", "backend": "sparse", "x": [0.5] * 10})  # warm
-    before = _status(srv.proc.pid)
+    before = memory_of(srv.proc.pid)
     r = _post(srv, path, {"function": "softmax", "backend": "sparse", "x": [0.5] * 8000})
-    after = _status(srv.proc.pid)
+    after = memory_of(srv.proc.pid)
     problem = _refused(r, "sparsity-detection", "budget-exceeded")
     assert "memory" in problem["detail"] or "DXSERVE_MAX_NNZ" in problem["detail"], problem
     assert "sparsity=" in problem["detail"] or "dense backend" in problem["detail"]
