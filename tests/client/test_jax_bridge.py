@@ -181,3 +181,85 @@ def test_batched_reverse_through_the_gradient(client: Client) -> None:
         return lambda xs: jnp.sum(jax.vmap(jax.grad(f))(xs) ** 2)
 
     np.testing.assert_allclose(jax.grad(total(g))(XS), jax.grad(total(rosenbrock))(XS), rtol=RTOL)
+
+
+POINTS = np.stack([X + 0.02 * k for k in range(50)])
+
+
+def test_vmap_sends_one_request_for_all_points(client: Client) -> None:
+    """50 points under vmap: one batched request per operator, not one per point."""
+    g = remote_function(client, "rosenbrock")
+    g(X)  # the output's shape is learnt once, outside the counted calls
+    for transform, route in (
+        (jax.vmap(g), "/value"),
+        (jax.vmap(jax.grad(g)), "/value_and_gradient"),
+        (jax.jit(jax.vmap(jax.grad(g))), "/value_and_gradient"),
+    ):
+        before = counts(client)
+        got = transform(POINTS)
+        assert delta(before, counts(client)) == {route: 1}
+    np.testing.assert_allclose(jax.vmap(g)(POINTS), jax.vmap(rosenbrock)(POINTS), rtol=RTOL)
+    np.testing.assert_allclose(got, jax.vmap(jax.grad(rosenbrock))(POINTS), rtol=RTOL)
+
+
+def test_vmap_of_second_order_is_one_hvp_request(client: Client) -> None:
+    """vmap(hessian): every (point, basis tangent) pair in one batched /hvp request."""
+    g = remote_function(client, "rosenbrock")
+    g(X)
+    before = counts(client)
+    H = jax.vmap(jax.hessian(g))(POINTS[:10])
+    assert delta(before, counts(client)) == {"/value_and_gradient": 1, "/hvp": 1}
+    np.testing.assert_allclose(H, jax.vmap(jax.hessian(rosenbrock))(POINTS[:10]), rtol=RTOL)
+
+
+def test_nested_vmaps_go_flat(client: Client) -> None:
+    """vmap(vmap(grad)) over a 5 x 10 grid of points: one request of 50 points."""
+    g = remote_function(client, "rosenbrock")
+    g(X)
+    grid = POINTS.reshape(5, 10, 4)
+    before = counts(client)
+    got = jax.vmap(jax.vmap(jax.grad(g)))(grid)
+    assert delta(before, counts(client)) == {"/value_and_gradient": 1}
+    np.testing.assert_allclose(got, jax.vmap(jax.vmap(jax.grad(rosenbrock)))(grid), rtol=RTOL)
+
+
+def test_vmap_of_array_output_derivatives_is_batched(client: Client) -> None:
+    """jacfwd and jacrev of an array-valued function at 10 points: one request each."""
+    g = remote_function(client, "sin_cumsum")
+
+    def local(x):
+        return jnp.sin(x) * jnp.cumsum(x)
+
+    g(X)
+    for transform, route in ((jax.jacfwd, "/pushforward"), (jax.jacrev, "/pullback")):
+        before = counts(client)
+        got = jax.vmap(transform(g))(POINTS[:10])
+        used = delta(before, counts(client))
+        # the linear map in one request, and the primal value (one batched /value) beside it
+        assert used.get(route) == 1 and set(used) <= {route, "/value"} and sum(used.values()) <= 2, used
+        np.testing.assert_allclose(got, jax.vmap(transform(local))(POINTS[:10]), rtol=RTOL)
+
+
+def test_vmapped_contexts_fall_back_to_one_request_per_point(client: Client) -> None:
+    """A batched request shares its contexts: contexts that differ per point cannot."""
+    g = remote_function(client, "least_squares")
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=2)}
+    Xs, Ys = rng.normal(size=(4, 8, 3)), rng.normal(size=(4, 8, 2))
+    g(params, Xs[0], Ys[0])
+    before = counts(client)
+    got = jax.vmap(jax.grad(g), in_axes=(None, 0, 0))(params, Xs, Ys)
+    assert delta(before, counts(client)) == {"/value_and_gradient": 4}
+    want = jax.vmap(jax.grad(least_squares), in_axes=(None, 0, 0))(params, Xs, Ys)
+    for k in params:
+        np.testing.assert_allclose(got[k], want[k], rtol=RTOL)
+    before = counts(client)
+    got = jax.vmap(jax.grad(g), in_axes=({"w": 0, "b": None}, None, None))(
+        {"w": np.stack([params["w"], 2 * params["w"]]), "b": params["b"]}, Xs[0], Ys[0]
+    )
+    assert delta(before, counts(client)) == {"/value_and_gradient": 1}
+    want = jax.vmap(jax.grad(least_squares), in_axes=({"w": 0, "b": None}, None, None))(
+        {"w": np.stack([params["w"], 2 * params["w"]]), "b": params["b"]}, Xs[0], Ys[0]
+    )
+    for k in params:
+        np.testing.assert_allclose(got[k], want[k], rtol=RTOL)

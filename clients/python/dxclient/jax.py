@@ -4,8 +4,11 @@
     jax.jit(jax.grad(g))(x); jax.hessian(g)(x); jax.vmap(jax.grad(g))(xs)
 
 Every call to the service goes through ``jax.pure_callback`` (``vmap_method=
-"expand_dims"``), so ``g`` works under ``jit`` and ``vmap``; derivatives are custom
-rules, never JAX tracing the served function:
+"expand_dims"``), so ``g`` works under ``jit`` and ``vmap``. Under ``vmap``, nested or
+not, all points travel in one request with ``batch_axis=0`` (the vmapped axes flattened
+into one), unless contexts differ between points: a batched request shares its contexts,
+so those go one request per point. Derivatives are custom rules, never JAX tracing the
+served function:
 
 * **scalar output** (the case of losses, log-densities, objectives). The JVP of ``g``
   is ``<∇g(x), t>`` with ``∇g(x)`` from one ``/value_and_gradient`` request: an ordinary
@@ -165,32 +168,69 @@ class _Remote:
         return out
 
     # --- service calls on numpy arguments (inside callbacks) ----------------------
-    def value(self, x: Any, contexts: tuple) -> Any:
-        return self.client.value(self.name, self.backend, x, *contexts)
+    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
+        return self.client.value(self.name, self.backend, x, *contexts, batch_axis=batch_axis)
 
-    def value_and_gradient(self, x: Any, contexts: tuple) -> Any:
-        return self.client.value_and_gradient(self.name, self.backend, x, *contexts)
+    def value_and_gradient(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
+        return self.client.value_and_gradient(
+            self.name, self.backend, x, *contexts, batch_axis=batch_axis
+        )
 
-    def batch_op(self, op: str, x: Any, tangents: list, contexts: tuple) -> list:
-        """``op`` (hvp, pushforward, pullback) at one point for a list of tangents."""
+    def batch_op(
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None
+    ) -> list:
+        """``op`` (hvp, pushforward, pullback) at one point for a list of tangents; with
+        ``batch_axis=0``, at B points (x's leading axis) for tangents that lead with B too."""
         if not tangents:
             return []
-        return list(getattr(self.client, op)(self.name, self.backend, x, tuple(tangents), *contexts))
+        return list(getattr(self.client, op)(
+            self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis
+        ))
 
 
 def _callback(
     point: Any, contexts: tuple, out: Any,
-    run: Callable[[Any, tuple], Any],
+    run: Callable[[Any, tuple, int | None], Any],
 ) -> Any:
-    """``pure_callback`` of ``run(x, contexts)`` (one service call per batch element)."""
+    """``pure_callback`` of ``run(x, contexts, batch_axis)``.
+
+    Under ``vmap`` (any depth) the points travel in one request with ``batch_axis=0``,
+    the vmapped axes flattened into one; only contexts that differ between points force
+    one request per point, since a batched request shares its contexts.
+    """
     batched = _Batched(point)
 
     def host(x: Any, ctx: tuple) -> Any:
         batch, nb = batched.split(x, ctx)
-        results = [run(_index(x, nb, i), _index(ctx, nb, i)) for i in itertools.product(*map(range, batch))]
+        if not nb:
+            return run(x, ctx, None)
+        items = list(itertools.product(*map(range, batch)))
+        if items and _shared(ctx, nb):
+            flat = _flatten_points(x, nb, batch)
+            result = run(flat, _index(ctx, nb, (0,) * nb), 0)
+            return jax.tree.map(
+                lambda s, r: np.asarray(r, s.dtype).reshape(batch + tuple(s.shape)), out, result
+            )
+        results = [run(_index(x, nb, i), _index(ctx, nb, i), None) for i in items]
         return _stack(results, batch, out)
 
     return jax.pure_callback(host, out, point, contexts, vmap_method="expand_dims")
+
+
+def _shared(tree: Any, nb: int) -> bool:
+    """Whether no leaf of ``tree`` is mapped along its ``nb`` leading axes."""
+    return all(math.prod(np.shape(a)[:nb]) == 1 for a in jax.tree.leaves(tree))
+
+
+def _flatten_points(tree: Any, nb: int, batch: tuple[int, ...]) -> Any:
+    """Every leaf broadcast over ``batch`` (its ``nb`` leading axes) and flattened to one axis."""
+
+    def flat(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        point = a.shape[nb:]
+        return np.broadcast_to(a, batch + point).reshape((math.prod(batch), *point))
+
+    return jax.tree.map(flat, tree)
 
 
 # --- linear maps of the tangent: hvp, pushforward and its transpose, pullback -------
@@ -245,11 +285,21 @@ class _LinearOp:
             return jax.tree.unflatten(tree, [_pick(a, nb, idx) for a in leaves])
 
         tangents = [at(ts, self.t_tree, i) for i in items]
+        z = (0,) * nb
         if point_fixed:  # one point, a batch of tangents: one request
-            z = (0,) * nb
             results = self.remote.batch_op(
                 self.op, at(xs, self.x_tree, z), tangents, tuple(at(cs, self.ctx_tree, z))
             )
+        elif items and _shared(cs, nb):  # many points, one tangent each: one batched request
+            flat_x = jax.tree.unflatten(self.x_tree, [_flatten_points(a, nb, batch) for a in xs])
+            flat_t = jax.tree.unflatten(self.t_tree, [_flatten_points(a, nb, batch) for a in ts])
+            (stacked,) = self.remote.batch_op(
+                self.op, flat_x, [flat_t], tuple(at(cs, self.ctx_tree, z)), batch_axis=0
+            )
+            return [
+                np.asarray(leaf, s.dtype).reshape(batch + tuple(s.shape))
+                for leaf, s in zip(jax.tree.leaves(stacked), self.out_leaves, strict=True)
+            ]
         else:
             results = [
                 self.remote.batch_op(
@@ -364,7 +414,7 @@ def _scalar_rules(remote: _Remote, out: Any, x_struct: Any, ctx_struct: Any) -> 
     def vg_host(x: Any, contexts: tuple) -> Any:
         return _callback(
             x, contexts, (out, x_struct),
-            lambda x1, c1: tuple(remote.value_and_gradient(x1, c1)),
+            lambda x1, c1, axis: tuple(remote.value_and_gradient(x1, c1, axis)),
         )
 
     def hvp(x: Any, t: Any, contexts: tuple) -> Any:
@@ -384,7 +434,7 @@ def _scalar_rules(remote: _Remote, out: Any, x_struct: Any, ctx_struct: Any) -> 
 
     @jax.custom_jvp
     def g(x: Any, *contexts: Any) -> Any:
-        return _callback(x, contexts, out, lambda x1, c1: remote.value(x1, c1))
+        return _callback(x, contexts, out, lambda x1, c1, axis: remote.value(x1, c1, axis))
 
     @g.defjvp
     def g_jvp(primals: tuple, tangents: tuple) -> Any:
@@ -410,7 +460,7 @@ def _array_rules(remote: _Remote, out: Any, x_struct: Any, ctx_struct: Any) -> C
 
     @jax.custom_jvp
     def g(x: Any, *contexts: Any) -> Any:
-        return _callback(x, contexts, out, lambda x1, c1: remote.value(x1, c1))
+        return _callback(x, contexts, out, lambda x1, c1, axis: remote.value(x1, c1, axis))
 
     @g.defjvp
     def g_jvp(primals: tuple, tangents: tuple) -> Any:
