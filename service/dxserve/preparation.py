@@ -57,7 +57,7 @@ from .signature import Signature
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
 #: results that hold one value per tangent, packed by the programs (see ``packing``)
-_BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
+BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
 
 
 # --- inputs and signatures -------------------------------------------------
@@ -290,7 +290,7 @@ class Prep:
         takes and returns tuples of tangents; ``exe`` itself when there are none."""
         if tangents is None:
             return exe
-        batched = tuple(i for i, name in enumerate(results) if name in _BATCH_RESULTS)
+        batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
         return packing.Packed(exe, batched, self.signature.batch_axis)
 
     def pack(self, tangents: tuple | None) -> Any:
@@ -301,7 +301,7 @@ class Prep:
         """``operator``'s outputs from its builder with their per-tangent results cut
         into tuples of ``k`` (see ``packing``)."""
         results = OPERATORS[operator].results
-        batched = [i for i, name in enumerate(results) if name in _BATCH_RESULTS]
+        batched = [i for i, name in enumerate(results) if name in BATCH_RESULTS]
         return packing.unpack_results(outputs, batched, k, self.signature.batch_axis)
 
     def warm(self, operator: str, device: Any = None) -> bool:
@@ -821,7 +821,7 @@ def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
     the library returns every other result: one transfer for the whole batch."""
     results = OPERATORS[operator].results
     return tuple(
-        framework.to_device(out) if name in _BATCH_RESULTS else out
+        framework.to_device(out) if name in BATCH_RESULTS else out
         for name, out in zip(results, outputs, strict=True)
     )
 

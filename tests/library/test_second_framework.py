@@ -75,6 +75,9 @@ class NumpyFramework:
     name = "numpy"
     xp = np
 
+    def is_traced(self, tree: Tree) -> bool:
+        return False  # numpy has no transformations to be inside of
+
     # pytrees: dicts (sorted keys), lists and tuples are nodes; None is empty
     def flatten(self, tree: Tree) -> tuple[list[Any], Any]:
         if tree is None:

@@ -259,7 +259,7 @@ def test_the_service_imports_no_web_framework() -> None:
 #: array framework) only through the function's framework, never by importing it.
 FRAMEWORK_NEUTRAL = (
     "operators", "backends/engine.py", "backends/finite_differences.py", "preparation.py",
-    "chunking.py", "budget.py", "request_batching.py", "frameworks/__init__.py",
+    "chunking.py", "budget.py", "request_batching.py", "frameworks/__init__.py", "nesting.py",
 )
 
 

@@ -71,6 +71,11 @@ class Framework(Protocol):
         ...
 
     # --- arrays -------------------------------------------------------------------
+    def is_traced(self, tree: Tree) -> bool:
+        """Is some leaf of ``tree`` a value inside another transformation of this
+        framework (a JAX tracer under ``jax.grad``, ``jit`` or ``vmap``)?"""
+        ...
+
     def spec(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """An abstract array of ``shape`` and ``dtype`` (what ``probe`` returns)."""
         ...

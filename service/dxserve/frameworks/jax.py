@@ -60,6 +60,9 @@ class _Trees:
     def tree_map(self, fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
         return jax.tree_util.tree_map(fn, tree, *rest)
 
+    def is_traced(self, tree: Tree) -> bool:
+        return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
+
     def spec(self, shape: tuple[int, ...], dtype: Any) -> Any:
         return jax.ShapeDtypeStruct(tuple(shape), dtype)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..preparation import Family, Inputs, Prep, call, prepare, register_family
+from ..nesting import call
+from ..preparation import Family, Inputs, Prep, prepare, register_family
 from . import _checks
 
 
