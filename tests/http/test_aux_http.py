@@ -18,7 +18,9 @@ import jax
 import numpy as np
 import pytest
 
+from dxclient import Client
 from dxcontract import codec
+from dxcontract.errors import NotScalarOutputError
 from dxserve.examples import bn_loss
 from dxserve.precision import float64_scope
 from tests.aux_functions import X3, aux_scalar, aux_vector
@@ -223,3 +225,18 @@ def test_the_openapi_document_has_has_aux_and_aux(url: str) -> None:
     assert "aux" in schemas["ValueAndGradientResponse"]["properties"]
     assert "has_aux" not in schemas["SparsityRequest"]["properties"]
     assert "aux" not in schemas["SparsityResponse"]["properties"]
+
+
+@pytest.mark.parametrize("encoding", ["binary", "json", "b64"])
+def test_the_clients_repeated_calls_keep_has_aux_apart(url: str, encoding: str) -> None:
+    """x alone changing (no contexts): the client reuses the rest of the body; a call with
+    has_aux and one without never share it."""
+    (_, aux_ref), g_ref = jax_value_and_grad(aux_scalar, X3)
+    with Client(url, encoding=encoding) as client:
+        for _ in range(3):
+            g, aux = client.gradient("aux_scalar", X3, has_aux=True)
+            np.testing.assert_allclose(g, g_ref, rtol=1e-14)
+            assert aux["parts"][1][1] is None and isinstance(aux["parts"], tuple)
+            assert aux["count"].dtype == np.int32 and int(aux["count"]) == 3
+            with pytest.raises(NotScalarOutputError):
+                client.gradient("aux_scalar", X3)
