@@ -19,7 +19,7 @@ import numpy as np
 
 from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import DxError, FunctionEvaluationError, UnsupportedOperatorError
-from dxcontract.operators import OPERATORS
+from dxcontract.operators import OPERATORS, result_names, returned
 
 from .backends import engines_for, resolve_backend
 from .frameworks import Framework, framework_of
@@ -34,7 +34,11 @@ from .preparation import (
     check_batch_axis,
     normalize,
     over_points,
+    primary,
     probe,
+    refuse_aux,
+    split_aux,
+    with_aux,
 )
 from .preparation import call as call_prepared
 
@@ -42,25 +46,29 @@ from .preparation import call as call_prepared
 def call(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, prep: Prep | None = None, cache: PrepCache = CACHE,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Any:
     """``preparation.call``, or ``traced_call`` when some input is traced: what every
-    operator calls. Returns one result, or a tuple of them (DI's order)."""
+    operator calls. Returns one result, or a tuple of them (DI's order; with ``has_aux``,
+    JAX's shapes, see ``dxcontract.operators.returned``)."""
     fw = framework_of(f)
     if not fw.is_traced((x, tangents, contexts)):
-        return call_prepared(operator, f, backend, x, tangents, contexts, prep, cache, batch_axis)
+        return call_prepared(
+            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis, has_aux
+        )
     out = traced_call(
-        operator, f, backend_from_json(backend), x, tangents, contexts, fw, batch_axis
+        operator, f, backend_from_json(backend), x, tangents, contexts, fw, batch_axis, has_aux
     )
-    return out[0] if len(out) == 1 else out
+    return returned(OPERATORS[operator], out, has_aux)
 
 
 def traced_call(
     operator: str, f: Callable, backend: Backend, x: Any, tangents: Sequence | None,
     contexts: Sequence, framework: Framework, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple:
-    """``operator``'s results (``OPERATORS[operator].results`` order) as traced values of
-    ``framework``, for inputs of which some are traced."""
+    """``operator``'s results (``result_names`` order: aux last with ``has_aux``) as traced
+    values of ``framework``, for inputs of which some are traced."""
     family = OPERATORS[operator].family
     x, tangents, contexts = normalize(x, tangents, contexts)
     px, pt = x, tangents
@@ -71,6 +79,11 @@ def traced_call(
         pt = None if tangents is None else tuple(framework.tree_map(lambda v: v[0], t) for t in tangents)
     # probed on zeros of the traced shapes: a function that cannot trace is called on them
     traced, y = probe(f, _zeros(framework, px), _zeros(framework, contexts), framework)
+    output = f  # the function the family differentiates
+    if has_aux:
+        refuse_aux(operator)
+        y, _ = split_aux(f, y)
+        output = primary(f)
     resolved = resolve_backend(backend, family, traced=traced, n=_size(framework, px),
                                m=_size(framework, y))
     engine, inner = engines_for(resolved, traced=traced)
@@ -88,8 +101,10 @@ def traced_call(
     spec = FAMILIES[family]
     inputs = Inputs(px, pt, contexts, y, framework)
     spec.check(inputs)
-    engine.prepare(family, f, inputs, None)
-    build = spec.build(f, engine, inner, inputs)
+    engine.prepare(family, output, inputs, None)
+    build = spec.build(output, engine, inner, inputs)
+    if has_aux:
+        build = with_aux(build, f)
     if batch_axis is not None:
         build = over_points(build, tangents is not None, framework)
     axis = 0 if batch_axis is None else 1
@@ -104,7 +119,7 @@ def traced_call(
             f"{framework.name} transformation: {type(exc).__name__}: {exc}"[:500],
             field="backend",
         ) from exc
-    results = OPERATORS[operator].results
+    results = result_names(OPERATORS[operator], has_aux)
     k = len(tangents or ())
     return tuple(
         _unstack(framework, out[name], k, axis) if name in BATCH_RESULTS else out[name]

@@ -12,6 +12,11 @@ and by the bytes the preps keep alive (``Prep.nbytes``).
 independent points, contexts shared: the family is checked and built for one point
 and the operator is vmapped over the points inside the one compiled call.
 
+``has_aux=True``: f returns a pair ``(output, aux)``. The family is checked and built
+for ``output`` alone (``primary``) and aux, f's second element at x, is one more result
+(``with_aux``), never differentiated; under ``batch_axis=0`` it is stacked like the
+others. Compiled, XLA computes f's shared work at x once for both.
+
 Everything framework-specific (probing, compiling, vmapping, devices, precision) goes
 through the function's ``Framework`` (``frameworks``; JAX unless the function names
 another).
@@ -32,6 +37,7 @@ import numpy as np
 from dxcontract.backends import Backend, backend_from_json
 from dxcontract.encodings.common import is_array_list
 from dxcontract.errors import (
+    FIX,
     DxError,
     FunctionEvaluationError,
     InvalidArgumentError,
@@ -39,9 +45,10 @@ from dxcontract.errors import (
     PreparationMismatchError,
     ResultTooLargeError,
     ShapeMismatchError,
+    UnsupportedOperatorError,
 )
 from dxcontract.lru import LRU
-from dxcontract.operators import OPERATORS
+from dxcontract.operators import AUX, OPERATORS, result_names, returned
 
 from . import packing
 from .arity import check_contexts
@@ -195,6 +202,15 @@ class Prep:
     def family(self) -> str:
         return OPERATORS[self.operator].family
 
+    @property
+    def has_aux(self) -> bool:
+        """Prepared for a function returning ``(output, aux)`` (aux returned last)."""
+        return self.signature.has_aux
+
+    def results(self, operator: str) -> tuple[str, ...]:
+        """What ``run`` returns for ``operator``: its results, then ``AUX`` with has_aux."""
+        return result_names(OPERATORS[operator], self.signature.has_aux)
+
     def check(self, family: str, f: Callable, backend: Backend, signature: Signature) -> None:
         if family != self.family:
             raise PreparationMismatchError(
@@ -239,7 +255,7 @@ class Prep:
         """Keep only ``operator``'s results (so XLA drops the rest) and compile for these
         inputs; the executable persists across restarts when that cache is configured.
         ``chunk``: for a chunk of a batch (``chunking.Slicer``), checked as one call."""
-        results = OPERATORS[operator].results if only is None else only
+        results = self.results(operator) if only is None else only
         build = self.build
 
         def run(x, tangents, contexts):
@@ -300,7 +316,7 @@ class Prep:
     def unpack(self, operator: str, outputs: tuple, k: int) -> tuple:
         """``operator``'s outputs from its builder with their per-tangent results cut
         into tuples of ``k`` (see ``packing``)."""
-        results = OPERATORS[operator].results
+        results = self.results(operator)
         batched = [i for i, name in enumerate(results) if name in BATCH_RESULTS]
         return packing.unpack_results(outputs, batched, k, self.signature.batch_axis)
 
@@ -344,7 +360,7 @@ class Prep:
         self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple,
         job: Job | None = None,
     ) -> tuple:
-        """The results of ``operator``, in ``OPERATORS[operator].results`` order.
+        """The results of ``operator``, in ``self.results(operator)`` order.
 
         ``job``: told the progress of a chunked run, and checked between its chunks
         (``JobCancelled`` once cancelled)."""
@@ -427,12 +443,14 @@ MAX_RESULT_ELEMENTS = 2**27
 
 
 def _check_result_size(
-    family: str, inputs: Inputs, limit: int, engine: Engine | None = None, points: int = 1
+    family: str, inputs: Inputs, limit: int, engine: Engine | None = None, points: int = 1,
+    aux: Tree = None,
 ) -> int:
     """The number of results ``family`` returns here (``ResultTooLargeError`` past ``limit``).
 
     ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n).
-    ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole)."""
+    ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole).
+    ``aux``: the spec of a has_aux function's auxiliary output, returned too."""
     n, m = _size(inputs.framework, inputs.x), _size(inputs.framework, inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
@@ -442,6 +460,9 @@ def _check_result_size(
     extent = elements if counted is not None else OPERATORS[family].result_elements(
         _extent(inputs.framework, inputs.x), _extent(inputs.framework, inputs.y), k
     )
+    if aux is not None:
+        elements += _size(inputs.framework, aux)
+        extent += _extent(inputs.framework, aux)
     elements, extent = elements * points, extent * points
     if points > 1 and elements > limit:
         raise ResultTooLargeError(
@@ -478,6 +499,7 @@ def prepare(
     max_result_elements: int | None = None,
     limits: ComputeLimits | None = None,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -488,6 +510,8 @@ def prepare(
     bounds on XLA's estimate of each compiled executable (None: unbounded, the library's
     default; the server passes its settings). ``batch_axis=0``: x's leaves and the
     tangents' lead with an axis of B points, results come back stacked as (B, ...).
+    ``has_aux``: f returns ``(output, aux)``; ``output`` is differentiated and aux
+    returned as the last result.
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
@@ -495,7 +519,7 @@ def prepare(
     with framework_of(f).precision_scope():
         return _prepare(
             operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits,
-            batch_axis,
+            batch_axis, has_aux,
         )
 
 
@@ -503,6 +527,7 @@ def _prepare(
     operator: str, f: Callable, backend: Backend, x: Any, tangents: Sequence | None,
     contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
     limits: ComputeLimits | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Prep:
     family = OPERATORS[operator].family
     fw = framework_of(f)
@@ -514,6 +539,11 @@ def _prepare(
         px = _first_point(fw, x)
         pt = None if tangents is None else tuple(_first_point(fw, t) for t in tangents)
     traced, y = probe(f, px, contexts, fw)
+    aux, output = None, f  # output: the function the family differentiates
+    if has_aux:
+        refuse_aux(operator)
+        y, aux = split_aux(f, y)
+        output = primary(f)
     resolved = resolve_backend(
         backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y)
     )
@@ -523,6 +553,13 @@ def _prepare(
             "send the points one by one or use a dense backend",
             field="batch_axis",
         )
+    if has_aux and resolved.type == "sparse":
+        raise UnsupportedOperatorError(
+            f"has_aux is not supported with a sparse {family}: the pattern is detected on "
+            "the registered function itself, whose output here is a pair; use a dense "
+            "backend, or take the aux from value with has_aux",
+            field="has_aux",
+        )
     engine, inner = engines_for(resolved, traced=traced)
     engine.use(fw)
     if inner is not None:
@@ -531,21 +568,23 @@ def _prepare(
     inputs = Inputs(px, pt, contexts, y, fw)
     spec.check(inputs)
     refuse_low_precision(resolved, fw.leaves(px), traced=traced)
-    engine.prepare(family, f, inputs, limits)  # e.g. sparsity detection and colouring, once
-    elements = _check_result_size(family, inputs, max_result_elements, engine, points)
-    signature = Signature.of(x, tangents, contexts, batch_axis)
+    engine.prepare(family, output, inputs, limits)  # e.g. sparsity detection and colouring
+    elements = _check_result_size(family, inputs, max_result_elements, engine, points, aux)
+    signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
         return replace(twin, backend=backend)
     compiled = traced and engine.traces and (inner is None or inner.traces)
     runs_in = fw if compiled else fw.eager()
-    build = spec.build(f, engine, inner, inputs)
+    build = spec.build(output, engine, inner, inputs)
+    if has_aux:
+        build = with_aux(build, f)
     if batch_axis is not None:
         build = over_points(build, tangents is not None, runs_in)
         y = fw.tree_map(lambda s: fw.spec((points, *s.shape), s.dtype), y)
     chunker = chunker_for(
-        family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits,
+        family, output, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits,
         runs_in,
     ) or slicer_for(
         family, compiled, batch_axis is not None, points, len(tangents or ()), limits, runs_in
@@ -620,6 +659,68 @@ def over_points(run: Callable, batched_tangents: bool, framework: Framework) -> 
     tangents), results stacked on that axis, contexts shared: ``framework.vmap`` (for
     JAX one XLA program; for an eager framework a loop, point by point)."""
     return framework.vmap(run, in_axes=(0, 0 if batched_tangents else None, None))
+
+
+# --- auxiliary outputs (has_aux) -----------------------------------------------
+def refuse_aux(operator: str) -> None:
+    """``UnsupportedOperatorError`` (field ``has_aux``) for an operator without aux."""
+    if not OPERATORS[operator].aux:
+        raise UnsupportedOperatorError(
+            f"{operator} takes no has_aux: it returns a pattern, no values to return aux "
+            "beside; call it without has_aux, on a function returning its output alone",
+            field="has_aux",
+        )
+
+
+def split_aux(f: Callable, y: Tree) -> tuple[Tree, Tree]:
+    """``(output, aux)``: the probed output of a has_aux function, which must be a pair
+    (a tuple or list of two, as JAX's ``has_aux`` takes); ``ShapeMismatchError``
+    (field ``function``) naming the function and the fix otherwise."""
+    if isinstance(y, tuple | list) and len(y) == 2:
+        return y[0], y[1]
+    if isinstance(y, tuple | list):
+        got = f"a {type(y).__name__} of {len(y)}"
+    elif hasattr(y, "shape"):
+        got = f"an array of shape {tuple(y.shape)}"
+    else:
+        got = f"a {type(y).__name__}"
+    name = function_name(f)
+    raise ShapeMismatchError(
+        f"has_aux needs {name} to return a pair (output, aux), but it returns {got}; "
+        f"return a tuple (output, aux) from {name}, or call it without has_aux ({FIX})",
+        field="function", fix={"has_aux": False},
+    )
+
+
+def function_name(f: Callable) -> str:
+    """How messages name ``f``: its registered or Python name, an expression's text."""
+    info = getattr(f, "__dxserve__", None)
+    name = getattr(info, "name", None) or getattr(f, "__name__", None)
+    if isinstance(name, str) and name != "<lambda>":
+        return f"the function {name!r}"
+    source = getattr(f, "source", None)
+    if isinstance(source, str):
+        return f"the expression {source[:80]!r}"
+    return "the function"
+
+
+def primary(f: Callable) -> Callable:
+    """``f``'s output without its aux: what a has_aux operator differentiates."""
+
+    def output(x: Tree, *contexts: Any) -> Tree:
+        return f(x, *contexts)[0]
+
+    return output
+
+
+def with_aux(run: Callable, f: Callable) -> Callable:
+    """``run`` (a family's builder output) with ``AUX``, f's aux at x, added to its
+    results: computed at the primal point alone, never differentiated."""
+
+    def run_with_aux(x: Tree, tangents: Any, contexts: tuple) -> dict:
+        return {**run(x, tangents, contexts), AUX: f(x, *contexts)[1]}
+
+    return run_with_aux
 
 
 def _itemsize(framework: Framework, tree: Tree) -> int:
@@ -734,6 +835,7 @@ class Lookup:
     prep: Prep | None
     key: tuple
     batch_axis: int | None = None
+    has_aux: bool = False
 
     @property
     def inputs(self) -> tuple:
@@ -753,6 +855,7 @@ class Lookup:
             prep = prepare(
                 self.operator, self.function, self.backend, self.x, self.tangents,
                 self.contexts, cache, max_result_elements, limits, self.batch_axis,
+                self.has_aux,
             )
             cache.put(self.key, prep)
         return prep
@@ -769,25 +872,29 @@ def lookup(
     cache: PrepCache = CACHE,
     signature: Signature | None = None,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Lookup:
     """Normalize the inputs and find the prep that runs them: ``prep`` if given
     (checked against the call), else the cached one, else none yet.
 
     ``signature``: the inputs' signature if the caller already knows it (the server
     does for a repeated request), saving its computation. ``batch_axis``: 0 for a
-    batch of points (checked here; the points themselves at preparation)."""
+    batch of points (checked here; the points themselves at preparation). ``has_aux``:
+    f returns ``(output, aux)`` (see ``prepare``)."""
     op = OPERATORS[operator]
     x, tangents, contexts = normalize(x, tangents, contexts)
     if batch_axis is not None:
         check_batch_axis(batch_axis)
     if signature is None:
-        signature = Signature.of(x, tangents, contexts, batch_axis)
+        signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
     key = (f, op.name, backend, signature)
     if prep is not None:
         prep.check(op.family, f, backend, signature)
     else:
         prep = cache.get(key)
-    return Lookup(op.name, f, backend, x, tangents, contexts, prep, key, batch_axis)
+    return Lookup(
+        op.name, f, backend, x, tangents, contexts, prep, key, batch_axis, signature.has_aux
+    )
 
 
 def call(
@@ -800,34 +907,41 @@ def call(
     prep: Prep | None = None,
     cache: PrepCache = CACHE,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
     """Run ``operator``; return its result, or a tuple of results (DI's order).
 
-    ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...)."""
+    ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...).
+    ``has_aux``: f returns ``(output, aux)``; JAX's shapes (``dxcontract.operators.returned``):
+    ``((value, aux), *others)``, or ``(results, aux)`` for an operator without a value."""
     backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor
     with framework_of(f).precision_scope():
         found = lookup(
-            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis
+            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis,
+            has_aux=has_aux,
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
         if found.tangents is not None and prep.traced:
-            out = _on_device(prep.framework, found.operator, out)
-    return out[0] if len(out) == 1 else out
+            out = _on_device(prep.framework, prep.results(found.operator), out)
+    return returned(OPERATORS[operator], out, prep.has_aux)
 
 
-def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
+def _on_device(framework: Framework, results: tuple[str, ...], outputs: tuple) -> tuple:
     """Per-tangent results (numpy views, see ``packing``) as the framework's arrays, as
     the library returns every other result: one transfer for the whole batch."""
-    results = OPERATORS[operator].results
     return tuple(
         framework.to_device(out) if name in BATCH_RESULTS else out
         for name, out in zip(results, outputs, strict=True)
     )
 
 
-def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:
-    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied)."""
+def resolve(
+    backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any,
+    has_aux: bool = False,
+) -> Backend:
+    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied);
+    ``has_aux``: f returns ``(output, aux)``, and output's size is what ``Auto`` weighs."""
     backend = backend_from_json(backend)
     family = OPERATORS[operator].family
     x = as_tree(x)
@@ -835,4 +949,6 @@ def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *context
     fw = framework_of(f)
     with fw.precision_scope():
         traced, y = probe(f, x, contexts, fw)
+    if has_aux:
+        y = split_aux(f, y)[0]
     return resolve_backend(backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y))

@@ -1,7 +1,8 @@
 """Signatures: what a compiled operator depends on in its inputs.
 
-A pytree's structure and each leaf's shape and dtype, and whether x carries a batch
-of points (``batch_axis``). ``Signature`` (hashable) keys
+A pytree's structure and each leaf's shape and dtype, whether x carries a batch
+of points (``batch_axis``) and whether the function returns an auxiliary output
+(``has_aux``). ``Signature`` (hashable) keys
 the in-memory preps and says what differs when a call does not match its prep;
 ``persistent_spec`` is the same walk as JSON, with what a persisted executable also
 depends on (weak types, shardings).
@@ -45,20 +46,23 @@ class Signature:
     contexts: tuple[Spec, ...]
     #: 0 when x (and the tangents) carry a leading axis of independent points, else None
     batch_axis: int | None = None
+    #: True when the function returns ``(output, aux)`` and aux is returned too
+    has_aux: bool = False
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash((self.x, self.tangents, self.contexts, self.batch_axis))
+        return hash((self.x, self.tangents, self.contexts, self.batch_axis, self.has_aux))
 
     def __hash__(self) -> int:  # every prep-cache lookup hashes one; its fields never change
         return self._hash
 
     @staticmethod
     def of(
-        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None = None
+        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None = None,
+        has_aux: bool = False,
     ) -> Signature:
         try:
-            return Signature._of(x, tangents, contexts, batch_axis)
+            return Signature._of(x, tangents, contexts, batch_axis, has_aux)
         except (AttributeError, TypeError):  # a leaf that is no array: say where
             trees = [("x", x), *((f"tangents[{i}]", t) for i, t in enumerate(tangents or ())),
                      *((f"contexts[{i}]", c) for i, c in enumerate(contexts))]
@@ -68,17 +72,23 @@ class Signature:
 
     @staticmethod
     def _of(
-        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None
+        x: Tree, tangents: tuple | None, contexts: tuple, batch_axis: int | None,
+        has_aux: bool = False,
     ) -> Signature:
         return Signature(
             spec_of(x),
             None if tangents is None else tuple(spec_of(t) for t in tangents),
             tuple(spec_of(c) for c in contexts),
             batch_axis,
+            has_aux,
         )
 
     def difference(self, prepared: Signature) -> tuple[str, str] | None:
         """``(field, what differs)`` against the prepared signature, or None."""
+        if self.has_aux != prepared.has_aux:
+            return "has_aux", (
+                f"has_aux={self.has_aux} given, prepared with has_aux={prepared.has_aux}"
+            )
         if self.batch_axis != prepared.batch_axis:  # first: every shape differs then too
             return "batch_axis", (
                 f"batch_axis={self.batch_axis} given, prepared with batch_axis={prepared.batch_axis}"

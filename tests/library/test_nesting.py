@@ -153,3 +153,18 @@ def test_a_backend_that_cannot_trace_is_named() -> None:
     with pytest.raises(dxserve.UnsupportedOperatorError, match="gradient with backend") as info:
         jax.jit(lambda x: dxserve.gradient(black_box, "finite-differences", x))(X)
     assert "DifferentiateWith" in str(info.value)
+
+
+def test_has_aux_under_transformations() -> None:
+    def with_state(x):
+        return scalar(x), {"norm": jnp.sum(x**2)}
+
+    (y, aux), g = jax.jit(
+        lambda x: dxserve.value_and_gradient(with_state, "jax-reverse", x, has_aux=True)
+    )(X)
+    (y_ref, aux_ref), g_ref = jax.value_and_grad(with_state, has_aux=True)(X)
+    _close(y, y_ref)
+    _close(aux["norm"], aux_ref["norm"])
+    _close(g, g_ref)
+    got = jax.grad(lambda x: jnp.sum(dxserve.gradient(with_state, "jax-forward", x, has_aux=True)[0] ** 2))(X)
+    _close(got, jax.grad(lambda x: jnp.sum(jax.grad(scalar)(x) ** 2))(X))

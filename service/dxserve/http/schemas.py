@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from dxcontract.operators import OPERATORS, OperatorSpec
+from dxcontract.operators import AUX, OPERATORS, OperatorSpec
 
 from ..kinds import names as kind_names
 from ..kinds import register_model
@@ -156,6 +156,18 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             ),
         ),
     }
+    if op.aux:
+        fields["has_aux"] = (
+            bool,
+            Field(
+                False,
+                description="true: the function returns a pair (output, aux); output is "
+                "differentiated and aux, evaluated at x and never differentiated, comes back "
+                "as the answer's `aux` (stacked (B, ...) with batch_axis=0). The function "
+                "must return a 2-tuple then (422 otherwise)",
+                examples=[True],
+            ),
+        )
     if op.tangents_like is not None:
         like = _SHAPED_LIKE[op.tangents_like]
         fields["tangents"] = (
@@ -177,6 +189,16 @@ def response_model(op: OperatorSpec) -> type[BaseModel]:
             fields[name] = (list[Array], Field(description="One result per tangent"))
         else:
             fields[name] = (Array, Field(description=ARRAY_DOC))
+    if op.aux:
+        fields[AUX] = (
+            Array | list[Any] | None,
+            Field(
+                None,
+                description="With has_aux only: the function's aux at x, a pytree of arrays "
+                "encoded like the other results (tuples and lists as `__tuple__`/`__list__` "
+                "objects). " + ARRAY_DOC,
+            ),
+        )
     return create_model(f"{_camel(op.name)}Response", **fields)
 
 
