@@ -543,9 +543,11 @@ def _prepare(
         except _TransformFailed as failure:
             exc = failure.error
             if len(choices) == 1 and traced and resolved.type != "sparse":
-                raise _cannot(exc, backend, resolved, f, family, px, pt, contexts, y, fw) from exc
-            if i == len(choices) - 1:
-                raise exc from None
+                named = _cannot(exc, backend, resolved, f, family, px, pt, contexts, y, fw)
+                if named is not exc:
+                    raise named from exc
+            if len(choices) == 1 or i == len(choices) - 1:
+                raise exc from exc.__cause__  # as compiling raised it, from JAX's error
             failed.append((resolved, _why(exc)))
             continue
         if failed:
@@ -971,7 +973,7 @@ def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
 def resolve(
     backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any,
     explain: bool = False,
-) -> Any:
+) -> Backend | tuple[Backend, str | None]:
     """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied).
 
     For ``Auto`` the operator is traced abstractly (nothing compiled or run) with each
