@@ -29,3 +29,23 @@ def sin_cumsum_jacobian(x: np.ndarray) -> np.ndarray:
     """d/dx of sin(x) * cumsum(x): diag(cos(x) * cumsum(x)) + sin(x)[:, None] * tril(1)."""
     n = x.size
     return np.diag(np.cos(x) * np.cumsum(x)) + np.sin(x)[:, None] * np.tril(np.ones((n, n)))
+
+
+def cbrt_derivative(x: np.ndarray) -> np.ndarray:
+    """d/dx ∛x = x^(-2/3) / 3, elementwise (x > 0)."""
+    return x ** (-2.0 / 3.0) / 3.0
+
+
+def cbrt_second_derivative(x: np.ndarray) -> np.ndarray:
+    """d²/dx² ∛x = -2 x^(-5/3) / 9, elementwise (x > 0)."""
+    return -2.0 * x ** (-5.0 / 3.0) / 9.0
+
+
+def sqrt_derivative(x: np.ndarray) -> np.ndarray:
+    """d/dx √x = 1 / (2 √x), elementwise (x > 0)."""
+    return 0.5 / np.sqrt(x)
+
+
+def sqrt_second_derivative(x: np.ndarray) -> np.ndarray:
+    """d²/dx² √x = -x^(-3/2) / 4, elementwise (x > 0)."""
+    return -0.25 * x**-1.5

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dxcontract.backends import Backend, backend_from_json
+from dxcontract.backends import Auto, Backend, SecondOrder, backend_from_json
 from dxcontract.encodings.common import is_array_list
 from dxcontract.errors import (
     FIX,
@@ -52,8 +52,15 @@ from dxcontract.operators import AUX, OPERATORS, result_names, returned
 
 from . import packing
 from .arity import check_contexts
-from .backends import engines_for, refuse_low_precision, resolve_backend
+from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
+from .backends.selection import (
+    auto_candidates,
+    auto_rule,
+    backend_name,
+    candidates,
+    mode_name,
+)
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
 from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
@@ -166,6 +173,9 @@ class Prep:
     #: the framework the operator runs in (the function's, or its eager companion
     #: where it is not compiled)
     framework: Framework = field(default_factory=get_framework, repr=False)
+    #: why ``resolved`` was chosen, for ``Auto``: its rule, or the modes that do not
+    #: trace for this function and the one used instead (None: an explicit backend)
+    reason: str | None = None
 
     def nbytes(self) -> int:
         """The bytes this prep keeps alive, estimated (see ``footprint``): its compiled
@@ -190,9 +200,11 @@ class Prep:
 
     @property
     def report(self) -> dict[str, Any]:
-        """What preparation found beyond the backend: for a sparse backend
-        ``{"sparsity": {"shape", "nnz", "colors", "coloring", "mode", ...}}``, else ``{}``."""
-        return self.compiler.report()
+        """What preparation found beyond the backend: for ``Auto``, ``{"reason": why
+        ``resolved`` was chosen}``; for a sparse backend ``{"sparsity": {"shape", "nnz",
+        "colors", "coloring", "mode", ...}}``; else ``{}``."""
+        found = self.compiler.report()
+        return found if self.reason is None else {**found, "reason": self.reason}
 
     def holds(self, operator: str, device: Any) -> bool:
         """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
@@ -544,9 +556,53 @@ def _prepare(
         refuse_aux(operator)
         y, aux = split_aux(f, y)
         output = primary(f)
-    resolved = resolve_backend(
-        backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y)
-    )
+    n, m = _size(fw, px), _size(fw, y)
+    choices = candidates(backend, family, traced=traced, n=n, m=m)
+    failed: list[tuple[Backend, str]] = []  # Auto's choices whose transformation failed
+    for i, resolved in enumerate(choices):
+        reason = (
+            _auto_reason(family, traced, n, m, failed, resolved)
+            if isinstance(backend, Auto) else None
+        )
+        try:
+            prep = _prepare_with(
+                resolved, operator, f, backend, x, tangents, contexts, cache,
+                max_result_elements, limits, batch_axis, traced, points, px, pt, y, reason,
+                has_aux, aux, output,
+            )
+        except _TransformFailed as failure:
+            exc = failure.error
+            if len(choices) == 1 and traced and resolved.type != "sparse":
+                named = _cannot(exc, backend, resolved, f, family, px, pt, contexts, y, fw)
+                if named is not exc:
+                    raise named from exc
+            if len(choices) == 1 or i == len(choices) - 1:
+                raise exc from exc.__cause__  # as compiling raised it, from JAX's error
+            failed.append((resolved, _why(exc)))
+            continue
+        if failed:
+            _log.info(
+                "auto for %s of %s: %s", operator, _name(f), reason,
+                extra={"event": "auto_fallback", "operator": operator, "function": _name(f),
+                       "backend": resolved.to_json()},
+            )
+        return prep
+    raise AssertionError("unreachable: the last choice returns or raises")
+
+
+def _prepare_with(
+    resolved: Backend, operator: str, f: Callable, backend: Backend, x: Tree,
+    tangents: tuple | None, contexts: tuple, cache: PrepCache | None, max_result_elements: int,
+    limits: ComputeLimits | None, batch_axis: int | None, traced: bool, points: int,
+    px: Tree, pt: tuple | None, y: Tree, reason: str | None,
+    has_aux: bool = False, aux: Tree = None, output: Callable | None = None,
+) -> Prep:
+    """``_prepare`` with the concrete backend ``resolved``: check, build and compile
+    (``_TransformFailed`` when compiling fails); ``reason``: why it was chosen. With
+    ``has_aux``, ``output`` is the function differentiated and ``aux`` its aux's spec."""
+    output = f if output is None else output
+    family = OPERATORS[operator].family
+    fw = framework_of(f)
     if batch_axis is not None and (family == "sparsity" or resolved.type == "sparse"):
         raise InvalidArgumentError(
             f"batch_axis is not supported for sparse {family} (a sparse result per point); "
@@ -574,7 +630,7 @@ def _prepare(
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
-        return replace(twin, backend=backend)
+        return replace(twin, backend=backend, reason=reason)
     compiled = traced and engine.traces and (inner is None or inner.traces)
     runs_in = fw if compiled else fw.eager()
     build = spec.build(output, engine, inner, inputs)
@@ -592,12 +648,103 @@ def _prepare(
     prep = Prep(
         operator, f, backend, resolved, signature, y, build,
         engine, compiled, limits=limits, result_bytes=elements * _itemsize(fw, x),
-        chunker=chunker, framework=runs_in,
+        chunker=chunker, framework=runs_in, reason=reason,
     )
-    prep.executable(operator, x, tangents, contexts)
+    try:
+        prep.executable(operator, x, tangents, contexts)
+    except (FunctionEvaluationError, UnsupportedOperatorError) as exc:
+        raise _TransformFailed(exc) from exc  # the transformation failed, not the checks
     if cache is not None:
         cache.put_resolved(twin_key, prep)
     return prep
+
+
+# --- when a mode does not trace ---------------------------------------------
+class _TransformFailed(Exception):
+    """Compiling the operator failed (``error``): the backend's transformation of the
+    function, not the checks of its inputs."""
+
+    def __init__(self, error: DxError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _why(exc: BaseException, limit: int = 300) -> str:
+    """The reason of a failed transformation, at most ``limit`` characters."""
+    text = (exc.detail if isinstance(exc, DxError) else _short(exc)).strip().rstrip(".")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _name(f: Callable) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def _auto_reason(
+    family: str, traced: bool, n: int, m: int, failed: list[tuple[Backend, str]],
+    chosen: Backend,
+) -> str:
+    """What ``Auto`` chose for ``family`` and why: its rule, or the modes that do not
+    trace for this function and the one it uses instead."""
+    if not failed:
+        return auto_rule(family, traced=traced, n=n, m=m)
+    grouped: list[tuple[list[str], str]] = []  # modes failing for one reason, together
+    for choice, why in failed:
+        if grouped and grouped[-1][1] == why:
+            grouped[-1][0].append(mode_name(choice))
+        else:
+            grouped.append(([mode_name(choice)], why))
+    skipped = "; ".join(
+        f"{' and '.join(modes)} {'do' if len(modes) > 1 else 'does'} not trace: {why}"
+        for modes, why in grouped
+    )
+    using = mode_name(chosen) if isinstance(chosen, SecondOrder) else backend_name(chosen)
+    return f"{skipped}; using {using}"
+
+
+def trace_error(
+    f: Callable, backend: Backend, family: str, x: Tree, tangents: tuple | None,
+    contexts: tuple, y: Tree, framework: Framework,
+) -> str | None:
+    """Why ``family`` of ``f`` does not trace with the concrete ``backend`` at these
+    (one point's) inputs, or None when it does: the operator is built and evaluated
+    abstractly (``Framework.eval_shape``), nothing compiled or run."""
+    try:
+        engine, inner = engines_for(backend, traced=True)
+        engine.use(framework)
+        if inner is not None:
+            inner.use(framework)
+        run = FAMILIES[family].build(f, engine, inner, Inputs(x, tangents, contexts, y, framework))
+        framework.eval_shape(run, x, packing.pack(tangents), contexts)
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason
+        return _why(exc)
+    return None
+
+
+def _cannot(
+    exc: DxError, backend: Backend, resolved: Backend, f: Callable, family: str, x: Tree,
+    tangents: tuple | None, contexts: tuple, y: Tree, framework: Framework,
+) -> DxError:
+    """The error for an explicit backend whose transformation of ``f`` failed: naming
+    the backend, and the backend ``Auto`` would use instead where one traces."""
+    n, m = _size(framework, x), _size(framework, y)
+    other = None
+    for choice in auto_candidates(family, traced=True, n=n, m=m):
+        if choice != resolved and trace_error(
+            f, choice, family, x, tangents, contexts, y, framework
+        ) is None:
+            other = choice
+            break
+    if other is None:
+        return exc
+    asked = backend_name(backend)
+    as_ = "" if backend == resolved else f" (as {backend_name(resolved)})"
+    mode = f" ({mode_name(other)})" if isinstance(other, SecondOrder) else ""
+    return UnsupportedOperatorError(
+        f"{asked}{as_} cannot compute {family} of {_name(f)} here, {mode_name(resolved)} "
+        f"does not trace: {_why(exc, 1000)}. Use '{backend_name(other)}'{mode}, or 'auto', "
+        "which picks it",
+        field="backend",
+    )
 
 
 # --- many points in one call ------------------------------------------------
@@ -938,17 +1085,61 @@ def _on_device(framework: Framework, results: tuple[str, ...], outputs: tuple) -
 
 def resolve(
     backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any,
-    has_aux: bool = False,
-) -> Backend:
-    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied);
-    ``has_aux``: f returns ``(output, aux)``, and output's size is what ``Auto`` weighs."""
+    has_aux: bool = False, explain: bool = False,
+) -> Backend | tuple[Backend, str | None]:
+    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied).
+    ``has_aux``: f returns ``(output, aux)``, and output is what is weighed and traced.
+
+    For ``Auto`` the operator is traced abstractly (nothing compiled or run) with each
+    of its choices in turn until one traces (see ``selection.auto_candidates``), as
+    preparation does. ``explain=True`` returns ``(descriptor, reason)``: for ``Auto``
+    its rule, or the modes that do not trace and the one used instead; None for an
+    explicit backend."""
     backend = backend_from_json(backend)
-    family = OPERATORS[operator].family
+    op = OPERATORS[operator]
     x = as_tree(x)
     contexts = tuple(as_tree(c) for c in contexts)
     fw = framework_of(f)
     with fw.precision_scope():
         traced, y = probe(f, x, contexts, fw)
-    if has_aux:
-        y = split_aux(f, y)[0]
-    return resolve_backend(backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y))
+        if has_aux:
+            y, f = split_aux(f, y)[0], primary(f)
+        n, m = _size(fw, x), _size(fw, y)
+        choices = candidates(backend, op.family, traced=traced, n=n, m=m)
+        chosen, failed = choices[0], []
+        if len(choices) > 1 and _checks(op.family, x, contexts, y, fw):
+            tangents = _probe_tangents(op.family, x, y, fw)
+            for choice in choices:
+                why = None if choice is choices[-1] else trace_error(
+                    f, choice, op.family, x, tangents, contexts, y, fw
+                )
+                if why is None:
+                    chosen = choice
+                    break
+                failed.append((choice, why))
+    if not explain:
+        return chosen
+    reason = (
+        _auto_reason(op.family, traced, n, m, failed, chosen) if isinstance(backend, Auto) else None
+    )
+    return chosen, reason
+
+
+def _checks(family: str, x: Tree, contexts: tuple, y: Tree, framework: Framework) -> bool:
+    """Do these inputs pass ``family``'s checks (with one tangent)? ``resolve`` traces
+    only an operator that preparation would build."""
+    tangents = _probe_tangents(family, x, y, framework)
+    try:
+        FAMILIES[family].check(Inputs(x, tangents, contexts, y, framework))
+    except DxError:
+        return False
+    return True
+
+
+def _probe_tangents(family: str, x: Tree, y: Tree, framework: Framework) -> tuple | None:
+    """One tangent of zeros shaped as ``family``'s tangents are (like x or like y)."""
+    like = OPERATORS[family].tangents_like
+    if like is None:
+        return None
+    tree = x if like == "x" else y
+    return (framework.tree_map(lambda v: np.zeros(np.shape(v), v.dtype), tree),)

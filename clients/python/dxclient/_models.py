@@ -63,6 +63,9 @@ class RemotePrep:
     #: the ``POST /prepare/<op>`` call this handle came from: the client sends it again
     #: when the server no longer holds the handle (evicted, or the server restarted)
     request: Call | None = field(default=None, compare=False, repr=False)
+    #: for ``auto``: why the server chose ``resolved`` (its rule, or the modes that do
+    #: not trace for this function and the one used instead); None otherwise
+    reason: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,7 @@ def prep_result(content: bytes, request: Call | None = None) -> RemotePrep:
     obj = codec.loads(content)
     return RemotePrep(
         obj["prep"], obj["operator"], obj["function"], obj["backend"], obj["resolved"],
-        obj.get("sparsity"), request,
+        obj.get("sparsity"), request, obj.get("reason"),
     )
 
 

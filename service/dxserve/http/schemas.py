@@ -301,6 +301,11 @@ class PrepareResponse(BaseModel):
     function: str
     backend: dict[str, Any] = Field(description="The backend as requested")
     resolved: dict[str, Any] = Field(description="The concrete backend it runs with")
+    reason: str | None = Field(
+        None,
+        description="`auto` only: why `resolved` was chosen, Auto's rule or the modes that "
+        "do not trace for this function and the one used instead",
+    )
     sparsity: dict[str, Any] | None = Field(
         None,
         description="Sparse backends only: what preparation found (`of`: jacobian or "
