@@ -439,3 +439,19 @@ def test_complex_jacobians_run_one_shot_under_chunking_limits() -> None:
         assert not prep.chunked("jacobian")
         (jac,) = prep.run("jacobian", z, None, ())
         np.testing.assert_allclose(jac, jax.jacfwd(h_vector, holomorphic=True)(z), rtol=1e-10)
+
+
+def test_black_box_numpy_functions_of_complex_x() -> None:
+    """A function JAX cannot trace: auto takes finite differences of its real and
+    imaginary parts, one evaluation at a time."""
+
+    def black_box(z):
+        return float(np.sum(np.abs(z) ** 2 + np.real(z) * np.imag(z)))
+
+    np.testing.assert_allclose(dxserve.gradient(black_box, "auto", Z), example_gradient(Z), rtol=1e-8)
+    np.testing.assert_allclose(
+        dxserve.hessian(black_box, "auto", Z), jax.jacfwd(jax.grad(example), holomorphic=True)(Z),
+        rtol=1e-6, atol=1e-6,
+    )
+    (pushed,) = dxserve.pushforward(lambda z: np.sin(z) * z, "auto", ZS, (T1,))
+    np.testing.assert_allclose(pushed, jax.jvp(lambda z: jnp.sin(z) * z, (ZS,), (T1,))[1], rtol=1e-8)

@@ -291,7 +291,8 @@ class SparseEngine(Engine):
         k = int(c.num_colors)
         spec = jax.eval_shape(g, x)
         complex_x, complex_y = jnp.iscomplexobj(x), jnp.iscomplexobj(spec)
-        dtype = jnp.result_type(x.dtype, spec.dtype)  # complex where either is
+        # x's dtype, complex where x or y is
+        dtype = jnp.result_type(x.dtype, spec.dtype) if complex_x or complex_y else x.dtype
         if k == 0:
             y = g(x)
             data = jnp.zeros((0,), dtype=dtype)
