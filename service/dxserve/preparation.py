@@ -54,7 +54,7 @@ from . import packing
 from .arity import check_contexts
 from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
-from .backends.real_parts import has_complex
+from .backends.real_parts import ComplexRefused, has_complex
 from .backends.selection import (
     auto_candidates,
     auto_rule,
@@ -654,6 +654,8 @@ def _prepare_with(
     )
     try:
         prep.executable(operator, x, tangents, contexts)
+    except ComplexRefused:
+        raise  # the backend's answer to complex numbers: no other mode is tried or named
     except (FunctionEvaluationError, UnsupportedOperatorError) as exc:
         raise _TransformFailed(exc) from exc  # the transformation failed, not the checks
     if cache is not None:

@@ -22,7 +22,8 @@ JAX's modes, finite differences (stepping along real and imaginary directions, w
 the step of the real dtype under complex64/complex128) and plug-ins all answer alike,
 and the answers are mapped back to JAX's convention here. An engine that evaluates
 the function at complex points itself (a complex step) cannot be served so: the real
-function refuses complex arguments with ``UnsupportedOperatorError`` (422).
+function refuses complex arguments with ``ComplexRefused``, an
+``UnsupportedOperatorError`` (422).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from dxcontract.errors import UnsupportedOperatorError
 
 from ..frameworks import Framework
 from .engine import Engine, Fn, Tree
+
+
+class ComplexRefused(UnsupportedOperatorError):
+    """The backend cannot differentiate complex numbers in JAX's convention (422): its
+    answer to these inputs, not a transformation that failed to trace."""
 
 
 def is_complex(leaf: Any) -> bool:
@@ -123,7 +129,7 @@ class _Problem:
 
     def refuse_complex(self, u: Tree) -> Tree:
         if has_complex(self.ops, u):
-            raise UnsupportedOperatorError(
+            raise ComplexRefused(
                 f"{self.name} evaluates the function at complex points (a complex step), "
                 "so it cannot differentiate complex numbers by their real and imaginary "
                 "parts as JAX does; use 'jax-reverse' or 'auto' (or 'finite-differences' "
