@@ -36,7 +36,7 @@ Everything framework-specific (basis vectors, compiling with a donated buffer, t
 estimates, devices) goes through the prep's ``Framework``.
 
 Only plain array inputs and outputs of traced functions are chunked by basis vectors
-(pytree blocks, black boxes, sparse engines run one-shot). Batches are chunked by a
+(pytree blocks, black boxes, sparse engines and complex numbers run one-shot). Batches are chunked by a
 ``Slicer``, by the same rules: a batch of points (``batch_axis=0``, any operator) by
 points, and the tangents of ``pushforward``, ``pullback`` and ``hvp`` (and their
 ``value_and_``/``gradient_and_`` forms) by tangents.

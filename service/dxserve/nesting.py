@@ -22,6 +22,7 @@ from dxcontract.errors import DxError, FunctionEvaluationError, UnsupportedOpera
 from dxcontract.operators import OPERATORS, result_names, returned
 
 from .backends import engines_for, resolve_backend
+from .backends.real_parts import has_complex
 from .frameworks import Framework, framework_of
 from .preparation import (
     BATCH_RESULTS,
@@ -86,7 +87,9 @@ def traced_call(
         output = primary(f)
     resolved = resolve_backend(backend, family, traced=traced, n=_size(framework, px),
                                m=_size(framework, y))
-    engine, inner = engines_for(resolved, traced=traced)
+    engine, inner = engines_for(
+        resolved, traced=traced, complex_numbers=has_complex(framework, px, y)
+    )
     if not (traced and engine.traces and (inner is None or inner.traces)):
         raise UnsupportedOperatorError(
             f"{operator} with backend {resolved.to_json()} was called inside a "

@@ -54,6 +54,7 @@ from . import packing
 from .arity import check_contexts
 from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
+from .backends.real_parts import ComplexRefused, has_complex
 from .backends.selection import (
     auto_candidates,
     auto_rule,
@@ -616,7 +617,8 @@ def _prepare_with(
             "backend, or take the aux from value with has_aux",
             field="has_aux",
         )
-    engine, inner = engines_for(resolved, traced=traced)
+    # complex x or f(x): every engine in JAX's convention (or refusing)
+    engine, inner = engines_for(resolved, traced=traced, complex_numbers=has_complex(fw, px, y))
     engine.use(fw)
     if inner is not None:
         inner.use(fw)
@@ -652,6 +654,8 @@ def _prepare_with(
     )
     try:
         prep.executable(operator, x, tangents, contexts)
+    except ComplexRefused:
+        raise  # the backend's answer to complex numbers: no other mode is tried or named
     except (FunctionEvaluationError, UnsupportedOperatorError) as exc:
         raise _TransformFailed(exc) from exc  # the transformation failed, not the checks
     if cache is not None:
@@ -709,7 +713,9 @@ def trace_error(
     (one point's) inputs, or None when it does: the operator is built and evaluated
     abstractly (``Framework.eval_shape``), nothing compiled or run."""
     try:
-        engine, inner = engines_for(backend, traced=True)
+        engine, inner = engines_for(
+            backend, traced=True, complex_numbers=has_complex(framework, x, y)
+        )
         engine.use(framework)
         if inner is not None:
             inner.use(framework)

@@ -30,6 +30,7 @@ from dxcontract.backends import (
 from dxcontract.errors import UnsupportedOperatorError
 from dxcontract.operators import OPERATORS
 
+from . import real_parts
 from .engine import Engine
 from .plugins import PLUGINS
 
@@ -156,8 +157,22 @@ def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engin
     return engine
 
 
-def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
-    """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``."""
+def engines_for(
+    backend: Backend, *, traced: bool, complex_numbers: bool = False
+) -> tuple[Engine, Engine | None]:
+    """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``.
+
+    ``complex_numbers``: x or f(x) has a complex leaf; each engine then answers in JAX's
+    convention (its ``for_complex`` form, by default ``RealParts``) or refuses."""
+    outer, inner = _engines(backend, traced=traced)
+    if not complex_numbers:
+        return outer, inner
+    outer_name, inner_name = _names(backend)
+    outer = real_parts.for_complex(outer, outer_name)
+    return outer, None if inner is None else real_parts.for_complex(inner, inner_name)
+
+
+def _engines(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
     plugin = PLUGINS.get(backend.type)
     if plugin is not None and plugin.engines is not None:
         return plugin.engines(backend, traced=traced)
@@ -169,3 +184,12 @@ def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | Non
         inner = engine_for(backend.inner, traced=traced, nested=both_fd)
         return outer, inner
     return engine_for(backend, traced=traced), None
+
+
+def _names(backend: Backend) -> tuple[str, str]:
+    """The backend types of the outer and inner engines, for their messages."""
+    if isinstance(backend, Sparse):
+        backend = backend.dense
+    if isinstance(backend, SecondOrder):
+        return backend.outer.type, backend.inner.type
+    return backend.type, backend.type

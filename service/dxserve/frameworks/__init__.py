@@ -50,7 +50,7 @@ class Framework(Protocol):
     name: str
     #: the array namespace the fallbacks compute with (``jnp``, ``numpy``): ``eye``,
     #: ``ones``, ``zeros``, ``empty``, ``arange``, ``reshape``, ``ravel``, ``concatenate``,
-    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``
+    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``, ``real``, ``imag``
     xp: Any
 
     # --- pytrees ------------------------------------------------------------------

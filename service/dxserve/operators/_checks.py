@@ -51,6 +51,21 @@ def scalar_output(inputs: Inputs, operator: str) -> None:
         )
 
 
+def holomorphic_gradient(inputs: Inputs, operator: str) -> None:
+    """A complex-valued f has a gradient only as ``jax.grad(holomorphic=True)``'s, ``f'(z)``:
+    every leaf of x complex."""
+    if np.dtype(inputs.y.dtype).kind != "c":
+        return
+    for leaf in inputs.framework.leaves(inputs.x):
+        if np.dtype(leaf.dtype).kind != "c":
+            raise DtypeMismatchError(
+                f"{operator} of a complex-valued function needs complex x (its gradient is "
+                f"f'(z), as jax.grad(holomorphic=True)), got {np.dtype(leaf.dtype).name}; send "
+                "complex x, or use jacobian, derivative or pullback",
+                field="x",
+            )
+
+
 def scalar_input(inputs: Inputs, operator: str) -> None:
     if not _is_array(inputs.x) or inputs.x.shape != ():
         shape = inputs.x.shape if _is_array(inputs.x) else "a pytree"

@@ -16,6 +16,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "gradient")
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "gradient")
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:

@@ -18,6 +18,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "hessian")  # any pytree x: jax.hessian's blocks
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "hessian")
 
 
 def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:

@@ -19,6 +19,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "hvp")
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "hvp")
     _checks.tangents_like(inputs, inputs.x, "x")
 
 
