@@ -26,7 +26,7 @@ from ..errors import (
     MalformedRequestError,
     ShapeMismatchError,
 )
-from ..keys import IMPLS, PREFIX, U32, KeyArray, impl_of, read_key
+from ..keys import IMPLS, PREFIX, U32, KeyArray, impl_of, key_dtype, read_key
 from . import flat_arrays
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ MAX_ELEMENTS = 1 << 31
 MAX_MANIFEST_DEPTH = 64
 
 #: the wire dtypes of typed PRNG keys (``dxcontract.keys``)
-KEY_DTYPES = tuple(f"{PREFIX}{impl}>" for impl in IMPLS)
+KEY_DTYPES = tuple(key_dtype(impl) for impl in IMPLS)
 ALLOWED_DTYPES = (
     "bfloat16", "float16", "float32", "float64",
     "int8", "int16", "int32", "int64",

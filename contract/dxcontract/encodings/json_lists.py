@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
-from ..keys import PREFIX, KeyArray
+from ..keys import PREFIX, U32, KeyArray
 from . import common
 from .binary import BINARY_TYPE, HEADER_LENGTH
 from .common import (
@@ -114,9 +114,10 @@ def to_tree(
     """Turn one decoded JSON value into an ndarray or a pytree of ndarrays.
 
     Numbers and (nested) lists become ``default_dtype`` arrays (0-d for numbers);
-    typed objects keep their dtype and shape; ndarrays (binary views) pass through.
-    Typed PRNG keys become ``KeyArray``s (``dxcontract.keys``). Objects are dicts, ``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` tuples / lists
-    of pytrees; ``null`` inside a pytree is a None node.
+    typed objects keep their dtype and shape; ndarrays (binary views) pass through;
+    typed PRNG keys become ``KeyArray``s (``dxcontract.keys``). Objects are dicts,
+    ``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` tuples / lists of pytrees;
+    ``null`` inside a pytree is a None node.
     Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
     like ``"x[2][1]"`` or ``"contexts[0].w"``.
     """
@@ -216,9 +217,9 @@ def _key_words(
         chars = 4 * ((prod(shape) * 4 + 2) // 3)
         if len(data) != chars:
             raise key_data_error(name, shape, f"{len(data)} base64 characters, not {chars}", field)
-        return from_b64(data, np.dtype("<u4"), shape, field)
+        return from_b64(data, U32, shape, field)
     try:
-        a = _data_to_array(data, field, np.dtype("<u4"), max_depth)
+        a = _data_to_array(data, field, U32, max_depth)
     except MalformedRequestError as exc:
         raise DtypeMismatchError(
             f"{name} data must be uint32 words, integers 0 to 4294967295 "
