@@ -49,6 +49,8 @@ def to_jax(tree: Tree) -> Tree:
 def inputs_to_jax(x: Tree, tangents: Any, contexts: Any) -> tuple[Tree, Any, Any]:
     """A request's inputs with their ``KeyArray``s as JAX keys (keys in x or a tangent
     are then refused by the library, naming the field)."""
+    if not contexts and tangents is None and type(x) is np.ndarray:  # most requests
+        return x, tangents, contexts
     if tangents is not None and isinstance(tangents, tuple | list):
         tangents = type(tangents)(to_jax(t) for t in tangents)
     if isinstance(contexts, tuple | list):
