@@ -125,6 +125,17 @@ def test_keys_come_back_as_keys(client: Client, impl: str) -> None:
     same(split, dxserve.value(key_functions.split_keys, "auto", X, key))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_next_key_as_aux(client: Client, impl: str) -> None:
+    """A training step's loss and its next key: the key is aux, never differentiated."""
+    key = jax.random.key(10, impl=impl)
+    (y, new_key), g = client.value_and_gradient("noisy_step", X, key, has_aux=True)
+    same(((y, new_key), g),
+         dxserve.value_and_gradient(key_functions.noisy_step, "auto", X, key, has_aux=True))
+    assert jax.dtypes.issubdtype(new_key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_allclose(g, noisy_gradient(X, draws(jax.random.split(key)[1])), rtol=1e-12)
+
+
 def test_a_key_made_inside_the_function_comes_back(client: Client) -> None:
     same(client.value("seeded", X), dxserve.value(key_functions.seeded, "auto", X))
 
