@@ -49,3 +49,18 @@ def sqrt_derivative(x: np.ndarray) -> np.ndarray:
 def sqrt_second_derivative(x: np.ndarray) -> np.ndarray:
     """d²/dx² √x = -x^(-3/2) / 4, elementwise (x > 0)."""
     return -0.25 * x**-1.5
+
+
+def noisy_value(x: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The ``noisy`` example, f(x) = Σ xᵢ² (1 + 0.1 zᵢ), for its draws z (data, not AD)."""
+    return np.sum(x**2 * (1 + 0.1 * z))
+
+
+def noisy_gradient(x: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """∇ of Σ xᵢ² (1 + 0.1 zᵢ): 2 xᵢ (1 + 0.1 zᵢ); the draws do not depend on x."""
+    return 2 * x * (1 + 0.1 * z)
+
+
+def noisy_hessian(x: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The Hessian of Σ xᵢ² (1 + 0.1 zᵢ): diag(2 (1 + 0.1 zᵢ)), (n, n)."""
+    return np.diag(2 * (1 + 0.1 * z))

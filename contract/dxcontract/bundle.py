@@ -200,9 +200,10 @@ def tree_spec(tree: Any, where: str) -> dict[str, Any]:
 
     Nodes: ``{"dict": {key: node}}`` (string keys), ``{"list": [...]}``,
     ``{"tuple": [...]}``, ``{"none": true}``, leaves
-    ``{"shape": [int | "symbolic expr"], "dtype": "float64"}``.
+    ``{"shape": [int | "symbolic expr"], "dtype": "float64"}`` (a typed PRNG key's
+    dtype is its wire dtype, ``"key<threefry2x32>"``).
     """
-    import numpy as np
+    from .keys import dtype_name
 
     if tree is None:
         return {"none": True}
@@ -216,8 +217,8 @@ def tree_spec(tree: Any, where: str) -> dict[str, Any]:
         return {"list": [tree_spec(v, f"{where}[{i}]") for i, v in enumerate(tree)]}
     if type(tree) is tuple:
         return {"tuple": [tree_spec(v, f"{where}[{i}]") for i, v in enumerate(tree)]}
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        return {"shape": [_dim_str(d) for d in tree.shape], "dtype": np.dtype(tree.dtype).name}
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):  # a typed key: "key<threefry2x32>"
+        return {"shape": [_dim_str(d) for d in tree.shape], "dtype": dtype_name(tree.dtype)}
     raise ValueError(
         f"{where}: unsupported pytree node {type(tree).__name__} "
         "(use dicts with string keys, lists, tuples, None and arrays)"

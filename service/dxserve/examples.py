@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dxcontract.keys import KeyArray
+
 from .functions import function
 
 _X3 = np.array([1.0, 2.0, 3.0])
@@ -93,3 +95,12 @@ def bn_loss(ps, batch, st):
         "var": (1 - BN_MOMENTUM) * st["var"] + BN_MOMENTUM * var,
     }
     return loss, new_st
+
+
+@function(
+    description="noisy sum of squares, R^n -> R: sum x^2 (1 + 0.1 z), z ~ N(0, 1) drawn "
+    "with the context key (a typed PRNG key: jax.random.key(0))",
+    example=(_X3, KeyArray("threefry2x32", np.zeros(2, np.uint32))),  # jax.random.key(0)
+)
+def noisy(x, key):
+    return jnp.sum(x**2 * (1.0 + 0.1 * jax.random.normal(key, x.shape, x.dtype)))

@@ -38,7 +38,7 @@ from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS, OperatorSpec, result_names, returned
 from dxcontract.platforms import export_platform
 
-from . import observe
+from . import keys, observe
 from .admission import Budget, Ticket
 from .backends import backend_table
 from .backends.sparse import BCOO, sparse_wire
@@ -361,6 +361,7 @@ class Service:
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
@@ -487,6 +488,7 @@ class Service:
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -609,6 +611,8 @@ def _host(tree: Any) -> Any:
         return None
     if isinstance(tree, BCOO):  # a sparse result: its wire object (dxcontract.sparse)
         return sparse_wire(tree)
+    if keys.is_jax_key(tree):  # a typed PRNG key: its impl and words (dxcontract.keys)
+        return keys.key_array(tree)
     return np.asarray(tree)
 
 

@@ -28,7 +28,7 @@ from dxcontract.operators import (
     returned,
 )
 
-from . import sparse
+from . import keys, sparse
 
 
 @dataclass(frozen=True)
@@ -321,7 +321,8 @@ def raise_for_problem(status: int, headers: Any, content: bytes) -> None:
 
 def operator_result(operator: str, headers: Any, content: bytes, has_aux: bool = False) -> Any:
     """Decode an operator's answer to numpy: one result, or a tuple (DI's order); with
-    ``has_aux`` JAX's shapes (``dxcontract.operators.returned``), aux from ``"aux"``."""
+    ``has_aux`` JAX's shapes (``dxcontract.operators.returned``), aux from ``"aux"``.
+    Typed PRNG keys in it come back as keys (``keys.from_wire``)."""
     op = operator_spec(operator)
     arrays, batches = _result_kinds(op, has_aux)
     content_type, header_length = _wire_headers(headers)
@@ -331,11 +332,11 @@ def operator_result(operator: str, headers: Any, content: bytes, has_aux: bool =
             value = obj[key]
             obj[key] = (
                 sparse.from_wire(value, key) if key != AUX and sparse.is_sparse(value)
-                else codec.decode_result(value, key, False)
+                else keys.from_wire(codec.decode_result(value, key, False))
             )
     for key in batches:
         if key in obj:
-            obj[key] = codec.decode_result(obj[key], key, True)
+            obj[key] = keys.from_wire(codec.decode_result(obj[key], key, True))
     names = result_names(op, has_aux)
     if has_aux and AUX not in obj:
         raise MalformedRequestError(

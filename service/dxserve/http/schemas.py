@@ -15,7 +15,10 @@ from ..kinds import register_model
 
 class TypedArray(BaseModel):
     """An array with its dtype: base64 of little-endian C-order bytes (or a nested
-    list in lists mode, or a buffer reference in the binary framing)."""
+    list in lists mode, or a buffer reference in the binary framing). A typed PRNG key
+    array (a context) has dtype ``key<threefry2x32>`` (or ``key<rbg>``, ``key<unsafe_rbg>``),
+    its own shape (``[]`` for one key) and its uint32 words as data
+    (``jax.random.key_data``: shape + ``[2]``, or ``[4]`` for the rbg ones)."""
 
     model_config = ConfigDict(
         populate_by_name=True,
@@ -24,7 +27,7 @@ class TypedArray(BaseModel):
         },
     )
     ndarray: str | list[Any] | dict[str, int] = Field(alias="__ndarray__")
-    dtype: str = Field(examples=["float64", "float32", "int64"])
+    dtype: str = Field(examples=["float64", "float32", "int64", "key<threefry2x32>"])
     shape: list[int]
 
 
@@ -142,7 +145,11 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
         "x": (Array, Field(description="The active input. " + ARRAY_DOC, examples=[[1.0, 2.0, 3.0]])),
         "contexts": (
             list[Array],
-            Field(default_factory=list, description="Extra inputs, not differentiated"),
+            Field(
+                default_factory=list,
+                description="Extra inputs, not differentiated; typed PRNG keys travel here "
+                '(dtype "key<threefry2x32>", see TypedArray), never as x',
+            ),
         ),
         "prep": (str | None, Field(None, description="Handle from POST /prepare/{operator}")),
         "batch_axis": (
