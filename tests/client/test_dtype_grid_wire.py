@@ -14,7 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from dxclient import Client
-from tests.library.test_dtype_grid import COUNTS, FAST, LONG, cases, run_grid
+from tests.library.test_dtype_grid import (
+    COUNTS,
+    FAST,
+    FAST_TIMEOUT,
+    LONG,
+    LONG_TIMEOUT,
+    cases,
+    run_grid,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +40,7 @@ def _over_the_wire(client: Client, case: dict[str, Any]) -> None:
         client.delete(name)
 
 
+@pytest.mark.timeout(FAST_TIMEOUT)
 @settings(max_examples=FAST // 2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())
@@ -40,6 +49,7 @@ def test_dtype_grid_over_the_wire(client: Client, case: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TIMEOUT)
 @settings(max_examples=LONG // 3, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())

@@ -64,7 +64,9 @@ TOL = {
     ("float16", "exact"): 3e-2, ("bfloat16", "exact"): 2e-1,
     ("float64", "fd"): 1e-5, ("float32", "fd"): 5e-2,
 }
-FAST, LONG = 12, 150
+FAST, LONG = 12, 100
+#: a whole profile is one pytest test: its timeout covers every example drawn
+FAST_TIMEOUT, LONG_TIMEOUT = 1200, 3000
 
 UNARY = ["jnp.sin({})", "jnp.cos({})", "jnp.tanh({})", "jnp.exp(0.5 * {})", "jnp.square({})",
          "jnp.cumsum({})", "jnp.flip({})", "(0.5 * {})"]
@@ -176,6 +178,7 @@ def _in_process(case: dict[str, Any]) -> None:
     run_grid(case, lambda op: lambda b, *a: getattr(dxserve, op)(f, b, *a), "in process")
 
 
+@pytest.mark.timeout(FAST_TIMEOUT)
 @settings(max_examples=FAST, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
@@ -184,6 +187,7 @@ def test_dtype_grid_in_process(case: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TIMEOUT)
 @settings(max_examples=LONG, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_dtype_grid_in_process_long(case: dict[str, Any]) -> None:
