@@ -9,12 +9,12 @@ dxserve's operators with ``backend``, not JAX's differentiation of ``f``:
   ``jax.pure_callback``, its first derivatives from ``value_and_gradient`` (scalar
   output) or ``pushforward`` / ``pullback`` (array output), its second from ``hvp``
   and second-order pushforwards with the same backend, all on concrete arrays. Under
-  ``vmap`` the points go in one call with ``batch_axis=0`` (a loop where the backend is
-  a black box's).
-* ``f`` and ``backend`` that trace (``jax-forward`` to force forward mode on a piece,
-  finite differences of a JAX function): ``f``'s value directly, its derivatives the
-  operators' own JAX expressions on the traced values, so ``jit`` compiles them with
-  the rest.
+  ``vmap`` the points go in one call with ``batch_axis=0`` (a loop where the backend
+  cannot vectorize a black box). The same holds for a JAX ``f`` with a backend other
+  than JAX's modes (finite differences), except that its value is ``f`` itself.
+* ``f`` that traces with JAX's modes (``jax-forward`` to force forward mode on a
+  piece): ``f``'s value directly, its derivatives the operators' own JAX expressions
+  on the traced values, so ``jit`` compiles them with the rest and JAX batches them.
 
 Outside a transformation ``g(x, *contexts)`` is ``f(x, *contexts)``. The contexts are
 not differentiated: a derivative with respect to one raises a ``TypeError``. The rules
@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from dxcontract.backends import Backend, SecondOrder, backend_from_json
+from dxcontract.backends import Backend, JaxForward, JaxReverse, SecondOrder, backend_from_json
 
 from .backends import engines_for, resolve_backend
 from .frameworks import framework_of
@@ -73,9 +73,20 @@ class DifferentiateWith:
             first, "gradient" if scalar else "pushforward", traced=traced, n=sizes[0],
             m=sizes[1],
         )
-        engine, _ = engines_for(resolved, traced=traced)  # a JAX mode on a black box: named
+        engines_for(resolved, traced=traced)  # a JAX mode on a black box: named here
+        second = resolve_backend(self.backend, "hvp", traced=traced, n=sizes[0], m=sizes[1])
+        # JAX transposes and differentiates its own modes' expressions; other backends'
+        # (finite differences are not linear in the tangent as JAX sees them) go through
+        # the linear maps, their transposes the backend's paired operators
+        inline = traced and _jax_modes(resolved) and _jax_modes(second)
         caller = BackendCaller(
-            self.f, self.backend, framework, repr(self),
-            traces=traced and engine.traces, value_traces=traced,
+            self.f, self.backend, framework, repr(self), traces=inline, value_traces=traced
         )
         return framework.substitute("value", caller, x, None, contexts, y)[0]
+
+
+def _jax_modes(backend: Backend) -> bool:
+    """Is every engine of the concrete ``backend`` one of JAX's own modes?"""
+    if isinstance(backend, SecondOrder):
+        return _jax_modes(backend.outer) and _jax_modes(backend.inner)
+    return isinstance(backend, JaxForward | JaxReverse)
