@@ -131,11 +131,17 @@ def _substitute(
     docstring), for a backend or a function that cannot trace."""
     where = f"{operator} with backend {resolved.to_json()}"
     substitute = getattr(framework, "substitute", None)
-    if substitute is None or OPERATORS[operator].family == "sparsity" or resolved.type == "sparse":
+    if substitute is None:
         raise UnsupportedOperatorError(
             f"{where} was called inside a {framework.name} transformation, but that "
-            "backend does not trace this function and its result (sparse) cannot be "
-            "computed outside it; call it outside the transformation",
+            "backend does not trace this function; call it outside the transformation",
+            field="backend",
+        )
+    if OPERATORS[operator].family == "sparsity" or resolved.type == "sparse":
+        raise UnsupportedOperatorError(
+            f"{where} was called inside a {framework.name} transformation, but that "
+            "backend does not trace this function and a sparse result cannot be computed "
+            "outside it; call it outside the transformation, or use a dense backend",
             field="backend",
         )
     px = x if batch_axis is None else framework.tree_map(lambda v: v[0], x)

@@ -246,6 +246,12 @@ def test_grad_and_hessian_of_losses_of_a_black_box() -> None:
     # tangents are differentiated too: an HVP is linear in its tangent
     hvp_t = jax.jacfwd(lambda t: dxserve.hvp(np_scalar, FD, X, (t,))[0])(T)
     _near(hvp_t, jax.hessian(scalar)(X), FD_SECOND)
+    # jax.hessian over losses of a pushforward and a pullback in their tangents: 2 JᵀJ, 2 JJᵀ
+    J = jax.jacobian(vector)(X)
+    push = jax.hessian(lambda t: jnp.sum(dxserve.pushforward(np_vector, FD, X, (t,))[0] ** 2))
+    _near(push(T), 2 * J.T @ J, FD_FIRST)
+    pull = jax.jit(jax.hessian(lambda c: jnp.sum(dxserve.pullback(np_vector, FD, X, (c,))[0] ** 2)))
+    _near(pull(W), 2 * J @ J.T, FD_FIRST)
 
 
 def test_combined_operators_scalar_inputs_and_batches_of_a_black_box() -> None:

@@ -4,21 +4,21 @@
     jax.jit(jax.grad(g))(x); jax.hessian(g)(x); jax.vmap(jax.grad(g))(xs)
 
 Every call to the service goes through ``jax.pure_callback`` (``vmap_method=
-"expand_dims"``), so ``g`` works under ``jit`` and ``vmap``. The JAX rules are
-``dxcontract.jax_rules``' (shared with dxserve's ``DifferentiateWith``); this module
-is their caller over a ``Client``. Under ``vmap``, nested or
+"expand_dims"``), so ``g`` works under ``jit`` and ``vmap``. Under ``vmap``, nested or
 not, all points travel in one request with ``batch_axis=0`` (the vmapped axes flattened
 into one), unless contexts differ between points: a batched request shares its contexts,
 so those go one request per point. Derivatives are custom rules, never JAX tracing the
-served function:
+served function. The rules are ``dxcontract.jax_rules`` (shared with dxserve's
+``DifferentiateWith``); this module is their caller over a ``Client``:
 
 * **scalar output** (the case of losses, log-densities, objectives). The JVP of ``g``
   is ``<∇g(x), t>`` with ``∇g(x)`` from one ``/value_and_gradient`` request: an ordinary
   JAX dot product, so JAX transposes it itself, and ``jax.grad``, ``jax.vjp`` and
   ``jax.jacfwd`` all cost that one request. The gradient is in turn a ``custom_jvp``
   function whose tangent rule is the service's ``/hvp`` (forward-over-reverse on the
-  server), and that HVP is a linear map (``jax.custom_derivatives.linear_call``)
-  whose transpose is ``/hvp`` again (the Hessian is symmetric). So ``jax.hessian(g)``, ``jax.jvp(jax.grad(g), ...)`` and
+  server), and that HVP is a linear map (a JAX primitive, transposable and batchable)
+  whose transpose is ``/hvp`` again (the Hessian is symmetric). So ``jax.hessian(g)``,
+  ``jax.jvp(jax.grad(g), ...)`` and
   ``jax.grad`` of any function of ``jax.grad(g)`` reach ``/hvp``; batched tangents
   (``jacfwd``, ``hessian``, ``vmap`` over tangents) travel in one ``/hvp`` request.
 * **array output**. The JVP is ``/pushforward``, a linear map whose transpose is
@@ -29,7 +29,7 @@ function, second order of an array-valued one) raises a ``TypeError`` at trace t
 rather than returning a wrong zero.
 
 Contexts (arguments after ``x``) are passed to the service as they are and are not
-differentiated: their derivatives are zero, as in the library. ``x`` may be a pytree
+differentiated: their derivatives are zero. ``x`` may be a pytree
 (a dict of arrays) for scalar functions, as on the server.
 
 The output's shape and dtype come from ``result_shape`` if given, else from one
