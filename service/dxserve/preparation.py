@@ -417,6 +417,10 @@ def out_of_memory(exc: BaseException) -> OverloadedError | None:
 
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
+    if len(text) > 1 and text[0].endswith("Traceback (most recent call last):"):
+        # raised in a host callback (a piece computed outside JAX, DifferentiateWith):
+        # the traceback's last line says what failed
+        return f"{type(exc).__name__} in a callback: {text[-1].strip()}"[:500]
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 

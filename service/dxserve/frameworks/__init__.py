@@ -169,6 +169,19 @@ class Framework(Protocol):
         loops, ``compile`` returning its function (itself where it is eager already)."""
         ...
 
+    # --- what a transformation must not trace -------------------------------------
+    def substitute(
+        self, operator: str, caller: Any, x: Tree, tangents: tuple | None, contexts: tuple,
+        y: Tree,
+    ) -> tuple:
+        """``operator``'s results (its table's order; a tuple of k per-tangent results)
+        at traced inputs, for one point, without tracing the function: computed by
+        ``caller`` on concrete arrays (or on traced ones where it says it traces), the
+        derivatives the transformations take coming from ``caller`` too (see
+        ``dxcontract.jax_rules.Caller``). ``y``: the function's output specs. A
+        framework without it (one without tracing) never gets here."""
+        ...
+
 
 _FRAMEWORKS: dict[str, Framework] = {}
 
