@@ -46,8 +46,12 @@ class ComplexRefused(UnsupportedOperatorError):
 
 
 def is_complex(leaf: Any) -> bool:
-    """Does ``leaf`` (an array or its spec) hold complex numbers?"""
-    return np.dtype(leaf.dtype).kind == "c"
+    """Does ``leaf`` (an array or its spec) hold complex numbers? (A dtype numpy does not
+    know, a typed PRNG key's, is not complex.)"""
+    try:
+        return np.dtype(leaf.dtype).kind == "c"
+    except TypeError:
+        return False
 
 
 def has_complex(framework: Framework, *trees: Tree) -> bool:
