@@ -335,12 +335,26 @@ class Detached:
         wake = asyncio.Event()
         self._watchers.setdefault(rec.id, set()).add(wake)
         try:
-            last: tuple | None = None
+            last = (-1, None)  # (done, total) last told: progress only ever moves forward
+            local, seen = None, 0  # this process's run of the job, and its reports told
             while True:
-                if rec.total is not None and (rec.done, rec.total) != last:
-                    last = (rec.done, rec.total)
-                    yield "progress", {"done": rec.done, "total": rec.total, "unit": rec.unit}
+                run = self._jobs.get(rec.id)
+                if run is not None and run.total is not None:  # every chunk, as it ends
+                    if run is not local:
+                        local, seen = run, 0
+                    reports = run.reports[seen:]
+                    seen += len(reports)
+                    steps = [(done, run.total, run.unit) for done in reports]
+                else:  # another process's run: what the store says now
+                    steps = [(rec.done, rec.total, rec.unit)] if rec.total is not None else []
+                for done, total, unit in steps:
+                    if total != last[1] or done > last[0]:
+                        last = (done, total)
+                        yield "progress", {"done": done, "total": total, "unit": unit}
                 if rec.ended:
+                    if rec.total is not None and (rec.total, rec.done) != (last[1], last[0]) \
+                            and rec.done > last[0]:
+                        yield "progress", {"done": rec.done, "total": rec.total, "unit": rec.unit}
                     yield "ended", rec
                     return
                 try:
