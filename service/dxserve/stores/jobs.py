@@ -466,6 +466,9 @@ class DirectoryJobs(JobStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._records: dict[str, JobRecord] = {}
+        #: runners that claimed through this object: the only ones alive (one process
+        #: owns the directory), so a job any other runner holds was an earlier process's
+        self._runners: set[str] = set()
         for path in sorted(self.root.iterdir()):
             rec = self._load(path)
             if rec is not None:
@@ -550,9 +553,8 @@ class DirectoryJobs(JobStore):
         return [r.copy() for r in mine[:limit]]
 
     def _claimable(self, rec: JobRecord, runner: str, now: float) -> bool:
-        # a running job of another runner: an earlier process's (this one owns the store)
         return rec.status == "queued" or rec.status == "running" and (
-            rec.lease_until < now or rec.runner != runner
+            rec.lease_until < now or rec.runner not in self._runners
         )
 
     def has_work(self, now: float, runner: str) -> bool:
@@ -561,6 +563,7 @@ class DirectoryJobs(JobStore):
 
     def claim(self, runner: str, lease: float, now: float) -> JobRecord | None:
         with self._lock:
+            self._runners.add(runner)
             ready = [r for r in self._records.values() if self._claimable(r, runner, now)]
             if not ready:
                 return None
