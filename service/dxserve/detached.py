@@ -38,6 +38,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -109,7 +110,14 @@ def stored_error(fields: dict[str, Any]) -> DxError:
 
 class _StoredJob(Job):
     """A detached job's ``Job``: its progress written to the store, its finished chunks
-    kept there (``Checkpoints``), and stopped when its runner loses the lease."""
+    kept there (``Checkpoints``), and stopped when its runner loses the lease.
+
+    The store is written by the process's one job-writer thread, so the device worker
+    computes the next chunk while the last one is written: a chunk's bytes are copied
+    and handed over, with at most one write in flight (the worker waits for it before
+    handing over the next). A kept chunk is reported once its write has committed, so
+    a progress report always means the chunk survives a crash.
+    """
 
     def __init__(self, detached: Detached, rec: JobRecord, kept: dict[str, bytes]) -> None:
         super().__init__(streams=True)  # never merged into a batch: its progress is its own
@@ -120,9 +128,10 @@ class _StoredJob(Job):
         self.lost = False
         #: handed back to the queue (this process is stopping)
         self.released = False
-        self._restored = 0  # restored chunks not yet written to the record
         self.taken = 0  # chunks taken back from checkpoints in this run
-        self._written: int | None = None  # the last ``done`` the store has
+        self._restored = 0  # of those, not yet written to the record
+        self._deferred: set[int] = set()  # reports that wait for their chunk's write
+        self._pending: Future | None = None
 
     # --- Checkpoints (worker thread) ----------------------------------------------------
     def restore(self, key: str, shape: tuple, dtype: Any) -> Any:
@@ -137,46 +146,63 @@ class _StoredJob(Job):
         return block.reshape(shape)
 
     def save(self, key: str, block: Any, done: int) -> None:
-        d = self.detached
-        try:
-            rec = d.store.checkpoint(
-                self.id, d.runner, key, np.ascontiguousarray(block).tobytes(), done,
-                self.total or 0, self.unit or "",
-            )
-        except DxError as exc:  # the store is busy or full: this chunk is not kept
-            log.warning("job %s: checkpoint %s not kept: %s", self.id, key, exc)
-            return
-        self._seen(rec)
-        self._written = done
+        data = np.ascontiguousarray(block).tobytes()  # the block's buffer is reused next
+        self.drain()
+        self.check()  # the last write found the job no longer ours, or to stop
+        self._deferred.add(done)
+        self._pending = self.detached._writes.submit(self._save, key, data, done)
 
     # --- progress (worker thread) ---------------------------------------------------------
     def start(self, total: int, unit: str) -> None:
         super().start(total, unit)
-        self._write(0)
+        self._pending_progress(0)
 
     def report(self, done: int) -> None:
-        if done != self._written or self._restored:
-            self._write(done)
-        super().report(done)
+        if done in self._deferred:  # told once its chunk's write has committed
+            self._deferred.discard(done)
+        else:
+            self._pending_progress(done)
+            self.tell(done)
+        self.between(done)
 
-    def _write(self, done: int) -> None:
+    def drain(self) -> None:
+        """Wait for the write in flight (any thread)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _pending_progress(self, done: int) -> None:
+        self.drain()
+        self._pending = self.detached._writes.submit(self._progress, done)
+
+    # --- the writer thread ----------------------------------------------------------------
+    def _save(self, key: str, data: bytes, done: int) -> None:
+        d = self.detached
+        try:
+            rec = d.store.checkpoint(self.id, d.runner, key, data, done, self.total or 0,
+                                     self.unit or "")
+        except Exception as exc:  # noqa: BLE001 - the store busy or full: not kept, told
+            log.warning("job %s: checkpoint %s not kept: %s", self.id, key, exc)
+        else:
+            self._seen(rec)
+        self.tell(done)
+
+    def _progress(self, done: int) -> None:
         d, restored = self.detached, self._restored
         try:
             rec = d.store.progress(self.id, d.runner, done, self.total, self.unit, restored)
-        except DxError as exc:
+        except Exception as exc:  # noqa: BLE001 - progress is told anyway
             log.warning("job %s: progress not written: %s", self.id, exc)
             return
         self._restored -= restored
         self._seen(rec)
-        self._written = done
 
     def _seen(self, rec: JobRecord | None) -> None:
         """Stop if the store says the job is no longer this runner's, or is to stop."""
         if rec is None:
             self.lost = True
             self.cancel()
-            raise JobCancelled("the job's lease was taken over")
-        if rec.cancel_requested:
+        elif rec.cancel_requested:
             self.cancel()
 
 
@@ -200,6 +226,8 @@ class Detached:
         self._loop_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy_until = 0.0
+        #: the one thread that writes running jobs' checkpoints and progress
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="dxserve-job-writes")
 
     # --- who asks ---------------------------------------------------------------------
     def owner(self, token: str | None) -> str:
@@ -574,7 +602,10 @@ class Detached:
             call = OperatorCall(self.service, OPERATORS[rec.operator], head, authorized=True)
             with call.ticket:
                 req = await call.decode(body)
-                results = await call.run(req, job, timeout=self.settings.job_timeout)
+                try:
+                    results = await call.run(req, job, timeout=self.settings.job_timeout)
+                finally:  # the last chunk's write, before the job's end is written
+                    await asyncio.to_thread(job.drain)
                 if results is not None and not job.cancelled:
                     answer = await call.encode(results, "binary")
                     data = b"".join(bytes(part) for part in answer.parts)

@@ -84,9 +84,17 @@ class Job:
     def report(self, done: int) -> None:
         """``done`` of ``total`` are computed (worker thread); before the next chunk,
         the worker may run short jobs that are waiting (``pause``)."""
+        self.tell(done)
+        self.between(done)
+
+    def tell(self, done: int) -> None:
+        """Tell listeners that ``done`` of ``total`` are computed (any thread)."""
         self.done = done
         self.reports.append(done)
         self._wake()
+
+    def between(self, done: int) -> None:
+        """Between two chunks (worker thread): run the short jobs that are waiting."""
         pause = self.pause
         if pause is not None and self.total is not None and done < self.total:
             pause()
