@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from dxcontract import codec
+from dxcontract.encodings import ENCODINGS, costs_of
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.errors import (
     DxError,
@@ -58,6 +59,7 @@ from dxcontract.errors import (
 )
 from dxcontract.operators import OPERATORS
 
+from .admission import Ticket
 from .jobs import Job, JobCancelled
 from .pipeline import Answer, OperatorCall, OperatorRequest, RequestHead
 from .service import Service
@@ -316,9 +318,13 @@ class Detached:
         """The caller's job: status, progress, timings, and its error if it failed."""
         return self.describe(await self._mine(job_id, token))
 
-    async def result(self, job_id: Any, token: str | None, accept: str | None) -> Answer:
+    async def result(
+        self, job_id: Any, token: str | None, accept: str | None, ticket: Ticket | None = None
+    ) -> Answer:
         """The job's answer, negotiated as its operator's would be (``accept``). 409
-        (``Retry-After``) until it ends; a failed job's own error; 409 if cancelled."""
+        (``Retry-After``) until it ends; a failed job's own error; 409 if cancelled.
+        ``ticket``: holds the answer's bytes in the in-flight budget (503 past it) until
+        the caller, having sent it, releases the ticket."""
         rec = await self._mine(job_id, token)
         if not rec.ended:
             raise JobNotFinishedError(
@@ -332,11 +338,14 @@ class Detached:
             raise JobCancelledError(f"job {rec.id} was cancelled: it has no result", field="id")
         if rec.status == "failed":
             raise stored_error(rec.error or error_fields(InternalError("the job failed")))
+        probe = _B64_PROBE if rec.b64 else b""
+        encoding = response_encoding(rec.content_type, accept, probe) if accept else rec.encoding
+        if ticket is not None:  # the stored bytes, and the encoded answer
+            factor = costs_of(ENCODINGS[encoding]).encode_factor
+            ticket.hold_body(int(rec.result_bytes * (1 + factor)))
         data = await asyncio.to_thread(self._available().result, rec.id)
         if data is None:
             raise UnknownJobError(f"job {rec.id}'s result is gone (removed)", field="id")
-        probe = _B64_PROBE if rec.b64 else b""
-        encoding = response_encoding(rec.content_type, accept, probe) if accept else rec.encoding
         return await self.answer(rec, data, encoding)
 
     async def answer(self, rec: JobRecord, data: bytes, encoding: str) -> Answer:

@@ -34,6 +34,7 @@ from dxcontract import codec
 from dxcontract.errors import DxError
 from dxcontract.operators import OPERATORS
 
+from ..admission import Ticket
 from ..detached import Detached, stored_error
 from ..pipeline import WireMemo
 from ..service import Service
@@ -103,15 +104,36 @@ async def get_job(job_id: str, request: Request) -> Response:
     return JSONResponse(with_status(await detached_of(request).status(job_id, token_of(request))))
 
 
+class HeldResponse(Response):
+    """An answer whose bytes stay held in the in-flight budget until it is sent (or the
+    client has gone)."""
+
+    def __init__(self, answer: Any, ticket: Ticket) -> None:
+        super().__init__(b"".join(answer.parts), answer.status, answer.headers,
+                         media_type=answer.media_type)
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+
+
 async def get_job_result(job_id: str, request: Request) -> Response:
     """The job's answer, in the encoding asked for (`Accept`) as its operator's answer
     would be; 409 with `Retry-After` until it has ended. A failed job answers with its
     own problem document."""
-    answer = await detached_of(request).result(
-        job_id, token_of(request), request.headers.get("accept")
-    )
-    return Response(b"".join(answer.parts), answer.status, answer.headers,
-                    media_type=answer.media_type)
+    detached = detached_of(request)
+    ticket = detached.service.budget.ticket()
+    try:
+        answer = await detached.result(
+            job_id, token_of(request), request.headers.get("accept"), ticket
+        )
+    except BaseException:
+        ticket.release()
+        raise
+    return HeldResponse(answer, ticket)
 
 
 async def delete_job(job_id: str, request: Request) -> Response:
@@ -154,8 +176,11 @@ async def _events(detached: Detached, job_id: str, token: str | None, arrays: st
 
 
 async def _outcome(detached: Detached, job_id: str, token: str | None, arrays: str) -> bytes:
-    try:
-        answer = await detached.result(job_id, token, f"{codec.JSON_TYPE}; arrays={arrays}")
-    except DxError as exc:
-        return event("error", codec.dumps(problem_document(exc)))
-    return event("result", b"".join(answer.parts))
+    with detached.service.budget.ticket() as ticket:  # held while it is made
+        try:
+            answer = await detached.result(
+                job_id, token, f"{codec.JSON_TYPE}; arrays={arrays}", ticket
+            )
+        except DxError as exc:
+            return event("error", codec.dumps(problem_document(exc)))
+        return event("result", b"".join(answer.parts))
