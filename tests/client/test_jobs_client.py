@@ -50,7 +50,7 @@ def test_a_job_result_is_the_plain_calls_with_progress(slow_server) -> None:
         g, hvps = client.submit.gradient_and_hvp("rosenbrock", x, (t, -t)).result(progress=False)
         g0, hvps0 = client.gradient_and_hvp("rosenbrock", x, (t, -t))
         np.testing.assert_array_equal(g, g0)
-        assert len(hvps) == 2 and all(np.array_equal(a, b) for a, b in zip(hvps, hvps0))
+        assert len(hvps) == 2 and all(np.array_equal(a, b) for a, b in zip(hvps, hvps0, strict=True))
         assert job.id in {doc["id"] for doc in client.jobs()}
         assert job.cancel() is None  # ended: removed
         with pytest.raises(UnknownJobError):

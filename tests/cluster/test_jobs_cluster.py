@@ -7,7 +7,8 @@
   and result;
 * the process running a job is SIGKILLed mid-job: the other takes the job over once
   the lease has expired, resumes it from its checkpoints, and its result is the plain
-  call's bit for bit.
+  call's bit for bit;
+* ``--workers 2``: two processes behind one port run the jobs sent to it, once each.
 """
 
 from __future__ import annotations
@@ -114,3 +115,22 @@ def test_a_killed_runners_job_is_taken_over_after_its_lease(two) -> None:
     plain = httpx.post(f"{survivor.url}/hessian", json=HEAVY,
                        headers={"accept": "application/json; arrays=b64"}, timeout=300)
     assert json.loads(found[-1][1]) == plain.json()
+
+
+def test_workers_behind_one_port_run_each_job_once(tmp_path: Path) -> None:
+    srv = start_server(tmp_path / "w", env=ENV, args=["--workers", "2"],
+                       modules=("dxserve.examples",))
+    try:
+        x = np.linspace(0.1, 1.3, 1100)
+        body = {"function": "rosenbrock", "backend": "jax-forward", "x": x.tolist()}
+        jobs = [submit(srv.url, "hessian", body, token=None)["id"] for _ in range(4)]
+        for job_id in jobs:  # each request may reach either process
+            assert follow(srv.url, job_id, token=None)[-1][0] == "result"
+            done = status(srv.url, job_id, token=None)
+            assert done["attempts"] == 1 and done["chunks"]["computed"] == 10, done
+        fetched = httpx.get(f"{srv.url}/jobs/{jobs[-1]}/result",
+                            headers={"accept": "application/json; arrays=b64"}, timeout=60)
+        H = codec.decode_result(fetched.json()["hessian"], "hessian")
+        np.testing.assert_allclose(H, rosenbrock_hessian(x), rtol=1e-10, atol=1e-9)
+    finally:
+        stop_server(srv)
