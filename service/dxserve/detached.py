@@ -228,6 +228,7 @@ class Detached:
         self._loop_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy_until = 0.0
+        self._tokens = bool(self.settings.tokens())  # read once, as the service reads them
         #: the one thread that writes running jobs' checkpoints and progress
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="dxserve-job-writes")
 
@@ -239,7 +240,7 @@ class Detached:
             if self.settings.require_token_for_compute:
                 self.service.authorize(None, "compute")
             return ""
-        if self.service.settings.tokens() and not self.service.accepts_token(token):
+        if self._tokens and not self.service.accepts_token(token):
             raise UnauthorizedError(
                 "send 'Authorization: Bearer <token>' with a valid token", field="Authorization"
             )
