@@ -2,7 +2,9 @@
 resumes it from its last checkpoint, recomputes none of the chunks kept before the
 kill, and its result is the uninterrupted call's bit for bit. On the SQLite store the
 restarted process takes the job over once the dead one's lease has expired; on a
-directory store (one process's) at once. ``slow``: two server starts per store.
+directory store (one process's) at once. A server stopped with SIGTERM hands its job
+back as it stops: the restarted one takes it at once, its lease notwithstanding (ten
+minutes here). ``slow``: two server starts per case.
 """
 
 from __future__ import annotations
@@ -25,29 +27,34 @@ pytestmark = pytest.mark.slow
 
 CHUNK = HEAVY["backend"]["batch_size"]
 CHUNKS = HEAVY_N // CHUNK
-ENV = {"DXSERVE_WARM_UP": "false", "DXSERVE_JOB_LEASE_SECONDS": "2",
-       "DXSERVE_JOB_POLL_INTERVAL": "0.2"}
+ENV = {"DXSERVE_WARM_UP": "false", "DXSERVE_JOB_POLL_INTERVAL": "0.2"}
 MODULES = ("dxserve.examples", "tests.slow_functions")
 
 
-@pytest.mark.parametrize("store", ["sqlite", "directory"])
-def test_a_killed_servers_job_resumes_from_its_checkpoints_with_the_same_bits(
-    tmp_path: Path, store: str
+@pytest.mark.parametrize(
+    ("store", "stop", "lease"),
+    [("sqlite", signal.SIGKILL, 2), ("directory", signal.SIGKILL, 2),
+     ("sqlite", signal.SIGTERM, 600)],
+    ids=["sqlite-kill", "directory-kill", "sqlite-term"],
+)
+def test_a_stopped_servers_job_resumes_from_its_checkpoints_with_the_same_bits(
+    tmp_path: Path, store: str, stop: int, lease: int
 ) -> None:
     args = ["--store", f"dir://{tmp_path / 'dir-store'}"] if store == "directory" else []
-    srv = start_server(tmp_path / "server", env=ENV, args=args, modules=MODULES)
+    env = {**ENV, "DXSERVE_JOB_LEASE_SECONDS": str(lease)}
+    srv = start_server(tmp_path / "server", env=env, args=args, modules=MODULES)
     try:
         job = submit(srv.url, "hessian", HEAVY, token=None)
         # wait for the third chunk's progress (each is reported once it is kept), then kill
         seen = follow(srv.url, job["id"], token=None, stop=lambda e, d: e == "progress"
                       and json.loads(d)["done"] >= 3 * CHUNK)
         kept = json.loads(seen[-1][1])["done"] // CHUNK
-        os.kill(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(timeout=30)
+        os.kill(srv.proc.pid, stop)
+        srv.proc.wait(timeout=60)
     finally:
         stop_server(srv)
     assert 3 <= kept < CHUNKS
-    srv = start_server(tmp_path / "server", env=ENV, args=args, modules=MODULES)
+    srv = start_server(tmp_path / "server", env=env, args=args, modules=MODULES)
     try:
         found = follow(srv.url, job["id"], token=None, accept="text/event-stream; arrays=b64")
         assert found[-1][0] == "result", found[-3:]
