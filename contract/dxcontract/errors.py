@@ -236,6 +236,33 @@ class InternalError(DxError):
     slug, title = "internal", "Internal error"
 
 
+# --- detached jobs ----------------------------------------------------------
+class UnknownJobError(DxError):
+    """No job of this id for this caller: never made, removed, expired, or another
+    token's (a job is visible to the token that submitted it alone)."""
+
+    slug, title = "unknown-job", "Unknown job"
+
+
+class JobNotFinishedError(DxError):
+    """The job has no result yet (queued or running); ``retry_after`` says when to ask
+    again, ``job_status`` what it is doing."""
+
+    slug, title = "job-not-finished", "Job not finished"
+
+
+class JobCancelledError(DxError):
+    """The job was cancelled before it finished: it has no result."""
+
+    slug, title = "job-cancelled", "Job cancelled"
+
+
+class TooManyJobsError(DxError):
+    """The caller has as many jobs queued and running as a token may (``limit``)."""
+
+    slug, title = "too-many-jobs", "Job limit reached"
+
+
 def _subclasses(cls: type[DxError]) -> list[type[DxError]]:
     out = []
     for sub in cls.__subclasses__():

@@ -30,7 +30,9 @@ Otherwise the one-shot executable runs, as before. Whether a caller streams prog
 does not change the plan, so streamed and plain answers are the same bits. Between
 chunks the ``Job`` gets a progress report and is checked for cancellation. Only work
 whose single basis vector does not fit the budget is refused (``BudgetExceededError``,
-422).
+422). A detached job's ``Job`` has ``checkpoints``: each finished block is kept there,
+and a run resumed after a crash takes the blocks kept under its own plan (the same
+chunk size, so the same bits) instead of computing them again.
 
 Everything framework-specific (basis vectors, compiling with a donated buffer, the
 estimates, devices) goes through the prep's ``Framework``.
@@ -181,15 +183,23 @@ class Chunker:
         one = exe.out_info  # the shape and dtype of one chunk's block
         out = np.empty((self.m, self.n), one.dtype)
         block = fw.xp.empty(one.shape, one.dtype)
+        kept = job.checkpoints if job is not None else None
+        plan = f"{operator}.{self.unit}.{size}.{np.dtype(one.dtype).name}"
         for start in _starts(total, size):
             if job is not None:
                 job.check()
-            block = exe(x, contexts, np.int32(start), block)  # the last block, donated
-            # np.asarray waits for the chunk; its view is gone before the next donation
+            key = f"{plan}.{start}"
+            host = kept.restore(key, one.shape, one.dtype) if kept is not None else None
+            if host is None:
+                block = exe(x, contexts, np.int32(start), block)  # the last block, donated
+                # np.asarray waits for the chunk; its view is gone before the next donation
+                host = np.asarray(block)
+                if kept is not None:  # kept before it is reported: a report means saved
+                    kept.save(key, host, start + size)
             if self.forward:
-                out[:, start:start + size] = np.asarray(block)
+                out[:, start:start + size] = host
             else:
-                out[start:start + size] = np.asarray(block)
+                out[start:start + size] = host
             if job is not None:
                 job.report(start + size)
         del block

@@ -9,12 +9,17 @@ the worker stops at the next chunk boundary and moves on to the next job.
 The worker thread reports; the event loop listens. ``listen(loop, callback)``
 makes every report (and the start of a chunked run) call ``callback()`` on that loop,
 thread-safely; a plain request that never listens pays for none of it.
+
+A detached job (``detached``) also gives its ``Job`` ``checkpoints``: a chunked run
+keeps each finished chunk there and takes the chunks kept by an earlier, interrupted
+run of the same job instead of computing them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any, Protocol
 
 #: What ``done`` and ``total`` count, per chunked operator.
 UNITS = ("columns", "rows", "points", "tangents")
@@ -24,12 +29,27 @@ class JobCancelled(Exception):  # noqa: N818 - a state, not a failure
     """The job was cancelled (client gone, or deadline passed): nobody wants its answer."""
 
 
+class Checkpoints(Protocol):
+    """Where a chunked run keeps its finished chunks (worker thread).
+
+    ``key`` names one chunk of one plan (operator, unit, chunk size, dtype and start),
+    so a chunk is only ever taken back into the run that would compute it bit for bit.
+    """
+
+    def restore(self, key: str, shape: tuple, dtype: Any) -> Any:
+        """The chunk kept under ``key`` (an array of ``shape`` and ``dtype``), or None."""
+
+    def save(self, key: str, block: Any, done: int) -> None:
+        """Keep ``block`` under ``key``; ``done`` of the run's total are computed now.
+        May raise ``JobCancelled`` (the job is no longer this process's to run)."""
+
+
 class Job:
     """Progress and cancellation of one request's computation (see the module)."""
 
     __slots__ = (
         "done", "total", "unit", "cancelled", "streams", "chunked", "reports", "pause",
-        "_loop", "_notify",
+        "checkpoints", "_loop", "_notify",
     )
 
     def __init__(self, streams: bool = False) -> None:
@@ -46,6 +66,8 @@ class Job:
         self.reports: list[int] = []
         #: set by the device worker running it: lets short jobs run between chunks
         self.pause: Callable[[], None] | None = None
+        #: where finished chunks are kept across runs (a detached job), else None
+        self.checkpoints: Checkpoints | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._notify: Callable[[], None] | None = None
 
@@ -62,9 +84,17 @@ class Job:
     def report(self, done: int) -> None:
         """``done`` of ``total`` are computed (worker thread); before the next chunk,
         the worker may run short jobs that are waiting (``pause``)."""
+        self.tell(done)
+        self.between(done)
+
+    def tell(self, done: int) -> None:
+        """Tell listeners that ``done`` of ``total`` are computed (any thread)."""
         self.done = done
         self.reports.append(done)
         self._wake()
+
+    def between(self, done: int) -> None:
+        """Between two chunks (worker thread): run the short jobs that are waiting."""
         pause = self.pause
         if pause is not None and self.total is not None and done < self.total:
             pause()

@@ -296,6 +296,10 @@ class Service:
             field="Authorization",
         )
 
+    def accepts_token(self, token: str) -> bool:
+        """Is ``token`` one of the configured tokens? False when none is configured."""
+        return any(hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens)
+
     def anonymous_writes(self) -> bool:
         """May callers without a token register and delete functions? Only with no token
         configured, on a loopback address or with ``allow_anonymous_registration``."""

@@ -153,6 +153,27 @@ class Settings(BaseSettings):
     #: Seconds a computation streamed with ``Accept: text/event-stream`` may take (its
     #: caller sees progress, and it stops at a chunk boundary when the time is up).
     stream_timeout: float = Field(default=3600.0, gt=0)
+    # Detached jobs (``POST /jobs/{operator}``; see ``detached``):
+    #: Jobs one token may have queued and running at once (429 ``too-many-jobs`` past it).
+    max_jobs_per_token: int = Field(default=16, ge=1)
+    #: Bytes of job inputs, checkpoints and results the store may hold: a submission
+    #: once they reach it is refused (507 ``insufficient-storage``); a job accepted below
+    #: it always keeps its result (0: no limit).
+    job_store_bytes: int = Field(default=1 << 30, ge=0)
+    #: Seconds an ended job (its record and result) is kept after it ended; then it is
+    #: removed (404).
+    job_result_ttl: float = Field(default=86400.0, gt=0)
+    #: Seconds a job may run (its compute and memory budgets are its operator's).
+    job_timeout: float = Field(default=86400.0, gt=0)
+    #: Jobs one server process runs at once (more wait queued, in the store).
+    job_runners: int = Field(default=1, ge=1, le=64)
+    #: Seconds a process holds a running job without renewing its lease (renewed every
+    #: third of it while the job runs): a job whose process died is taken over by
+    #: another process once its lease has expired.
+    job_lease_seconds: float = Field(default=30.0, gt=0)
+    #: Seconds between a process's looks at the store for queued jobs (and for the
+    #: progress of jobs that other processes run, on ``GET /jobs/{id}/events``).
+    job_poll_interval: float = Field(default=0.5, gt=0)
     #: Bytes of device memory one chunk of a chunked Jacobian or Hessian may need by
     #: XLA's estimate: larger ones run in chunks sized to fit (see ``chunking``); a
     #: single basis vector over it is refused (422). Default 512 MiB.

@@ -39,6 +39,18 @@ def test_client_methods_follow_the_table(cls: type) -> None:
     assert not hasattr(cls, "jvp") and not hasattr(cls, "vjp")
 
 
+def test_submit_methods_follow_the_table() -> None:
+    """``client.submit.<op>`` (generated with the operator methods): every operator, its
+    positional arguments, no ``prep`` (a job may run in another process)."""
+    submitter = type(Client("http://127.0.0.1:9").submit)
+    for name, op in OPERATORS.items():
+        params = list(inspect.signature(getattr(submitter, name)).parameters)
+        assert params[:4] == ["self", "f", "backend", "x"], name
+        assert ("tangents" in params) == op.takes_tangents, name
+        assert "prep" not in params and "batch_axis" in params, name
+        assert op.summary in getattr(submitter, name).__doc__
+
+
 def test_specs_are_consistent() -> None:
     families = {op.family for op in OPERATORS.values()}
     assert families <= set(OPERATORS), "each family is itself an operator"

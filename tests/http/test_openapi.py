@@ -114,3 +114,28 @@ def test_examples_run(server: Any, spec: dict, name: str) -> None:
     r = httpx.post(f"{server.url}/{name}", json=example, timeout=60.0)
     assert r.status_code == 200, r.text
     assert set(r.json()) == set(OPERATORS[name].results)
+
+
+def test_job_routes_are_documented(spec: dict) -> None:
+    paths = spec["paths"]
+    submit = paths["/jobs/{operator}"]["post"]
+    (operator,) = [p for p in submit["parameters"] if p["name"] == "operator"]
+    assert operator["in"] == "path" and operator["schema"]["enum"] == list(OPERATORS)
+    body = submit["requestBody"]["content"]
+    refs = {s["$ref"].rsplit("/", 1)[1] for s in body["application/json"]["schema"]["anyOf"]}
+    assert refs == {  # the operators' own request bodies, every one
+        paths[f"/{n}"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        .rsplit("/", 1)[1] for n in OPERATORS
+    }
+    assert body["application/vnd.dxserve.binary"]["schema"]["format"] == "binary"
+    assert {"202", "404", "429", "507"} <= set(submit["responses"])
+    assert "Location" in submit["responses"]["202"]["headers"]
+    status = _resolve(spec, submit["responses"]["202"]["content"]["application/json"]["schema"])
+    assert {"id", "status", "progress", "timings", "error"} <= set(status["properties"])
+    assert set(paths["/jobs/{job_id}"]) == {"get", "delete"}
+    assert "204" in paths["/jobs/{job_id}"]["delete"]["responses"]
+    result = paths["/jobs/{job_id}/result"]["get"]["responses"]
+    assert "409" in result and "application/vnd.dxserve.binary" in result["200"]["content"]
+    events = paths["/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]
+    assert list(events) == ["text/event-stream"]
+    assert "limit" in {p["name"] for p in paths["/jobs"]["get"]["parameters"]}

@@ -231,6 +231,7 @@ SERVER_LAYERS = (
     "dxserve.store", "dxserve.stores", "dxserve.kinds", "dxserve.compiling",
     "dxserve.memory", "dxserve.pipeline", "dxserve.http", "dxserve.ray_serve",
     "dxserve.cli", "dxserve.runtime", "dxserve.supervisor", "dxserve.describe",
+    "dxserve.detached",
 )
 WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn", "httptools", "h11", "prometheus_client")
 

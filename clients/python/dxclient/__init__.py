@@ -20,6 +20,7 @@ from dxcontract.operators import OPERATORS
 
 from ._client import AsyncClient, Client
 from ._models import RemoteFunction, RemotePrep
+from .jobs import AsyncJob, Job
 
 try:
     __version__ = _version("dxserve-client")
@@ -29,7 +30,9 @@ except PackageNotFoundError:  # a source tree on sys.path, never installed
 __all__ = [
     "__version__",
     "AsyncClient",
+    "AsyncJob",
     "Client",
+    "Job",
     "RemoteFunction",
     "RemotePrep",
     "Auto",

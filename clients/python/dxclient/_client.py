@@ -40,6 +40,7 @@ from ._direct import DirectCalls
 from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
+from .jobs import AsyncJob, Job, Submitter, job_plan, list_plan
 from .transport import BODY_PARTS, AsyncFastTransport, FastTransport
 
 DEFAULT_TIMEOUT = 120.0
@@ -62,8 +63,9 @@ _GATEWAY_ERRORS = (500, 502, 504)
 
 def _idempotent(call: Call) -> bool:
     """Operator and preparation POSTs, GETs and DELETEs can be repeated safely;
-    registration (``POST /functions``) cannot (a retry could register twice)."""
-    return call.method != "POST" or not call.path.startswith("/functions")
+    registration (``POST /functions``) and job submission (``POST /jobs/<op>``) cannot
+    (a retry could register twice, or run the job twice)."""
+    return call.method != "POST" or not call.path.startswith(("/functions", "/jobs"))
 
 
 def _retry_delay(response: httpx.Response | None, attempt: int, backoff: float) -> float | None:
@@ -215,6 +217,7 @@ class _ClientBase(OperatorMethods):
     http: Any  # httpx.Client or httpx.AsyncClient
     _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
     _FAST_TRANSPORT: type[FastTransport] | type[AsyncFastTransport]
+    _JOB: type[Job] | type[AsyncJob]
 
     def __init__(
         self,
@@ -329,6 +332,23 @@ class _ClientBase(OperatorMethods):
         )
         return self._run(call, self._url(call), _prep_answer, call)
 
+    # --- detached jobs ----------------------------------------------------------
+    @property
+    def submit(self) -> Submitter:
+        """Every operator's method, sending the call as a detached job (``POST
+        /jobs/<op>``): ``job = client.submit.hessian(f, backend, x)``, then
+        ``job.result()`` (see ``dxclient.jobs``); ``AsyncClient``: awaited."""
+        return Submitter(self, self._JOB)
+
+    def job(self, job_id: str) -> Any:
+        """The job ``job_id`` of this client's token, reattached (``UnknownJobError``
+        for none): a ``Job`` (``AsyncClient``: an awaitable of an ``AsyncJob``)."""
+        return self._drive(job_plan(self, self._JOB, job_id))
+
+    def jobs(self) -> Any:
+        """The status documents of this client's token's jobs, newest first."""
+        return self._drive(list_plan())
+
     # --- functions -------------------------------------------------------------
     @_plan
     def function(self, name: str) -> Plan[RemoteFunction]:
@@ -425,6 +445,7 @@ class Client(_ClientBase):
 
     _HTTP = HttpClient
     _FAST_TRANSPORT = FastTransport
+    _JOB = Job
     http: httpx.Client
 
     def _run(self, call: Call, url: httpx.URL | None, parse: Callable[..., T], *args: Any) -> T:
@@ -516,6 +537,7 @@ class AsyncClient(_ClientBase):
 
     _HTTP = AsyncHttpClient
     _FAST_TRANSPORT = AsyncFastTransport
+    _JOB = AsyncJob
     http: httpx.AsyncClient
 
     async def _run(

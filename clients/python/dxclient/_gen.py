@@ -3,6 +3,8 @@
     python -m dxclient._gen           # rewrite _operators.py
     python -m dxclient._gen --check   # exit 1 if _operators.py is stale
 
+Two classes: ``OperatorMethods`` (each operator and its ``prepare_``) and
+``SubmitMethods`` (``client.submit.<op>``: the same call as a detached job).
 The methods are written out, not attached at import time, so that editors, ``help()``
 and type checkers see every operator's signature and docstring.
 """
@@ -125,10 +127,45 @@ def _methods(op: OperatorSpec) -> str:
 '''
 
 
+_SUBMIT_HEADER = '''
+
+class SubmitMethods:
+    """``client.submit.<op>(f, backend, x, [tangents], *contexts, batch_axis=None)``: the
+    operator's call sent as a detached job (``POST /jobs/<op>``); each method returns
+    whatever ``self._submit`` returns: a ``dxclient.jobs.Job`` for ``Client``, an
+    awaitable of an ``AsyncJob`` for ``AsyncClient``."""
+
+    def _submit(
+        self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
+        batch_axis: int | None = None,
+    ) -> Any:
+        raise NotImplementedError
+'''  # fmt: skip
+
+
+def _submit_method(op: OperatorSpec) -> str:
+    name = op.name
+    tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
+    tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
+    return f'''
+    def {name}(
+        self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
+        batch_axis: int | None = None,
+    ) -> Any:
+        """Submit ``{name}`` as a detached job; ``job.result()``: {op.summary}"""
+        backend, x, tangents, contexts = positionals(
+            "{name}", {op.takes_tangents}, backend, x, {tangents_arg}, contexts
+        )
+        return self._submit("{name}", f, backend, x, tangents, contexts, batch_axis)
+'''
+
+
 def render() -> str:
     """The text ``_operators.py`` should have."""
     parts = [_HEADER]
     parts += [_methods(op) for op in OPERATORS.values()]
+    parts.append(_SUBMIT_HEADER)
+    parts += [_submit_method(op) for op in OPERATORS.values()]
     return "".join(parts)
 
 

@@ -31,10 +31,11 @@ from dxcontract.encodings import ENCODINGS
 from dxcontract.operators import OPERATORS, OperatorSpec
 
 from .. import __version__
+from ..detached import Detached
 from ..pipeline import WireMemo
 from ..service import Service
 from ..settings import Settings
-from . import problems, routes, schemas
+from . import jobs, problems, routes, schemas
 from .metrics import Metrics
 from .operators import OperatorEndpoint, PrepareEndpoint
 from .records import RequestRecords
@@ -57,15 +58,20 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     priorities, JAX caches, warm-up) is ``runtime.bootstrap``'s, not the app's.
     """
     service = service or Service(settings or Settings())
+    #: detached jobs: this process claims and runs them from the store while it serves
+    detached = Detached(service)
     metrics = Metrics(
-        service.cache, service.batcher, service.workers, service.cancelled, service.budget
+        service.cache, service.batcher, service.workers, service.cancelled, service.budget,
+        jobs=detached.counts if detached.store is not None else None,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if service.settings.warm_up:  # the first thread hand-off costs ~20-100 ms
             await asyncio.to_thread(int)
+        detached.start()  # jobs left queued or running by a stopped process resume now
         yield
+        await detached.stop()
         service.close()
 
     # The documents are routes of our own, after the operators (see the module).
@@ -76,6 +82,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
         telemetry={"tracing": telemetry, "metrics": telemetry, "logs": telemetry},
     )
     app.state.service = service
+    app.state.detached = detached
     app.state.metrics = metrics
     problems.install(app)
     app.add_middleware(
@@ -90,6 +97,9 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
         app.router.add_route(
             f"/prepare/{name}", PrepareEndpoint(service, OPERATORS[name]), methods=["POST"]
         )
+    app.router.add_route(
+        "/jobs/{operator}", jobs.JobSubmitEndpoint(service, detached, memo), methods=["POST"]
+    )
     _add_routes(app)
     _add_documents(app)
     # FastAPI's documented way to shape the OpenAPI document
@@ -214,6 +224,7 @@ def _add_routes(app: FastAPI) -> None:
                    409: {"model": schemas.Problem, "description": "A server-side module's function"}},
         operation_id="delete_function",
     )(routes.delete_function)
+    _add_job_routes(app)
     app.get("/backends", tags=["service"], operation_id="list_backends")(routes.list_backends)
     app.get("/health", tags=["service"], operation_id="health")(routes.health)
     app.get("/ready", tags=["service"], operation_id="ready")(routes.ready)
@@ -221,6 +232,92 @@ def _add_routes(app: FastAPI) -> None:
         "/metrics", tags=["service"], response_class=Response, responses=_private_problems(),
         operation_id="metrics",
     )(routes.prometheus)
+
+
+def _job_problems(*statuses: int) -> dict:
+    described = {
+        400: "Malformed body", 401: "Missing or invalid bearer token",
+        404: "No such job of yours (another token's jobs are not found either)",
+        409: "Not finished (Retry-After), or cancelled", 413: "Body too large",
+        415: "Unsupported media type", 422: "Semantically invalid",
+        429: "Too many jobs queued or running (DXSERVE_MAX_JOBS_PER_TOKEN)",
+        503: "The store is unavailable (Retry-After)",
+        507: "The job store is full (DXSERVE_JOB_STORE_BYTES)",
+    }
+    return {s: {"model": schemas.Problem, "description": described[s]} for s in statuses}
+
+
+def _add_job_routes(app: FastAPI) -> None:
+    """``GET /jobs``, ``GET``/``DELETE /jobs/{id}``, its ``result`` and ``events``
+    (``POST /jobs/{operator}`` is an ASGI endpoint, documented by ``_job_docs``)."""
+    app.get(
+        "/jobs", response_model=schemas.JobList, tags=["jobs"], operation_id="list_jobs",
+        responses=_job_problems(401, 422, 503),
+    )(jobs.list_jobs)
+    app.get(
+        "/jobs/{job_id}", response_model=schemas.JobStatus, tags=["jobs"],
+        operation_id="get_job", responses=_job_problems(401, 404, 422, 503),
+    )(jobs.get_job)
+    app.delete(
+        "/jobs/{job_id}", tags=["jobs"], operation_id="delete_job", status_code=202,
+        response_model=schemas.JobStatus,
+        responses={204: {"description": "The ended job and its result are removed"},
+                   **_job_problems(401, 404, 422, 503)},
+    )(jobs.delete_job)
+    results = {media: _BYTES for media in _body_media() if media != codec.JSON_TYPE}
+    app.get(
+        "/jobs/{job_id}/result", tags=["jobs"], operation_id="get_job_result",
+        response_class=Response,
+        responses={200: {"description": "The operator's answer, in the encoding asked for",
+                         "content": {codec.JSON_TYPE: {"schema": {"type": "object"}},
+                                     **results}},
+                   **_problem_responses(), **_job_problems(401, 404, 409, 503)},
+    )(jobs.get_job_result)
+    app.get(
+        "/jobs/{job_id}/events", tags=["jobs"], operation_id="get_job_events",
+        response_class=Response,
+        responses={200: {"description": "Server-Sent Events", "content": _JOB_EVENTS},
+                   **_job_problems(401, 404, 422, 503)},
+    )(jobs.job_events)
+
+
+_JOB_EVENTS = {"text/event-stream": {"schema": {
+    "type": "string",
+    "description": "Server-Sent Events, as a streamed operator's: `event: progress` with data "
+    '`{"done": k, "total": n, "unit": ...}` as the job moves, `: keep-alive` comments, then '
+    "one `event: result` (the operator's JSON answer; typed base64 arrays with `Accept: "
+    "text/event-stream; arrays=b64`) or one `event: error` (a problem document). Closing "
+    "the stream does not cancel the job.",
+}}}
+
+
+def _job_docs() -> list[APIRoute]:
+    """The description of ``POST /jobs/{operator}``, for the OpenAPI document only."""
+    body = {"anyOf": [{"$ref": f"#/components/schemas/{model.__name__}"}
+                      for model in schemas.REQUESTS.values()]}
+    extra = {
+        "parameters": [{
+            "name": "operator", "in": "path", "required": True,
+            "description": "The operator to run, as its own route is named",
+            "schema": {"type": "string", "enum": list(OPERATORS)},
+        }],
+        "requestBody": {"required": True, "content": {
+            media: {"schema": body} if media == codec.JSON_TYPE else _BYTES
+            for media in _body_media()
+        }},
+    }
+    return [APIRoute(
+        "/jobs/{operator}", _described("submit_job", (
+            "Run an operator as a detached job: the operator's own body (any encoding), "
+            "stored and run by whichever server process claims it. Answers 202 with "
+            "`Location: /jobs/{id}`; the job belongs to the bearer token sent."
+        )), methods=["POST"], tags=["jobs"], status_code=202,
+        responses={202: {"model": schemas.JobStatus, "description": "Queued",
+                         "headers": {"Location": {"schema": {"type": "string"},
+                                                  "description": "/jobs/{id}"}}},
+                   **_problem_responses(), **_job_problems(401, 404, 429, 507)},
+        openapi_extra=extra, summary="submit_job", operation_id="submit_job",
+    )]
 
 
 def _private_problems() -> dict:
@@ -323,7 +420,7 @@ def _openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     spec = get_openapi(
         title=app.title, version=app.version, summary=app.summary,
-        routes=[*_operator_docs(), *app.routes],
+        routes=[*_operator_docs(), *_job_docs(), *app.routes],
     )
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     models = [*schemas.REQUESTS.values(), schemas.RegisterFunction]

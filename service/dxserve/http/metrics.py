@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -20,6 +21,7 @@ class Metrics:
     def __init__(
         self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None,
         cancelled: dict[str, int] | None = None, budget: Budget | None = None,
+        jobs: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         # process_* (CPU, memory, open files, start time; Linux) and python_info, on this
@@ -37,6 +39,8 @@ class Metrics:
             self.registry.register(_CancelCollector(cancelled))
         if budget is not None:
             self.registry.register(_BudgetCollector(budget))
+        if jobs is not None:
+            self.registry.register(_JobCollector(jobs))
 
     def record(self, route: str, status: int, seconds: float) -> None:
         """Count and time one answered request (errors counted by status too)."""
@@ -198,3 +202,23 @@ class _BudgetCollector:
         )
         refused.add_metric([], budget.refused)
         return [held, limit, peak, large, refused]
+
+
+class _JobCollector:
+    """``dxserve_jobs{status}``: detached jobs in the store by status (every process
+    sharing the store reports the same counts), read at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "dxserve_jobs", "Detached jobs in the store, by status", labels=["status"]
+        )
+        try:
+            counts = self.counts()
+        except Exception:  # noqa: BLE001 - the store unreachable: a scrape without them
+            return []
+        for status, n in counts.items():
+            family.add_metric([status], n)
+        return [family]

@@ -319,3 +319,46 @@ class PrepareResponse(BaseModel):
         "hessian, `shape`, `nnz`, `colors`, `coloring`: column/row/star, `mode`, `source`: "
         "detected/given, `seconds`)",
     )
+
+
+# --- detached jobs ------------------------------------------------------------------------
+class JobProgress(BaseModel):
+    done: int = Field(description="Chunks' worth of `unit` computed so far")
+    total: int | None = Field(None, description="All of them; null until a chunked run starts")
+    unit: Literal["columns", "rows", "points", "tangents"] | None = None
+
+
+class JobTimings(BaseModel):
+    queued_seconds: float = Field(description="From submission to the first run's start")
+    running_seconds: float | None = Field(None, description="From the first start to the end (or now)")
+
+
+class JobChunks(BaseModel):
+    computed: int = Field(description="Chunks computed and checkpointed, over every run")
+    restored: int = Field(description="Chunks a resumed run took back from checkpoints")
+
+
+class JobStatus(BaseModel):
+    """A detached job (`POST /jobs/{operator}`), as its owner sees it."""
+
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    operator: str = Field(examples=["hessian"])
+    function: str
+    progress: JobProgress
+    created: str = Field(description="ISO 8601, UTC")
+    started: str | None = None
+    finished: str | None = None
+    timings: JobTimings
+    attempts: int = Field(description="Runs started (a run resumed after a crash counts again)")
+    chunks: JobChunks
+    cancel_requested: bool
+    result_bytes: int = Field(description="Bytes of the stored result (binary encoding)")
+    expires: str | None = Field(None, description="When an ended job is removed (DXSERVE_JOB_RESULT_TTL)")
+    runner: str | None = Field(None, description="The process running it: host:pid:tag")
+    error: Problem | None = Field(None, description="A failed job's problem document")
+
+
+class JobList(BaseModel):
+    jobs: list[JobStatus] = Field(description="The caller's jobs, newest first")
+    next: str | None = Field(None, description="Pass as `after` for the next page; null: no more")

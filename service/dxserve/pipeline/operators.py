@@ -80,11 +80,13 @@ class OperatorCall:
     been read yet when these are raised."""
 
     def __init__(
-        self, service: Service, op: OperatorSpec, head: RequestHead, memo: WireMemo | None = None
+        self, service: Service, op: OperatorSpec, head: RequestHead, memo: WireMemo | None = None,
+        *, authorized: bool = False,
     ) -> None:
         self.service, self.op, self.head, self.memo = service, op, head, memo
         settings = service.settings
-        if settings.require_token_for_compute:
+        # ``authorized``: a detached job's run, whose caller was authorized at submission
+        if settings.require_token_for_compute and not authorized:
             service.authorize(head.token, "compute")
         costs = costs_of(decoder_for(head.content_type))  # what its encoding declares
         #: its arrays are views of the body: a buffer aligned for the device pays

@@ -14,7 +14,8 @@ a path (the default)               ``SqliteStore``: ``<path>/store.db``, shared 
 
 Every backend implements ``store.FunctionStore``; the shared ones (``shared = True``)
 also ``changes(since)`` and ``maybe_changed()``, which the registry uses to see
-other processes' writes (see ``registry.Registry.refresh``).
+other processes' writes (see ``registry.Registry.refresh``). Detached jobs live in the
+same store, beside the functions (``stores.jobs.open_jobs``).
 """
 
 from __future__ import annotations
