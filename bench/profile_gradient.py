@@ -75,7 +75,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
     prep = find()
 
     raw = jax.block_until_ready(prep.run("gradient", req.x, req.tangents, req.contexts))
-    payload = result_payload(op, raw)
+    payload = result_payload(op.results, raw)
     body, media, headers = codec.encode_body(payload, enc)
 
     client = AsyncClient(encoding=enc, transport=httpx.ASGITransport(app), url="http://asgi")
@@ -87,7 +87,7 @@ def profile(n: int, enc: str, app, loop: asyncio.AbstractEventLoop) -> dict[str,
         "normalize+signature+cache lookup": find,
         "compute (prep.run)": lambda: jax.block_until_ready(
             prep.run("gradient", req.x, req.tangents, req.contexts)),
-        "result to numpy": lambda: result_payload(op, raw),
+        "result to numpy": lambda: result_payload(op.results, raw),
         "server encode": lambda: codec.encode_body(payload, enc),
         "client decode": lambda: _models.operator_result("gradient", headers | {
             "content-type": media}, body),

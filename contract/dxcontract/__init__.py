@@ -2,8 +2,8 @@
 
 The operator table (``operators``), backend descriptors and their JSON (``backends``),
 errors and their problem types (``errors``), the wire encodings and their negotiation
-(``encodings``, ``codec``), sparse results on the wire (``sparse``), and the export
-bundle (``bundle``). numpy only: no JAX, no HTTP. The server (``dxserve``) and the
+(``encodings``, ``codec``), sparse results and typed PRNG keys on the wire (``sparse``,
+``keys``), and the export bundle (``bundle``). numpy only: no JAX, no HTTP. The server (``dxserve``) and the
 Python client (``dxclient``) both depend on it, and neither on the other.
 """
 

@@ -8,7 +8,8 @@ This module is their common front: encode by encoding name, decode by Content-Ty
 read decoded values into arrays.
 
 Pytrees are JSON objects of str -> array-or-pytree; lists are always arrays. Pytree keys
-starting with ``"__"`` are reserved (``__ndarray__`` marks a typed array).
+starting with ``"__"`` are reserved (``__ndarray__`` marks a typed array). A typed PRNG
+key is a typed array of dtype ``"key<IMPL>"`` and decodes to a ``dxcontract.keys.KeyArray``.
 
 Arrays decoded from "b64" and "binary" are read-only views. In a typed object a string
 ``__ndarray__`` is base64, except a spelling ("NaN", ...) with shape ``[]`` and a float

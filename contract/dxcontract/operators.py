@@ -5,11 +5,16 @@ Each operator has DifferentiationInterface.jl's name and argument order
 in order, which is also how the HTTP responses name their fields. Everything else
 that differs per operator (the client's methods, the OpenAPI examples, which results
 are batches, the result-size limit) is derived from this table.
+
+With ``has_aux`` (operators whose spec says ``aux``) the function returns a pair
+``(output, aux)``: the operator differentiates ``output`` and returns ``aux``, computed at
+x and never differentiated, as one more result named ``AUX``; ``returned`` gives the
+caller JAX's shapes (``jax.value_and_grad(has_aux=True)``'s ``((value, aux), g)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -38,6 +43,7 @@ class _Family:
     scalar_output: bool = False  # defined for a scalar f(x) only
     scalar_input: bool = False  # defined for a scalar x only
     arrays_only: bool = False  # x and f(x) arrays, not pytrees
+    aux: bool = True  # returns auxiliary outputs with has_aux
 
 
 _ROSENBROCK: Mapping[str, Any] = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
@@ -67,7 +73,7 @@ _FAMILIES: dict[str, _Family] = {
     ),
     # the pattern alone; m * n bounds it, a sparse engine counts the nonzeros instead
     "sparsity": _Family(None, None, lambda n, m, k: m * n, _ROSENBROCK, sparse=True,
-                        arrays_only=True),
+                        arrays_only=True, aux=False),
     "hvp": _Family(
         "x", "hvps", lambda n, m, k: (k + 1) * n, {**_ROSENBROCK, "tangents": [[1.0, 0.0, 0.0]]},
         order=2, chunks="tangents", scalar_output=True,
@@ -90,7 +96,8 @@ class OperatorSpec:
     maths: ``order`` of differentiation, the ``auto`` mode ``Auto`` picks at first order
     (second order is forward-over-reverse), what long runs are ``chunks`` of, whether
     ``sparse`` backends serve it, and whether it needs a ``scalar_output``, a
-    ``scalar_input`` or ``arrays_only``.
+    ``scalar_input`` or ``arrays_only``. ``aux``: it takes ``has_aux`` (a function
+    returning ``(output, aux)``) and then returns ``aux`` too.
     """
 
     name: str
@@ -108,6 +115,7 @@ class OperatorSpec:
     scalar_output: bool = False
     scalar_input: bool = False
     arrays_only: bool = False
+    aux: bool = False
 
     def result_elements(self, n: int, m: int, k: int) -> int:
         """Numbers this operator's family computes for an ``x`` of ``n`` elements,
@@ -133,6 +141,7 @@ def _spec(name: str, family: str, results: tuple[str, ...], summary: str) -> Ope
         scalar_output=facts.scalar_output,
         scalar_input=facts.scalar_input,
         arrays_only=facts.arrays_only,
+        aux=facts.aux,
     )
 
 
@@ -169,3 +178,37 @@ OPERATORS: dict[str, OperatorSpec] = {
 
 #: Every result name that holds one array per tangent.
 BATCH_RESULTS: frozenset[str] = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
+
+#: The result that holds a ``has_aux`` function's auxiliary output (after ``results``).
+AUX = "aux"
+
+
+def result_names(op: OperatorSpec, has_aux: bool = False) -> tuple[str, ...]:
+    """The results ``op`` computes: ``op.results``, then ``AUX`` with ``has_aux``."""
+    return (*op.results, AUX) if has_aux else op.results
+
+
+def returned(op: OperatorSpec, values: Sequence[Any], has_aux: bool = False) -> Any:
+    """What ``op`` returns to its caller, from ``values`` in ``result_names`` order: its
+    one result, or a tuple of them (DI's order). With ``has_aux``, JAX's shapes: the
+    value paired with aux, ``((value, aux), *others)`` (``jax.value_and_grad``), or
+    ``(results, aux)`` for an operator without a value (``jax.grad``, ``jax.jacrev``)."""
+    if not has_aux:
+        return values[0] if len(values) == 1 else tuple(values)
+    *main, aux = values
+    if op.results[0] == "value":
+        return (main[0], aux) if len(main) == 1 else ((main[0], aux), *main[1:])
+    return (main[0] if len(main) == 1 else tuple(main)), aux
+
+
+def unreturned(op: OperatorSpec, result: Any, has_aux: bool = False) -> tuple:
+    """The inverse of ``returned``: ``result`` as values in ``result_names`` order."""
+    if not has_aux:
+        return tuple(result) if len(op.results) > 1 else (result,)
+    if op.results[0] == "value":
+        if len(op.results) == 1:
+            return tuple(result)
+        (value, aux), *others = result
+        return (value, *others, aux)
+    main, aux = result
+    return (*(main if len(op.results) > 1 else (main,)), aux)

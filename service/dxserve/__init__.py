@@ -33,6 +33,7 @@ from dxcontract.errors import (
 )
 
 from .backends import Engine, register_backend
+from .differentiate_with import DifferentiateWith
 from .functions import function
 from .operators import *  # noqa: F403
 from .operators import __all__ as _operator_names
@@ -45,7 +46,8 @@ except PackageNotFoundError:  # a source tree on sys.path, never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "Auto", "Backend", "CACHE", "DxError", "Engine", "FiniteDifferences", "JaxForward",
+    "Auto", "Backend", "CACHE", "DifferentiateWith", "DxError", "Engine", "FiniteDifferences",
+    "JaxForward",
     "JaxReverse", "NotScalarInputError", "NotScalarOutputError", "Prep",
     "PreparationMismatchError", "SecondOrder", "ShapeMismatchError", "Sparse", "SparsePattern",
     "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",

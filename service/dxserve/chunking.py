@@ -38,7 +38,7 @@ Everything framework-specific (basis vectors, compiling with a donated buffer, t
 estimates, devices) goes through the prep's ``Framework``.
 
 Only plain array inputs and outputs of traced functions are chunked by basis vectors
-(pytree blocks, black boxes, sparse engines run one-shot). Batches are chunked by a
+(pytree blocks, black boxes, sparse engines and complex numbers run one-shot). Batches are chunked by a
 ``Slicer``, by the same rules: a batch of points (``batch_axis=0``, any operator) by
 points, and the tangents of ``pushforward``, ``pullback`` and ``hvp`` (and their
 ``value_and_``/``gradient_and_`` forms) by tangents.
@@ -165,10 +165,11 @@ class Chunker:
         self, prep: Any, operator: str, x: Any, tangents: Any, contexts: tuple, size: int,
         job: Job | None,
     ) -> tuple:
-        """``operator``'s results (``OPERATORS[operator].results`` order), chunk by chunk."""
+        """``operator``'s results (``prep.results(operator)`` order), chunk by chunk; the
+        others (value, gradient, aux) once, beside the chunks."""
         exe, size = self._chunk_executable(operator, x, contexts, size)
         total = self.total
-        results = OPERATORS[operator].results
+        results = prep.results(operator)
         others = tuple(r for r in results if r != self.family)
         head = prep.head(operator, others, x, tangents, contexts) if others else None
         if job is not None:
@@ -211,7 +212,7 @@ class Chunker:
     ) -> None:
         """Compile what ``run`` needs (the chunk's executable and the head's) ahead of it."""
         self._chunk_executable(operator, x, contexts, size)
-        others = tuple(r for r in OPERATORS[operator].results if r != self.family)
+        others = tuple(r for r in prep.results(operator) if r != self.family)
         if others:
             prep.head(operator, others, x, tangents, contexts)
 
@@ -381,6 +382,7 @@ class Slicer:
         """``operator``'s results, the batch computed ``size`` items at a time."""
         exe, size = self._executable(prep, operator, x, tangents, contexts, size)
         op = OPERATORS[operator]
+        results = prep.results(operator)  # aux: per point in a batch, else as a value
         if job is not None:
             job.check()
             job.start(self.total, self.unit)
@@ -395,12 +397,12 @@ class Slicer:
             out = fw.block(exe(xs, ts, contexts))
             skip = done - start  # the overlap of a last chunk: computed twice, kept once
             parts.append(tuple(self._drop(name, v, skip, op) for name, v in
-                               zip(op.results, out, strict=True)))
+                               zip(results, out, strict=True)))
             done = start + size
             if job is not None:
                 job.report(done)
         return tuple(
-            self._join(name, [p[i] for p in parts], op) for i, name in enumerate(op.results)
+            self._join(name, [p[i] for p in parts], op) for i, name in enumerate(results)
         )
 
     def compile(

@@ -30,6 +30,7 @@ import numpy as np
 
 from dxcontract import codec
 from dxcontract.bundle import tree_spec
+from dxcontract.keys import KeyArray, impl_of, is_key_dtype
 from dxcontract.operators import OPERATORS
 
 #: An example request is given for inputs of at most this many numbers in all.
@@ -191,10 +192,13 @@ def _example(name: str, known: dict[str, Any] | None, operators: list[str]) -> d
 def _spec_tree(value: Any) -> Any:
     import jax
 
+    from . import keys
+
     def leaf(v: Any) -> Any:
         if isinstance(v, jax.ShapeDtypeStruct):
             return v
-        a = np.asarray(v)
+        v = keys.to_jax(v)  # a KeyArray example: JAX's key, whose dtype is the spec's
+        a = v if keys.is_jax_key(v) else np.asarray(v)
         return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
     return jax.tree_util.tree_map(leaf, value)
@@ -224,6 +228,10 @@ def _filled(spec: Any) -> Any:
     """Arrays of ``spec``'s shapes and dtypes (a symbolic dimension ``SYMBOLIC_SIZE``), of
     0.5 (0 for integers), in ``spec``'s tree."""
     if "shape" in spec:
+        if is_key_dtype(spec["dtype"]):  # keys of zeros: valid for every implementation
+            impl = impl_of(spec["dtype"], None)
+            shape = (*(_size(d) for d in spec["shape"]), *impl.words)
+            return KeyArray(impl.name, np.zeros(shape, np.uint32))
         dtype = np.dtype(spec["dtype"])
         fill = 0.5 if np.issubdtype(dtype, np.inexact) else 0
         return np.full(tuple(_size(d) for d in spec["shape"]), fill, dtype=dtype)
@@ -238,5 +246,8 @@ def _filled(spec: Any) -> Any:
 
 def _json(value: Any) -> Any:
     """``value`` (arrays, pytrees) as plain JSON values in the "json" encoding: float64
-    as nested lists, other dtypes as typed objects with lists, tuples as ``__tuple__``."""
-    return codec.loads(codec.dumps(codec.from_tree(value, "json")))
+    as nested lists, other dtypes (and PRNG keys) as typed objects with lists, tuples as
+    ``__tuple__``."""
+    from . import keys
+
+    return codec.loads(codec.dumps(codec.from_tree(keys.to_wire(value), "json")))

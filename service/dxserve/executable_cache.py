@@ -19,6 +19,8 @@ The key (``key``) is made of
   lambdas, partials, callable objects) is not persisted;
 * the operator's results, the resolved backend, the input signature (tree
   structures, shapes, dtypes) and the device;
+* typed PRNG keys: an operator taking or returning one is not persisted (a loaded
+  executable does not take JAX's key arrays), nor an output spec holding one;
 * the environment: the versions of Python, jax, jaxlib and numpy, the installed
   distributions, the platform and its version, the x64 and matmul-precision
   settings, ``XLA_FLAGS`` and the source of dxserve and dxcontract.
@@ -177,11 +179,28 @@ def _key(function: Callable, x: Any, contexts: Any, **more: Any) -> Key | None:
             "matmul_precision": str(jax.config.jax_default_matmul_precision),
             **{k: v() if callable(v) else v for k, v in more.items()},
         }
+        if _holds_keys(parts["x"]) or _holds_keys(parts["contexts"]) or _holds_keys(
+            parts.get("tangents")
+        ):
+            return None
         text = json.dumps(parts, sort_keys=True)
     except Exception as exc:  # never fail a request over the cache
         log.debug("no executable cache key: %s", exc)
         return None
     return Key(text, hashlib.sha256(text.encode()).hexdigest(), device)
+
+
+def _returns_keys(compiled: Any) -> bool:
+    """Does the compiled program return a typed PRNG key?"""
+    out = jax.tree_util.tree_leaves(getattr(compiled, "out_info", None))
+    return any(dtype_key(v.dtype).startswith("key<") for v in out)
+
+
+def _holds_keys(spec: Any) -> bool:
+    """Does a ``persistent_spec`` have a typed PRNG key leaf (dtype ``key<...>``)?"""
+    return bool(spec) and any(
+        isinstance(leaf, list) and str(leaf[1]).startswith("key<") for leaf in spec[1:]
+    )
 
 
 def _device() -> Any:
@@ -417,6 +436,8 @@ def store(key: Key, compiled: Any) -> bool:
         return False
     path = _path(key)
     try:
+        if _returns_keys(compiled):
+            return False  # see the module docstring
         _write(path, key, serialize(compiled))
     except Exception as exc:  # constants or callbacks in the program, a full disk, ...
         log.info("not storing executable %s: %s", path.name, exc)
@@ -458,6 +479,8 @@ def keep_output_spec(function: Callable, x: Any, contexts: tuple, y: Any) -> Non
         leaves, treedef = jax.tree_util.tree_flatten(y)
         spec = [(tuple(v.shape), dtype_key(v.dtype), bool(getattr(v, "weak_type", False)))
                 for v in leaves]
+        if any(dtype.startswith("key<") for _, dtype, _ in spec):
+            return  # numpy cannot read a typed key's dtype back
         _write(_path(k, OUTPUT_SUFFIX), k, (treedef, spec))
     except Exception as exc:
         log.info("not storing an output spec: %s", exc)

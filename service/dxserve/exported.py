@@ -29,6 +29,11 @@ jit, grad, vjp, jvp, linearize, linear_transpose, vmap, jacfwd, jacrev, hessian
 and all second-order compositions (forward-over-reverse, reverse-over-forward,
 reverse-over-reverse, forward-over-forward). Third-order derivatives raise.
 Contexts are never differentiated (a non-zero context tangent raises).
+
+A forward-only bundle (``modes: ["forward"]``, for a function whose reverse mode the
+client could not trace) has no ``vjp`` and ``jvp_vjp``: jvp, linearize, jacfwd and
+forward-over-forward work, and any transposition (reverse mode) raises an
+``UnsupportedOperatorError`` naming what the function serves, when it is traced.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from jax import export as jex
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from dxcontract.bundle import ARTIFACTS, split_bundle
+from dxcontract.bundle import MODES, artifacts_for, bundle_modes, split_bundle
 from dxcontract.errors import (
     DtypeMismatchError,
     InvalidExportError,
@@ -148,8 +153,12 @@ def server_platform() -> str:
 class _Artifacts:
     """The deserialized exports of one bundle. Hashed by identity (primitive param)."""
 
-    def __init__(self, exps: dict[str, Any], nx: int, nc: int, ny: int, name: str):
+    def __init__(
+        self, exps: dict[str, Any], nx: int, nc: int, ny: int, name: str,
+        modes: tuple[str, ...] = MODES,
+    ):
         self.exps = exps
+        self.modes = modes
         self.nx, self.nc, self.ny = nx, nc, ny
         self.name = name
         self.primal = exps["primal"]
@@ -211,7 +220,11 @@ def _split(args: Any, kind: str, h: _Artifacts):
 
 
 def _bind(kind: str, h: _Artifacts, xs, groups, cs) -> list[Any]:
-    """Bind the primitive; a zero-size batch short-circuits to empty results."""
+    """Bind the primitive; a zero-size batch short-circuits to empty results. A map the
+    bundle does not carry (reverse mode's, in a forward-only one) raises here, as the
+    transformation that needs it is traced."""
+    if kind not in h.exps:
+        raise _forward_only(h)
     if groups:
         k = groups[0][0].shape[0]
         if k == 0:
@@ -259,6 +272,18 @@ def _third_order(h: _Artifacts):
     return UnsupportedOperatorError(
         f"uploaded export {h.name!r} provides derivatives up to order 2; "
         "a third-order derivative was requested",
+        field="backend",
+    )
+
+
+def _forward_only(h: _Artifacts) -> UnsupportedOperatorError:
+    return UnsupportedOperatorError(
+        f"uploaded export {h.name!r} carries forward mode only (its reverse mode did not "
+        "trace when it was exported): pullback by JAX, 'jax-reverse' and forward-over-"
+        "reverse are not available. Supported: value, derivative, second_derivative, "
+        "gradient, jacobian, pushforward, hvp and hessian with 'jax-forward' (second order "
+        '{"type":"second-order","outer":"jax-forward","inner":"jax-forward"}) or \'auto\'; '
+        "pullback with 'finite-differences' or 'auto'",
         field="backend",
     )
 
@@ -501,6 +526,8 @@ class LoadedExport:
     signature: dict[str, Any]
     """The bundle manifest (format, versions, platforms, signature, artifacts)."""
     platforms: tuple[str, ...]
+    modes: tuple[str, ...] = MODES
+    """The modes the bundle carries: ``("forward", "reverse")`` or ``("forward",)``."""
     custom_call_targets: frozenset[str] = frozenset()
     nbytes: int = 0
     artifacts: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -577,19 +604,21 @@ def load_exported(
     if not (0 < m.nx <= MAX_LEAVES and 0 <= m.nc <= MAX_LEAVES and 0 < m.ny <= MAX_LEAVES):
         raise _bad("leaf counts out of range")
 
+    modes = bundle_modes(manifest)  # checked by split_bundle
     exps: dict[str, Any] = {}
     targets: set[str] = set()
-    for art in ARTIFACTS:
+    for art in artifacts_for(modes):
         exps[art] = _deserialize(art, blobs[art], manifest)
         targets |= _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
     _check_signatures(exps, m)
 
-    h = _Artifacts(exps, m.nx, m.nc, m.ny, m.name)
+    h = _Artifacts(exps, m.nx, m.nc, m.ny, m.name, modes)
     h.constraints = _constraints(manifest)
     return LoadedExport(
         fn=_make_fn(h),
         signature=manifest,
         platforms=m.platforms,
+        modes=modes,
         custom_call_targets=frozenset(targets),
         nbytes=len(bundle),
         artifacts=h,
@@ -713,7 +742,9 @@ def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:
         "jvp_vjp": (xk + kb(xk) + kb(yk) + ck, kb(xk)),
     }
     for art, (ins, outs) in expect.items():
-        e = exps[art]
+        e = exps.get(art)
+        if e is None:  # a mode the bundle does not carry
+            continue
         if [_aval_key(a) for a in e.in_avals] != ins or [_aval_key(a) for a in e.out_avals] != outs:
             raise _bad(f"artifact {art!r} does not have the signature its role requires")
     for _, d in xk + yk:
@@ -794,7 +825,8 @@ def example_args(loaded: LoadedExport) -> tuple[Any, tuple[Any, ...]] | None:
 
 
 def exercise(loaded: LoadedExport) -> list[str]:
-    """Compile and run, once, what the server will: value, JVP, VJP, both second-order maps.
+    """Compile and run, once, what the server will: value, JVP, VJP, both second-order maps
+    (those of the modes the bundle carries).
 
     Uses ``example_args``; returns the names of the maps run (empty when no example
     shape satisfies the constraints). Raises whatever compiling or running raises.
@@ -827,6 +859,8 @@ def exercise(loaded: LoadedExport) -> list[str]:
         "jvp_vjp": (lambda z, t, ct, *c: jax.jvp(lambda u: vjp(u, ct, *c), (z,), (t,))[1],
                     (x, x, w, *contexts)),
     }  # fmt: skip
-    for run, args in maps.values():
+    carried = [name for name in maps if name in loaded.artifacts.exps]
+    for name in carried:
+        run, args = maps[name]
         jax.block_until_ready(jax.jit(run)(*args))
-    return list(maps)
+    return carried

@@ -12,6 +12,11 @@ and by the bytes the preps keep alive (``Prep.nbytes``).
 independent points, contexts shared: the family is checked and built for one point
 and the operator is vmapped over the points inside the one compiled call.
 
+``has_aux=True``: f returns a pair ``(output, aux)``. The family is checked and built
+for ``output`` alone (``primary``) and aux, f's second element at x, is one more result
+(``with_aux``), never differentiated; under ``batch_axis=0`` it is stacked like the
+others. Compiled, XLA computes f's shared work at x once for both.
+
 Everything framework-specific (probing, compiling, vmapping, devices, precision) goes
 through the function's ``Framework`` (``frameworks``; JAX unless the function names
 another).
@@ -29,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from dxcontract.backends import Backend, backend_from_json
+from dxcontract.backends import Auto, Backend, SecondOrder, backend_from_json
 from dxcontract.encodings.common import is_array_list
 from dxcontract.errors import (
+    FIX,
     DxError,
     FunctionEvaluationError,
     InvalidArgumentError,
@@ -39,14 +45,23 @@ from dxcontract.errors import (
     PreparationMismatchError,
     ResultTooLargeError,
     ShapeMismatchError,
+    UnsupportedOperatorError,
 )
 from dxcontract.lru import LRU
-from dxcontract.operators import OPERATORS
+from dxcontract.operators import AUX, OPERATORS, result_names, returned
 
 from . import packing
 from .arity import check_contexts
-from .backends import engines_for, refuse_low_precision, resolve_backend
+from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
+from .backends.real_parts import ComplexRefused, has_complex
+from .backends.selection import (
+    auto_candidates,
+    auto_rule,
+    backend_name,
+    candidates,
+    mode_name,
+)
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
 from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
@@ -159,6 +174,9 @@ class Prep:
     #: the framework the operator runs in (the function's, or its eager companion
     #: where it is not compiled)
     framework: Framework = field(default_factory=get_framework, repr=False)
+    #: why ``resolved`` was chosen, for ``Auto``: its rule, or the modes that do not
+    #: trace for this function and the one used instead (None: an explicit backend)
+    reason: str | None = None
 
     def nbytes(self) -> int:
         """The bytes this prep keeps alive, estimated (see ``footprint``): its compiled
@@ -183,9 +201,11 @@ class Prep:
 
     @property
     def report(self) -> dict[str, Any]:
-        """What preparation found beyond the backend: for a sparse backend
-        ``{"sparsity": {"shape", "nnz", "colors", "coloring", "mode", ...}}``, else ``{}``."""
-        return self.compiler.report()
+        """What preparation found beyond the backend: for ``Auto``, ``{"reason": why
+        ``resolved`` was chosen}``; for a sparse backend ``{"sparsity": {"shape", "nnz",
+        "colors", "coloring", "mode", ...}}``; else ``{}``."""
+        found = self.compiler.report()
+        return found if self.reason is None else {**found, "reason": self.reason}
 
     def holds(self, operator: str, device: Any) -> bool:
         """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
@@ -194,6 +214,15 @@ class Prep:
     @property
     def family(self) -> str:
         return OPERATORS[self.operator].family
+
+    @property
+    def has_aux(self) -> bool:
+        """Prepared for a function returning ``(output, aux)`` (aux returned last)."""
+        return self.signature.has_aux
+
+    def results(self, operator: str) -> tuple[str, ...]:
+        """What ``run`` returns for ``operator``: its results, then ``AUX`` with has_aux."""
+        return result_names(OPERATORS[operator], self.signature.has_aux)
 
     def check(self, family: str, f: Callable, backend: Backend, signature: Signature) -> None:
         if family != self.family:
@@ -239,7 +268,7 @@ class Prep:
         """Keep only ``operator``'s results (so XLA drops the rest) and compile for these
         inputs; the executable persists across restarts when that cache is configured.
         ``chunk``: for a chunk of a batch (``chunking.Slicer``), checked as one call."""
-        results = OPERATORS[operator].results if only is None else only
+        results = self.results(operator) if only is None else only
         build = self.build
 
         def run(x, tangents, contexts):
@@ -300,7 +329,7 @@ class Prep:
     def unpack(self, operator: str, outputs: tuple, k: int) -> tuple:
         """``operator``'s outputs from its builder with their per-tangent results cut
         into tuples of ``k`` (see ``packing``)."""
-        results = OPERATORS[operator].results
+        results = self.results(operator)
         batched = [i for i, name in enumerate(results) if name in BATCH_RESULTS]
         return packing.unpack_results(outputs, batched, k, self.signature.batch_axis)
 
@@ -344,7 +373,7 @@ class Prep:
         self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple,
         job: Job | None = None,
     ) -> tuple:
-        """The results of ``operator``, in ``OPERATORS[operator].results`` order.
+        """The results of ``operator``, in ``self.results(operator)`` order.
 
         ``job``: told the progress of a chunked run, and checked between its chunks
         (``JobCancelled`` once cancelled)."""
@@ -388,6 +417,10 @@ def out_of_memory(exc: BaseException) -> OverloadedError | None:
 
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
+    if len(text) > 1 and text[0].endswith("Traceback (most recent call last):"):
+        # raised in a host callback (a piece computed outside JAX, DifferentiateWith):
+        # the traceback's last line says what failed
+        return f"{type(exc).__name__} in a callback: {text[-1].strip()}"[:500]
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
@@ -427,12 +460,14 @@ MAX_RESULT_ELEMENTS = 2**27
 
 
 def _check_result_size(
-    family: str, inputs: Inputs, limit: int, engine: Engine | None = None, points: int = 1
+    family: str, inputs: Inputs, limit: int, engine: Engine | None = None, points: int = 1,
+    aux: Tree = None,
 ) -> int:
     """The number of results ``family`` returns here (``ResultTooLargeError`` past ``limit``).
 
     ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n).
-    ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole)."""
+    ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole).
+    ``aux``: the spec of a has_aux function's auxiliary output, returned too."""
     n, m = _size(inputs.framework, inputs.x), _size(inputs.framework, inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
@@ -442,6 +477,9 @@ def _check_result_size(
     extent = elements if counted is not None else OPERATORS[family].result_elements(
         _extent(inputs.framework, inputs.x), _extent(inputs.framework, inputs.y), k
     )
+    if aux is not None:
+        elements += _size(inputs.framework, aux)
+        extent += _extent(inputs.framework, aux)
     elements, extent = elements * points, extent * points
     if points > 1 and elements > limit:
         raise ResultTooLargeError(
@@ -478,6 +516,7 @@ def prepare(
     max_result_elements: int | None = None,
     limits: ComputeLimits | None = None,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -488,6 +527,8 @@ def prepare(
     bounds on XLA's estimate of each compiled executable (None: unbounded, the library's
     default; the server passes its settings). ``batch_axis=0``: x's leaves and the
     tangents' lead with an axis of B points, results come back stacked as (B, ...).
+    ``has_aux``: f returns ``(output, aux)``; ``output`` is differentiated and aux
+    returned as the last result.
     """
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
@@ -495,7 +536,7 @@ def prepare(
     with framework_of(f).precision_scope():
         return _prepare(
             operator, f, backend, x, tangents, contexts, cache, max_result_elements, limits,
-            batch_axis,
+            batch_axis, has_aux,
         )
 
 
@@ -503,6 +544,7 @@ def _prepare(
     operator: str, f: Callable, backend: Backend, x: Any, tangents: Sequence | None,
     contexts: Sequence, cache: PrepCache | None, max_result_elements: int,
     limits: ComputeLimits | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Prep:
     family = OPERATORS[operator].family
     fw = framework_of(f)
@@ -514,16 +556,73 @@ def _prepare(
         px = _first_point(fw, x)
         pt = None if tangents is None else tuple(_first_point(fw, t) for t in tangents)
     traced, y = probe(f, px, contexts, fw)
-    resolved = resolve_backend(
-        backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y)
-    )
+    aux, output = None, f  # output: the function the family differentiates
+    if has_aux:
+        refuse_aux(operator)
+        y, aux = split_aux(f, y)
+        output = primary(f)
+    n, m = _size(fw, px), _size(fw, y)
+    choices = candidates(backend, family, traced=traced, n=n, m=m)
+    failed: list[tuple[Backend, str]] = []  # Auto's choices whose transformation failed
+    for i, resolved in enumerate(choices):
+        reason = (
+            _auto_reason(family, traced, n, m, failed, resolved)
+            if isinstance(backend, Auto) else None
+        )
+        try:
+            prep = _prepare_with(
+                resolved, operator, f, backend, x, tangents, contexts, cache,
+                max_result_elements, limits, batch_axis, traced, points, px, pt, y, reason,
+                has_aux, aux, output,
+            )
+        except _TransformFailed as failure:
+            exc = failure.error
+            if len(choices) == 1 and traced and resolved.type != "sparse":
+                named = _cannot(exc, backend, resolved, f, family, px, pt, contexts, y, fw)
+                if named is not exc:
+                    raise named from exc
+            if len(choices) == 1 or i == len(choices) - 1:
+                raise exc from exc.__cause__  # as compiling raised it, from JAX's error
+            failed.append((resolved, _why(exc)))
+            continue
+        if failed:
+            _log.info(
+                "auto for %s of %s: %s", operator, _name(f), reason,
+                extra={"event": "auto_fallback", "operator": operator, "function": _name(f),
+                       "backend": resolved.to_json()},
+            )
+        return prep
+    raise AssertionError("unreachable: the last choice returns or raises")
+
+
+def _prepare_with(
+    resolved: Backend, operator: str, f: Callable, backend: Backend, x: Tree,
+    tangents: tuple | None, contexts: tuple, cache: PrepCache | None, max_result_elements: int,
+    limits: ComputeLimits | None, batch_axis: int | None, traced: bool, points: int,
+    px: Tree, pt: tuple | None, y: Tree, reason: str | None,
+    has_aux: bool = False, aux: Tree = None, output: Callable | None = None,
+) -> Prep:
+    """``_prepare`` with the concrete backend ``resolved``: check, build and compile
+    (``_TransformFailed`` when compiling fails); ``reason``: why it was chosen. With
+    ``has_aux``, ``output`` is the function differentiated and ``aux`` its aux's spec."""
+    output = f if output is None else output
+    family = OPERATORS[operator].family
+    fw = framework_of(f)
     if batch_axis is not None and (family == "sparsity" or resolved.type == "sparse"):
         raise InvalidArgumentError(
             f"batch_axis is not supported for sparse {family} (a sparse result per point); "
             "send the points one by one or use a dense backend",
             field="batch_axis",
         )
-    engine, inner = engines_for(resolved, traced=traced)
+    if has_aux and resolved.type == "sparse":
+        raise UnsupportedOperatorError(
+            f"has_aux is not supported with a sparse {family}: the pattern is detected on "
+            "the registered function itself, whose output here is a pair; use a dense "
+            "backend, or take the aux from value with has_aux",
+            field="has_aux",
+        )
+    # complex x or f(x): every engine in JAX's convention (or refusing)
+    engine, inner = engines_for(resolved, traced=traced, complex_numbers=has_complex(fw, px, y))
     engine.use(fw)
     if inner is not None:
         inner.use(fw)
@@ -531,21 +630,23 @@ def _prepare(
     inputs = Inputs(px, pt, contexts, y, fw)
     spec.check(inputs)
     refuse_low_precision(resolved, fw.leaves(px), traced=traced)
-    engine.prepare(family, f, inputs, limits)  # e.g. sparsity detection and colouring, once
-    elements = _check_result_size(family, inputs, max_result_elements, engine, points)
-    signature = Signature.of(x, tangents, contexts, batch_axis)
+    engine.prepare(family, output, inputs, limits)  # e.g. sparsity detection and colouring
+    elements = _check_result_size(family, inputs, max_result_elements, engine, points, aux)
+    signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
-        return replace(twin, backend=backend)
+        return replace(twin, backend=backend, reason=reason)
     compiled = traced and engine.traces and (inner is None or inner.traces)
     runs_in = fw if compiled else fw.eager()
-    build = spec.build(f, engine, inner, inputs)
+    build = spec.build(output, engine, inner, inputs)
+    if has_aux:
+        build = with_aux(build, f)
     if batch_axis is not None:
         build = over_points(build, tangents is not None, runs_in)
         y = fw.tree_map(lambda s: fw.spec((points, *s.shape), s.dtype), y)
     chunker = chunker_for(
-        family, f, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits,
+        family, output, engine, inner, px, inputs.y, compiled, batch_axis is not None, limits,
         runs_in,
     ) or slicer_for(
         family, compiled, batch_axis is not None, points, len(tangents or ()), limits, runs_in
@@ -553,12 +654,107 @@ def _prepare(
     prep = Prep(
         operator, f, backend, resolved, signature, y, build,
         engine, compiled, limits=limits, result_bytes=elements * _itemsize(fw, x),
-        chunker=chunker, framework=runs_in,
+        chunker=chunker, framework=runs_in, reason=reason,
     )
-    prep.executable(operator, x, tangents, contexts)
+    try:
+        prep.executable(operator, x, tangents, contexts)
+    except ComplexRefused:
+        raise  # the backend's answer to complex numbers: no other mode is tried or named
+    except (FunctionEvaluationError, UnsupportedOperatorError) as exc:
+        raise _TransformFailed(exc) from exc  # the transformation failed, not the checks
     if cache is not None:
         cache.put_resolved(twin_key, prep)
     return prep
+
+
+# --- when a mode does not trace ---------------------------------------------
+class _TransformFailed(Exception):
+    """Compiling the operator failed (``error``): the backend's transformation of the
+    function, not the checks of its inputs."""
+
+    def __init__(self, error: DxError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _why(exc: BaseException, limit: int = 300) -> str:
+    """The reason of a failed transformation, at most ``limit`` characters."""
+    text = (exc.detail if isinstance(exc, DxError) else _short(exc)).strip().rstrip(".")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _name(f: Callable) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def _auto_reason(
+    family: str, traced: bool, n: int, m: int, failed: list[tuple[Backend, str]],
+    chosen: Backend,
+) -> str:
+    """What ``Auto`` chose for ``family`` and why: its rule, or the modes that do not
+    trace for this function and the one it uses instead."""
+    if not failed:
+        return auto_rule(family, traced=traced, n=n, m=m)
+    grouped: list[tuple[list[str], str]] = []  # modes failing for one reason, together
+    for choice, why in failed:
+        if grouped and grouped[-1][1] == why:
+            grouped[-1][0].append(mode_name(choice))
+        else:
+            grouped.append(([mode_name(choice)], why))
+    skipped = "; ".join(
+        f"{' and '.join(modes)} {'do' if len(modes) > 1 else 'does'} not trace: {why}"
+        for modes, why in grouped
+    )
+    using = mode_name(chosen) if isinstance(chosen, SecondOrder) else backend_name(chosen)
+    return f"{skipped}; using {using}"
+
+
+def trace_error(
+    f: Callable, backend: Backend, family: str, x: Tree, tangents: tuple | None,
+    contexts: tuple, y: Tree, framework: Framework,
+) -> str | None:
+    """Why ``family`` of ``f`` does not trace with the concrete ``backend`` at these
+    (one point's) inputs, or None when it does: the operator is built and evaluated
+    abstractly (``Framework.eval_shape``), nothing compiled or run."""
+    try:
+        engine, inner = engines_for(
+            backend, traced=True, complex_numbers=has_complex(framework, x, y)
+        )
+        engine.use(framework)
+        if inner is not None:
+            inner.use(framework)
+        run = FAMILIES[family].build(f, engine, inner, Inputs(x, tangents, contexts, y, framework))
+        framework.eval_shape(run, x, packing.pack(tangents), contexts)
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason
+        return _why(exc)
+    return None
+
+
+def _cannot(
+    exc: DxError, backend: Backend, resolved: Backend, f: Callable, family: str, x: Tree,
+    tangents: tuple | None, contexts: tuple, y: Tree, framework: Framework,
+) -> DxError:
+    """The error for an explicit backend whose transformation of ``f`` failed: naming
+    the backend, and the backend ``Auto`` would use instead where one traces."""
+    n, m = _size(framework, x), _size(framework, y)
+    other = None
+    for choice in auto_candidates(family, traced=True, n=n, m=m):
+        if choice != resolved and trace_error(
+            f, choice, family, x, tangents, contexts, y, framework
+        ) is None:
+            other = choice
+            break
+    if other is None:
+        return exc
+    asked = backend_name(backend)
+    as_ = "" if backend == resolved else f" (as {backend_name(resolved)})"
+    mode = f" ({mode_name(other)})" if isinstance(other, SecondOrder) else ""
+    return UnsupportedOperatorError(
+        f"{asked}{as_} cannot compute {family} of {_name(f)} here, {mode_name(resolved)} "
+        f"does not trace: {_why(exc, 1000)}. Use '{backend_name(other)}'{mode}, or 'auto', "
+        "which picks it",
+        field="backend",
+    )
 
 
 # --- many points in one call ------------------------------------------------
@@ -620,6 +816,68 @@ def over_points(run: Callable, batched_tangents: bool, framework: Framework) -> 
     tangents), results stacked on that axis, contexts shared: ``framework.vmap`` (for
     JAX one XLA program; for an eager framework a loop, point by point)."""
     return framework.vmap(run, in_axes=(0, 0 if batched_tangents else None, None))
+
+
+# --- auxiliary outputs (has_aux) -----------------------------------------------
+def refuse_aux(operator: str) -> None:
+    """``UnsupportedOperatorError`` (field ``has_aux``) for an operator without aux."""
+    if not OPERATORS[operator].aux:
+        raise UnsupportedOperatorError(
+            f"{operator} takes no has_aux: it returns a pattern, no values to return aux "
+            "beside; call it without has_aux, on a function returning its output alone",
+            field="has_aux",
+        )
+
+
+def split_aux(f: Callable, y: Tree) -> tuple[Tree, Tree]:
+    """``(output, aux)``: the probed output of a has_aux function, which must be a pair
+    (a tuple or list of two, as JAX's ``has_aux`` takes); ``ShapeMismatchError``
+    (field ``function``) naming the function and the fix otherwise."""
+    if isinstance(y, tuple | list) and len(y) == 2:
+        return y[0], y[1]
+    if isinstance(y, tuple | list):
+        got = f"a {type(y).__name__} of {len(y)}"
+    elif hasattr(y, "shape"):
+        got = f"an array of shape {tuple(y.shape)}"
+    else:
+        got = f"a {type(y).__name__}"
+    name = function_name(f)
+    raise ShapeMismatchError(
+        f"has_aux needs {name} to return a pair (output, aux), but it returns {got}; "
+        f"return a tuple (output, aux) from {name}, or call it without has_aux ({FIX})",
+        field="function", fix={"has_aux": False},
+    )
+
+
+def function_name(f: Callable) -> str:
+    """How messages name ``f``: its registered or Python name, an expression's text."""
+    info = getattr(f, "__dxserve__", None)
+    name = getattr(info, "name", None) or getattr(f, "__name__", None)
+    if isinstance(name, str) and name != "<lambda>":
+        return f"the function {name!r}"
+    source = getattr(f, "source", None)
+    if isinstance(source, str):
+        return f"the expression {source[:80]!r}"
+    return "the function"
+
+
+def primary(f: Callable) -> Callable:
+    """``f``'s output without its aux: what a has_aux operator differentiates."""
+
+    def output(x: Tree, *contexts: Any) -> Tree:
+        return f(x, *contexts)[0]
+
+    return output
+
+
+def with_aux(run: Callable, f: Callable) -> Callable:
+    """``run`` (a family's builder output) with ``AUX``, f's aux at x, added to its
+    results: computed at the primal point alone, never differentiated."""
+
+    def run_with_aux(x: Tree, tangents: Any, contexts: tuple) -> dict:
+        return {**run(x, tangents, contexts), AUX: f(x, *contexts)[1]}
+
+    return run_with_aux
 
 
 def _itemsize(framework: Framework, tree: Tree) -> int:
@@ -734,6 +992,7 @@ class Lookup:
     prep: Prep | None
     key: tuple
     batch_axis: int | None = None
+    has_aux: bool = False
 
     @property
     def inputs(self) -> tuple:
@@ -753,6 +1012,7 @@ class Lookup:
             prep = prepare(
                 self.operator, self.function, self.backend, self.x, self.tangents,
                 self.contexts, cache, max_result_elements, limits, self.batch_axis,
+                self.has_aux,
             )
             cache.put(self.key, prep)
         return prep
@@ -769,25 +1029,29 @@ def lookup(
     cache: PrepCache = CACHE,
     signature: Signature | None = None,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Lookup:
     """Normalize the inputs and find the prep that runs them: ``prep`` if given
     (checked against the call), else the cached one, else none yet.
 
     ``signature``: the inputs' signature if the caller already knows it (the server
     does for a repeated request), saving its computation. ``batch_axis``: 0 for a
-    batch of points (checked here; the points themselves at preparation)."""
+    batch of points (checked here; the points themselves at preparation). ``has_aux``:
+    f returns ``(output, aux)`` (see ``prepare``)."""
     op = OPERATORS[operator]
     x, tangents, contexts = normalize(x, tangents, contexts)
     if batch_axis is not None:
         check_batch_axis(batch_axis)
     if signature is None:
-        signature = Signature.of(x, tangents, contexts, batch_axis)
+        signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
     key = (f, op.name, backend, signature)
     if prep is not None:
         prep.check(op.family, f, backend, signature)
     else:
         prep = cache.get(key)
-    return Lookup(op.name, f, backend, x, tangents, contexts, prep, key, batch_axis)
+    return Lookup(
+        op.name, f, backend, x, tangents, contexts, prep, key, batch_axis, signature.has_aux
+    )
 
 
 def call(
@@ -800,39 +1064,92 @@ def call(
     prep: Prep | None = None,
     cache: PrepCache = CACHE,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
     """Run ``operator``; return its result, or a tuple of results (DI's order).
 
-    ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...)."""
+    ``batch_axis=0``: x (and the tangents) hold B points; each result is stacked (B, ...).
+    ``has_aux``: f returns ``(output, aux)``; JAX's shapes (``dxcontract.operators.returned``):
+    ``((value, aux), *others)``, or ``(results, aux)`` for an operator without a value."""
     backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor
     with framework_of(f).precision_scope():
         found = lookup(
-            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis
+            operator, f, backend, x, tangents, contexts, prep, cache, batch_axis=batch_axis,
+            has_aux=has_aux,
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
         if found.tangents is not None and prep.traced:
-            out = _on_device(prep.framework, found.operator, out)
-    return out[0] if len(out) == 1 else out
+            out = _on_device(prep.framework, prep.results(found.operator), out)
+    return returned(OPERATORS[operator], out, prep.has_aux)
 
 
-def _on_device(framework: Framework, operator: str, outputs: tuple) -> tuple:
+def _on_device(framework: Framework, results: tuple[str, ...], outputs: tuple) -> tuple:
     """Per-tangent results (numpy views, see ``packing``) as the framework's arrays, as
     the library returns every other result: one transfer for the whole batch."""
-    results = OPERATORS[operator].results
     return tuple(
         framework.to_device(out) if name in BATCH_RESULTS else out
         for name, out in zip(results, outputs, strict=True)
     )
 
 
-def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any) -> Backend:
-    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied)."""
+def resolve(
+    backend: Backend | str, operator: str, f: Callable, x: Any, *contexts: Any,
+    has_aux: bool = False, explain: bool = False,
+) -> Backend | tuple[Backend, str | None]:
+    """The concrete descriptor ``operator`` would use (``Auto`` and DI's rule applied).
+    ``has_aux``: f returns ``(output, aux)``, and output is what is weighed and traced.
+
+    For ``Auto`` the operator is traced abstractly (nothing compiled or run) with each
+    of its choices in turn until one traces (see ``selection.auto_candidates``), as
+    preparation does. ``explain=True`` returns ``(descriptor, reason)``: for ``Auto``
+    its rule, or the modes that do not trace and the one used instead; None for an
+    explicit backend."""
     backend = backend_from_json(backend)
-    family = OPERATORS[operator].family
+    op = OPERATORS[operator]
     x = as_tree(x)
     contexts = tuple(as_tree(c) for c in contexts)
     fw = framework_of(f)
     with fw.precision_scope():
         traced, y = probe(f, x, contexts, fw)
-    return resolve_backend(backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y))
+        if has_aux:
+            y, f = split_aux(f, y)[0], primary(f)
+        n, m = _size(fw, x), _size(fw, y)
+        choices = candidates(backend, op.family, traced=traced, n=n, m=m)
+        chosen, failed = choices[0], []
+        if len(choices) > 1 and _checks(op.family, x, contexts, y, fw):
+            tangents = _probe_tangents(op.family, x, y, fw)
+            for choice in choices:
+                why = None if choice is choices[-1] else trace_error(
+                    f, choice, op.family, x, tangents, contexts, y, fw
+                )
+                if why is None:
+                    chosen = choice
+                    break
+                failed.append((choice, why))
+    if not explain:
+        return chosen
+    reason = (
+        _auto_reason(op.family, traced, n, m, failed, chosen) if isinstance(backend, Auto) else None
+    )
+    return chosen, reason
+
+
+def _checks(family: str, x: Tree, contexts: tuple, y: Tree, framework: Framework) -> bool:
+    """Do these inputs pass ``family``'s checks (with one tangent)? ``resolve`` traces
+    only an operator that preparation would build."""
+    tangents = _probe_tangents(family, x, y, framework)
+    try:
+        FAMILIES[family].check(Inputs(x, tangents, contexts, y, framework))
+    except DxError:
+        return False
+    return True
+
+
+def _probe_tangents(family: str, x: Tree, y: Tree, framework: Framework) -> tuple | None:
+    """One tangent of zeros shaped as ``family``'s tangents are (like x or like y)."""
+    like = OPERATORS[family].tangents_like
+    if like is None:
+        return None
+    tree = x if like == "x" else y
+    return (framework.tree_map(lambda v: np.zeros(np.shape(v), v.dtype), tree),)

@@ -43,8 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from dxcontract.operators import OPERATORS
-
 Inputs = tuple[Any, Any, Any]  # (x, tangents, contexts), normalized
 
 
@@ -204,7 +202,7 @@ def _make_plan(prep: Any, operator: str, inputs: Inputs) -> _Plan:
     framework = prep.framework
     if not prep.traced:
         return _Plan(False, f"not traceable by {framework.name}")
-    results = OPERATORS[operator].results
+    results = prep.results(operator)
 
     def run(x, tangents, contexts):
         out = prep.build(x, tangents, contexts)

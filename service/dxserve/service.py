@@ -35,10 +35,10 @@ from dxcontract.errors import (
     UnknownPreparationError,
 )
 from dxcontract.lru import LRU
-from dxcontract.operators import OPERATORS, OperatorSpec
+from dxcontract.operators import OPERATORS, OperatorSpec, result_names, returned
 from dxcontract.platforms import export_platform
 
-from . import observe
+from . import keys, observe
 from .admission import Budget, Ticket
 from .backends import backend_table
 from .backends.sparse import BCOO, sparse_wire
@@ -339,6 +339,7 @@ class Service:
         signature: Signature | None = None,
         hint: Hashable = None,
         batch_axis: int | None = None,
+        has_aux: bool = False,
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
@@ -350,6 +351,8 @@ class Service:
         (the HTTP layer passes the body size), so a call's expected cost is known
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
+        ``has_aux``: the function returns ``(output, aux)``; ``output`` is differentiated
+        and ``{"aux": ...}``, its aux at x, is one more result.
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
@@ -362,16 +365,17 @@ class Service:
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
             op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
-            batch_axis,
+            batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -415,9 +419,13 @@ class Service:
         ):  # a chunked computation runs alone: its progress and cancellation are its own
             batched = ready
 
+            names = batched.results(op.name)
+
             def run_group(items: Sequence[tuple]) -> list:
                 results = self.batcher.run_group(batched, op.name, items)
-                return [r if isinstance(r, BaseException) else results_of(op, r) for r in results]
+                return [
+                    r if isinstance(r, BaseException) else results_of(names, r) for r in results
+                ]
 
             return await workers.run_grouped(
                 (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left
@@ -431,7 +439,7 @@ class Service:
             try:
                 if job is not None:
                     job.check()  # cancelled while it waited: the worker moves on
-                results = results_of(op, ready.run(op.name, *found.inputs, job))
+                results = results_of(ready.results(op.name), ready.run(op.name, *found.inputs, job))
             except JobCancelled:
                 with self._cancel_lock:
                     self.cancelled[op.name] = self.cancelled.get(op.name, 0) + 1
@@ -474,14 +482,17 @@ class Service:
         contexts: Sequence = (),
         *,
         batch_axis: int | None = None,
+        has_aux: bool = False,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
-        ``batch_axis=0`` prepares a batch of points (calls must send one as well)."""
+        ``batch_axis=0`` prepares a batch of points, ``has_aux`` a function returning
+        ``(output, aux)`` (calls must say the same)."""
         op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -491,7 +502,7 @@ class Service:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
                     op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
-                    batch_axis,
+                    batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
             return prep
@@ -604,13 +615,16 @@ def _host(tree: Any) -> Any:
         return None
     if isinstance(tree, BCOO):  # a sparse result: its wire object (dxcontract.sparse)
         return sparse_wire(tree)
+    if keys.is_jax_key(tree):  # a typed PRNG key: its impl and words (dxcontract.keys)
+        return keys.key_array(tree)
     return np.asarray(tree)
 
 
-def results_of(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
-    """``{result name: numpy value}`` from ``Prep.run``'s outputs (``op.results`` order)."""
+def results_of(names: tuple[str, ...], outputs: tuple) -> dict[str, Any]:
+    """``{result name: numpy value}`` from ``Prep.run``'s outputs (``names``, the prep's
+    ``results(operator)``, in order)."""
     try:
-        return {name: _host(v) for name, v in zip(op.results, outputs, strict=True)}
+        return {name: _host(v) for name, v in zip(names, outputs, strict=True)}
     except Exception as exc:  # the copy to the host may be where the device runs out
         oom = out_of_memory(exc)
         if oom is None:
@@ -621,20 +635,20 @@ def results_of(op: OperatorSpec, outputs: tuple) -> dict[str, Any]:
 def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
-        prep: str | None = None, batch_axis: int | None = None,
+        prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
-            op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis
+            op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
+            has_aux=has_aux,
         )
-        values = tuple(out[name] for name in op.results)
-        return values[0] if len(values) == 1 else values
+        return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 
     takes = ", tangents" if op.takes_tangents else ""
     method.__name__ = method.__qualname__ = op.name
     method.__doc__ = (
         f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None, "
-        "batch_axis=None)``: "
+        "batch_axis=None, has_aux=False)``: "
         f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
     )
     return method

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dxcontract.errors import BudgetExceededError, DxError, OverloadedError, SparsityDetectionError
+from dxcontract.keys import KeyArray, dtype_name, impl_of, is_key_dtype
 
 from .backends.sparse_detection import (
     Analysis,
@@ -219,6 +220,8 @@ def _spec(tree: Any) -> Any:
     if shape is None or dtype is None:
         a = np.asarray(tree)
         shape, dtype = a.shape, a.dtype
+    if is_key_dtype(dtype_name(dtype)):  # a typed PRNG key: its wire dtype
+        return {"shape": [int(d) for d in shape], "dtype": dtype_name(dtype)}
     return {"shape": [int(d) for d in shape], "dtype": str(np.dtype(dtype))}
 
 
@@ -232,7 +235,13 @@ def _zeros(spec: Any) -> Any:
         return tuple(_zeros(v) for v in spec["tuple"])
     if "list" in spec:
         return [_zeros(v) for v in spec["list"]]
-    return np.zeros(tuple(int(d) for d in spec["shape"]), dtype=np.dtype(spec["dtype"]))
+    shape = tuple(int(d) for d in spec["shape"])
+    if is_key_dtype(spec["dtype"]):  # keys of zero words: patterns do not depend on values
+        from .keys import to_jax
+
+        impl = impl_of(spec["dtype"], None)
+        return to_jax(KeyArray(impl.name, np.zeros((*shape, *impl.words), np.uint32)))
+    return np.zeros(shape, dtype=np.dtype(spec["dtype"]))
 
 
 # --- in the child -------------------------------------------------------------------------

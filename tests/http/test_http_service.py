@@ -199,10 +199,11 @@ def test_prepare_then_use_the_handle(server: Any) -> None:
         )
         assert r.status_code == 200, r.text
         prep = r.json()
-        assert set(prep) == {"prep", "operator", "function", "backend", "resolved"}
+        assert set(prep) == {"prep", "operator", "function", "backend", "resolved", "reason"}
         assert prep["operator"] == "gradient" and prep["function"] == "rosenbrock"
         assert prep["backend"] == {"type": "auto"}
         assert prep["resolved"]["type"] == "jax-reverse"
+        assert prep["reason"] == "auto's rule for gradient: reverse mode"
         for _ in range(2):
             g = http.post(
                 "/gradient",

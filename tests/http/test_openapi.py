@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dxcontract.operators import OPERATORS
+from dxcontract.operators import OPERATORS, result_names
 from dxserve.openapi_dump import document
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,8 @@ def test_operator_paths_are_documented(spec: dict, name: str) -> None:
         if path.startswith("/prepare/"):
             assert set(response["properties"]) >= {"prep", "operator", "function", "resolved"}
         else:
-            assert set(response["properties"]) == set(op.results)
+            # aux only with has_aux: documented, never required
+            assert set(response["properties"]) == set(result_names(op, op.aux))
             assert set(response["required"]) == set(op.results)
             assert "application/vnd.dxserve.binary" in post["responses"]["200"]["content"]
 

@@ -27,7 +27,7 @@ import pytest
 
 import dxserve
 from dxclient import Client
-from dxcontract.errors import BudgetExceededError
+from dxcontract.errors import BudgetExceededError, UnsupportedOperatorError
 from dxserve import Engine, register_backend
 from dxserve.budget import ComputeLimits
 from dxserve.examples import sin_cumsum
@@ -245,6 +245,11 @@ def np_sin_cumsum(x: np.ndarray) -> Any:
     return np.sin(x) * np.cumsum(x)
 
 
+@dxserve.function(framework="numpy", description="|z|^2 + Re z Im z, summed, in numpy")
+def np_abs2_re_im(z: np.ndarray) -> Any:
+    return np.sum(np.abs(z) ** 2 + np.real(z) * np.imag(z))
+
+
 
 
 
@@ -291,6 +296,23 @@ def test_first_and_second_order_in_process() -> None:
     # finite differences, a built-in engine, run in the numpy framework too
     g = dxserve.gradient(np_rosenbrock, "finite-differences", x)
     np.testing.assert_allclose(g, rosenbrock_gradient(x), rtol=1e-6)
+
+
+def test_complex_x_is_refused_by_the_complex_step() -> None:
+    """JAX's convention takes complex x apart into real and imaginary parts; a complex
+    step evaluates the function at complex points of its own, so it refuses complex x
+    (422) instead of answering in another convention. Finite differences serve it."""
+    z = np.array([1 + 2j, -0.5 + 0.3j])
+    for operator, backend in (("gradient", CS), ("hessian", HESSIAN)):
+        with pytest.raises(UnsupportedOperatorError) as info:
+            getattr(dxserve, operator)(np_abs2_re_im, backend, z)
+        assert info.value.field == "backend"
+        assert "complex-step" in info.value.detail and "finite-differences" in info.value.detail
+    with pytest.raises(UnsupportedOperatorError):
+        dxserve.pushforward(np_abs2_re_im, CS, z, (np.ones(2, complex),))
+    # ∂f/∂x - i ∂f/∂y = (2x + y) - i (2y + x), as jax.grad answers
+    g = dxserve.gradient(np_abs2_re_im, "finite-differences", z)
+    np.testing.assert_allclose(g, [4 - 5j, -0.7 - 0.1j], rtol=1e-8)
 
 
 def test_preparation_compiles_through_the_framework() -> None:
@@ -383,6 +405,17 @@ def test_over_http(numpy_server) -> None:
         xs = np.linspace(0.1, 1.3, 15).reshape(3, 5)
         g = client.gradient("np_rosenbrock", CS, xs, batch_axis=0)
         _close(g, np.stack([rosenbrock_gradient(v) for v in xs]))
+
+
+def test_complex_x_over_http(numpy_server) -> None:
+    z = {"__ndarray__": [[1.0, 2.0], [-0.5, 0.3]], "dtype": "complex128", "shape": [2]}
+    r = httpx.post(f"{numpy_server.url}/gradient", json={
+        "function": "np_abs2_re_im", "backend": CS, "x": z}, timeout=60)
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    assert r.json()["field"] == "backend" and "complex-step" in r.json()["detail"]
+    with Client(numpy_server.url) as client:
+        g = client.gradient("np_abs2_re_im", "finite-differences", np.array([1 + 2j, -0.5 + 0.3j]))
+    np.testing.assert_allclose(g, [4 - 5j, -0.7 - 0.1j], rtol=1e-8)
 
 
 def test_over_budget_over_http_is_the_same_422(numpy_server) -> None:

@@ -15,6 +15,7 @@ from dxcontract.backends import (
     backend_from_json,
 )
 from dxcontract.errors import DxError, PreparationMismatchError
+from dxcontract.keys import KeyArray
 from dxcontract.operators import OPERATORS
 
 from ._client import AsyncClient, Client
@@ -40,6 +41,7 @@ __all__ = [
     "FiniteDifferences",
     "JaxForward",
     "JaxReverse",
+    "KeyArray",
     "OPERATORS",
     "PreparationMismatchError",
     "SecondOrder",

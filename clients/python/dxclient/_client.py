@@ -180,13 +180,13 @@ def _response(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _operator_answer(operator: str, response: httpx.Response) -> Any:
-    return _models.operator_result(operator, response.headers, response.content)
+def _operator_answer(operator: str, has_aux: bool, response: httpx.Response) -> Any:
+    return _models.operator_result(operator, response.headers, response.content, has_aux)
 
 
-def _streamed_answer(operator: str, data: bytes) -> Any:
+def _streamed_answer(operator: str, has_aux: bool, data: bytes) -> Any:
     """The ``result`` event's data (JSON, typed base64 arrays), decoded like an answer."""
-    return _models.operator_result(operator, _JSON_HEADERS, data)
+    return _models.operator_result(operator, _JSON_HEADERS, data, has_aux)
 
 
 _JSON_HEADERS = {"content-type": "application/json"}
@@ -268,7 +268,7 @@ class _ClientBase(OperatorMethods):
         """Send each call ``plan`` yields; its return value."""
         raise NotImplementedError
 
-    def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+    def _stream(self, operator: str, call: Call, progress: Any, has_aux: bool = False) -> Any:
         """Send ``call`` asking for its progress events (``dxclient.progress``); its
         result, decoded as the plain answer would be."""
         raise NotImplementedError
@@ -277,42 +277,43 @@ class _ClientBase(OperatorMethods):
     def _operator(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
-        progress: Any = None,
+        progress: Any = None, has_aux: bool = False,
     ) -> Any:
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
         if model is not None:
             return model.finish(operator, self._operator(
                 operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis,
-                progress))
+                progress, has_aux), has_aux)
         if progress is not None and progress is not False:  # streamed: dxclient.progress
             call = _models.operator_call(
                 operator, f, backend, x, tangents, contexts, prep, self.encoding,
-                batch_axis=batch_axis,
+                batch_axis=batch_axis, has_aux=has_aux,
             )
-            return self._stream(operator, call, progress)
+            return self._stream(operator, call, progress, has_aux)
         if prep is not None and prep.request is not None:
             def build(p: RemotePrep) -> Call:
                 return _models.operator_call(
                     operator, f, backend, x, tangents, contexts, p, self.encoding,
-                    batch_axis=batch_axis,
+                    batch_axis=batch_axis, has_aux=has_aux,
                 )
 
-            return self._run_prepared(operator, prep, build)
+            return self._run_prepared(operator, prep, build, has_aux)
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, prep, self.encoding,
-            batch_axis=batch_axis,
+            batch_axis=batch_axis, has_aux=has_aux,
         )
-        return self._run_operator(operator, call)
+        return self._run_operator(operator, call, has_aux)
 
     def _url(self, call: Call) -> httpx.URL:
         """``call``'s URL: its path (an operator's or a preparation's) resolved once."""
         return self._urls.resolve(self.http, call.path)
 
-    def _run_operator(self, operator: str, call: Call) -> Any:
-        return self._run(call, self._url(call), _operator_answer, operator)
+    def _run_operator(self, operator: str, call: Call, has_aux: bool = False) -> Any:
+        return self._run(call, self._url(call), _operator_answer, operator, has_aux)
 
     def _run_prepared(
-        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call],
+        has_aux: bool = False,
     ) -> Any:
         """Run ``build(prep)``; if the server no longer holds the handle (404
         ``UnknownPreparationError``), send ``prep.request`` again and retry once."""
@@ -320,14 +321,14 @@ class _ClientBase(OperatorMethods):
 
     def _prepare(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
-        tangents: Any, contexts: tuple, batch_axis: int | None = None,
+        tangents: Any, contexts: tuple, batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         model = models.model_call(x, tangents)
         if model is not None:
             x, tangents = model.x, model.tangents
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
-            batch_axis=batch_axis,
+            batch_axis=batch_axis, has_aux=has_aux,
         )
         return self._run(call, self._url(call), _prep_answer, call)
 
@@ -485,7 +486,7 @@ class Client(_ClientBase):
         except StopIteration as done:
             return done.value
 
-    def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+    def _stream(self, operator: str, call: Call, progress: Any, has_aux: bool = False) -> Any:
         reporter = progress_events.Reporter(progress, operator)
         headers = {**call.headers, "accept": progress_events.ACCEPT}
         try:  # leaving the block (Ctrl-C too) closes the connection: the server cancels
@@ -494,23 +495,25 @@ class Client(_ClientBase):
                     r.read()
                     _models.raise_for_problem(r.status_code, r.headers, r.content)
                 return progress_events.read_events(
-                    r.iter_lines(), reporter, functools.partial(_streamed_answer, operator)
+                    r.iter_lines(), reporter,
+                    functools.partial(_streamed_answer, operator, has_aux),
                 )
         finally:
             reporter.close()
 
     def _run_prepared(
-        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call],
+        has_aux: bool = False,
     ) -> Any:
         current = self._renewed.get(prep.handle) or prep
         try:
-            return self._run_operator(operator, build(current))
+            return self._run_operator(operator, build(current), has_aux)
         except UnknownPreparationError:
             request = prep.request
             assert request is not None
             fresh = self._run(request, self._url(request), _prep_answer, request)
             self._renewed.put(prep.handle, fresh)
-            return self._run_operator(operator, build(fresh))
+            return self._run_operator(operator, build(fresh), has_aux)
 
     def scipy(self, f: RemoteFunction | str, backend: Backend | str = "auto", *contexts: Any) -> Any:
         """``f`` shaped for ``scipy.optimize.minimize``: a ``dxclient.scipy.ScipyProblem``
@@ -577,7 +580,9 @@ class AsyncClient(_ClientBase):
         except StopIteration as done:
             return done.value
 
-    async def _stream(self, operator: str, call: Call, progress: Any) -> Any:
+    async def _stream(
+        self, operator: str, call: Call, progress: Any, has_aux: bool = False
+    ) -> Any:
         reporter = progress_events.Reporter(progress, operator)
         headers = {**call.headers, "accept": progress_events.ACCEPT}
         try:  # leaving the block (cancelled too) closes the connection: the server cancels
@@ -588,23 +593,25 @@ class AsyncClient(_ClientBase):
                     await r.aread()
                     _models.raise_for_problem(r.status_code, r.headers, r.content)
                 return await progress_events.aread_events(
-                    r.aiter_lines(), reporter, functools.partial(_streamed_answer, operator)
+                    r.aiter_lines(), reporter,
+                    functools.partial(_streamed_answer, operator, has_aux),
                 )
         finally:
             reporter.close()
 
     async def _run_prepared(
-        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call]
+        self, operator: str, prep: RemotePrep, build: Callable[[RemotePrep], Call],
+        has_aux: bool = False,
     ) -> Any:
         current = self._renewed.get(prep.handle) or prep
         try:
-            return await self._run_operator(operator, build(current))
+            return await self._run_operator(operator, build(current), has_aux)
         except UnknownPreparationError:
             request = prep.request
             assert request is not None
             fresh = await self._run(request, self._url(request), _prep_answer, request)
             self._renewed.put(prep.handle, fresh)
-            return await self._run_operator(operator, build(fresh))
+            return await self._run_operator(operator, build(fresh), has_aux)
 
     async def aclose(self) -> None:
         await self.http.aclose()

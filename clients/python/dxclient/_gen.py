@@ -33,6 +33,9 @@ events (``dxclient.progress``). Each method
 returns whatever ``self._operator`` returns: results for ``Client``, an awaitable for
 ``AsyncClient``. ``batch_axis=0``: x (every leaf) and the tangents lead with an axis of B
 points, contexts shared; each result comes back stacked (B, ...), from one server call.
+``has_aux=True`` (every operator but ``sparsity``): the function returns ``(output, aux)``;
+output is differentiated and the result takes JAX's shapes, ``((value, aux), *others)``
+or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 """
 
 from __future__ import annotations
@@ -55,12 +58,13 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -71,7 +75,8 @@ def _methods(op: OperatorSpec) -> str:
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
     takes = op.takes_tangents
-    return f'''
+    if not op.aux:
+        return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
@@ -93,6 +98,32 @@ def _methods(op: OperatorSpec) -> str:
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._prepare("{name}", f, backend, x, tangents, contexts, batch_axis)
+'''
+    return f'''
+    def {name}(
+        self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
+        prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
+    ) -> Any:
+        """{op.summary}"""
+        backend, x, tangents, contexts = positionals(
+            "{name}", {takes}, backend, x, {tangents_arg}, contexts
+        )
+        return self._operator(
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+        )
+
+    def prepare_{name}(
+        self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
+        batch_axis: int | None = None, has_aux: bool = False,
+    ) -> Any:
+        """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
+        backend, x, tangents, contexts = positionals(
+            "{name}", {takes}, backend, x, {tangents_arg}, contexts
+        )
+        return self._prepare(
+            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 '''
 
 

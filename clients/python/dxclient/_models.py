@@ -17,11 +17,18 @@ import numpy as np
 from dxcontract import codec
 from dxcontract.backends import Backend, backend_to_json
 from dxcontract.encodings.common import pytree_to_wire
-from dxcontract.errors import DxError
+from dxcontract.errors import DxError, MalformedRequestError
 from dxcontract.lru import LRU
-from dxcontract.operators import BATCH_RESULTS, OPERATORS, OperatorSpec
+from dxcontract.operators import (
+    AUX,
+    BATCH_RESULTS,
+    OPERATORS,
+    OperatorSpec,
+    result_names,
+    returned,
+)
 
-from . import sparse
+from . import keys, sparse
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class RemotePrep:
     #: the ``POST /prepare/<op>`` call this handle came from: the client sends it again
     #: when the server no longer holds the handle (evicted, or the server restarted)
     request: Call | None = field(default=None, compare=False, repr=False)
+    #: for ``auto``: why the server chose ``resolved`` (its rule, or the modes that do
+    #: not trace for this function and the one used instead); None otherwise
+    reason: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -131,11 +141,14 @@ def operator_call(
     *,
     prepare: bool = False,
     batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Call:
     """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
-    axis of points; sent as ``"batch_axis": 0``, left out when None)."""
+    axis of points; sent as ``"batch_axis": 0``, left out when None; ``has_aux``: sent as
+    ``"has_aux": true``, left out when False)."""
     repeat = _REPEATS.key(
-        operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis
+        operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis,
+        has_aux,
     )
     if repeat is not None:
         call = _REPEATS.call(repeat, x)
@@ -143,12 +156,13 @@ def operator_call(
             return call
     elif encoding in _INLINE_ENCODINGS:
         inline = _INLINE_REPEATS.key(
-            operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding
+            operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding,
+            has_aux,
         )
         if inline is not None:
             return _INLINE_REPEATS.call(inline, x, encoding, lambda p: operator_call(
                 operator, f, backend, p, None, (), None, encoding, prepare=prepare,
-                batch_axis=batch_axis))
+                batch_axis=batch_axis, has_aux=has_aux))
     op = operator_spec(operator)
     payload: dict[str, Any] = {
         "function": function_name(f),
@@ -167,6 +181,10 @@ def operator_call(
         payload["prep"] = prep.handle
     if batch_axis is not None:
         payload["batch_axis"] = batch_axis
+    if has_aux:
+        if not op.aux:
+            raise ValueError(f"{op.name} takes no has_aux")
+        payload["has_aux"] = True
     if encoding in _PARTS_ENCODINGS and not prepare:
         # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)
@@ -205,16 +223,17 @@ class _RepeatCalls:
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, encoding: str, prepare: bool, batch_axis: int | None = None,
+        has_aux: bool = False,
     ) -> tuple | None:
-        """The call's key if it is the repeating kind, else None (a batch of points is
-        keyed apart: its header says so, and x's shape alone cannot tell)."""
+        """The call's key if it is the repeating kind, else None (a batch of points, or
+        has_aux, is keyed apart: its header says so, and x's shape alone cannot tell)."""
         if (
             encoding != "binary" or type(x) is not np.ndarray or tangents is not None
             or contexts or prep is not None or type(f) is not str
             or not isinstance(backend, str | Backend)
         ):
             return None
-        return operator, prepare, f, backend, x.dtype, x.shape, batch_axis
+        return operator, prepare, f, backend, x.dtype, x.shape, batch_axis, has_aux
 
     def call(self, key: tuple, x: np.ndarray) -> Call | None:
         known = self._calls.get(key)
@@ -257,14 +276,14 @@ class _InlineRepeats:
 
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
-        prep: Any, prepare: bool, batch_axis: int | None, encoding: str,
+        prep: Any, prepare: bool, batch_axis: int | None, encoding: str, has_aux: bool = False,
     ) -> tuple | None:
         if (
             type(x) is not np.ndarray or tangents is not None or contexts or prep is not None
             or type(f) is not str or not isinstance(backend, str | Backend)
         ):
             return None
-        return operator, prepare, f, backend, batch_axis, encoding
+        return operator, prepare, f, backend, batch_axis, encoding, has_aux
 
     def call(self, key: tuple, x: np.ndarray, encoding: str, build: Any) -> Call:
         """The call for ``x``; ``build(placeholder)`` makes the surrounding text once."""
@@ -300,30 +319,39 @@ def raise_for_problem(status: int, headers: Any, content: bytes) -> None:
     raise DxError.from_problem(status, problem)
 
 
-def operator_result(operator: str, headers: Any, content: bytes) -> Any:
-    """Decode an operator's answer to numpy: one result, or a tuple (DI's order)."""
+def operator_result(operator: str, headers: Any, content: bytes, has_aux: bool = False) -> Any:
+    """Decode an operator's answer to numpy: one result, or a tuple (DI's order); with
+    ``has_aux`` JAX's shapes (``dxcontract.operators.returned``), aux from ``"aux"``.
+    Typed PRNG keys in it come back as keys (``keys.from_wire``)."""
     op = operator_spec(operator)
-    arrays, batches = _result_kinds(op)
+    arrays, batches = _result_kinds(op, has_aux)
     content_type, header_length = _wire_headers(headers)
     obj = codec.decode_body(content, content_type, header_length, arrays=arrays)
     for key in arrays:
         if key in obj:
             value = obj[key]
             obj[key] = (
-                sparse.from_wire(value, key) if sparse.is_sparse(value)
-                else codec.decode_result(value, key, False)
+                sparse.from_wire(value, key) if key != AUX and sparse.is_sparse(value)
+                else keys.from_wire(codec.decode_result(value, key, False))
             )
     for key in batches:
         if key in obj:
-            obj[key] = codec.decode_result(obj[key], key, True)
-    values = tuple(tuple(obj[r]) if r in BATCH_RESULTS else obj[r] for r in op.results)
-    return values[0] if len(values) == 1 else values
+            obj[key] = keys.from_wire(codec.decode_result(obj[key], key, True))
+    names = result_names(op, has_aux)
+    if has_aux and AUX not in obj:
+        raise MalformedRequestError(
+            f"the server's {op.name} answer has no aux: it may predate has_aux", field=AUX
+        )
+    values = tuple(tuple(obj[r]) if r in BATCH_RESULTS else obj[r] for r in names)
+    return returned(op, values, has_aux)
 
 
 @functools.cache
-def _result_kinds(op: OperatorSpec) -> tuple[tuple[str, ...], frozenset[str]]:
-    """``op``'s results that are one array each, and those that are a batch of them."""
-    return tuple(r for r in op.results if r not in op.batch_results), op.batch_results
+def _result_kinds(op: OperatorSpec, has_aux: bool = False) -> tuple[tuple[str, ...], frozenset[str]]:
+    """``op``'s results that are one array (or pytree) each, aux among them with
+    ``has_aux``, and those that are a batch of them."""
+    names = result_names(op, has_aux)
+    return tuple(r for r in names if r not in op.batch_results), op.batch_results
 
 
 _CONTENT_TYPE, _HEADER_LENGTH = b"content-type", codec.HEADER_LENGTH.lower().encode()
@@ -348,7 +376,7 @@ def prep_result(content: bytes, request: Call | None = None) -> RemotePrep:
     obj = codec.loads(content)
     return RemotePrep(
         obj["prep"], obj["operator"], obj["function"], obj["backend"], obj["resolved"],
-        obj.get("sparsity"), request,
+        obj.get("sparsity"), request, obj.get("reason"),
     )
 
 

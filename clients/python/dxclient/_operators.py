@@ -13,6 +13,9 @@ events (``dxclient.progress``). Each method
 returns whatever ``self._operator`` returns: results for ``Client``, an awaitable for
 ``AsyncClient``. ``batch_axis=0``: x (every leaf) and the tangents lead with an axis of B
 points, contexts shared; each result comes back stacked (B, ...), from one server call.
+``has_aux=True`` (every operator but ``sparsity``): the function returns ``(output, aux)``;
+output is differentiated and the result takes JAX's shapes, ``((value, aux), *others)``
+or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 """
 
 from __future__ import annotations
@@ -35,344 +38,390 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 
     def value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """f(x, *contexts)."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_and_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value_and_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("second_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_derivative_and_second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """∇f(x), shaped like x."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``gradient`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("gradient", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), ∇f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_and_gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_and_gradient`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value_and_gradient", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("jacobian", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_and_jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("hessian", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_gradient_and_hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(J t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``pushforward`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
-        return self._prepare("pushforward", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), (J t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_and_pushforward`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
-        return self._prepare("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(Jᵀ c for c in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``pullback`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
-        return self._prepare("pullback", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(f(x), (Jᵀ c for c in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``value_and_pullback`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
-        return self._prepare("value_and_pullback", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def sparsity(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
@@ -399,46 +448,52 @@ class OperatorMethods:
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
-        return self._prepare("hvp", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        has_aux: bool = False,
     ) -> Any:
         """(∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
         )
 
     def prepare_gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Compile ``gradient_and_hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
-        return self._prepare("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare(
+            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux
+        )
 
 
 class SubmitMethods:

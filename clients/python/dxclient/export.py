@@ -18,6 +18,11 @@ artifact       signature (flat leaves)      meaning (``k`` = symbolic batch size
 All derivative artifacts take flat leaves (x leaves, then the linear leaves with a
 leading batch axis ``k``, then the context leaves) and return flat leaves.
 
+A function whose reverse mode does not trace (a ``lax.while_loop`` iterated to
+convergence, say) is exported with the forward artifacts only (``primal``, ``jvp``,
+``jvp_jvp``; the manifest's ``modes`` is ``["forward"]``), and a warning says why: the
+server then serves what forward mode can and refuses pullbacks and reverse mode.
+
 The bundle's container (no pickle, no source code) is the contract's
 (``dxcontract.bundle``), which the server reads.
 
@@ -35,7 +40,9 @@ from dxcontract.bundle import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAGIC,
+    MODES,
     bundle_signature,
+    format_version_for,
     pack,
     split_bundle,
     tree_spec,
@@ -48,6 +55,8 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAGIC",
+    "MODES",
+    "ReverseModeWarning",
     "bundle_signature",
     "export_function",
     "split_bundle",
@@ -170,11 +179,14 @@ def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
                      n_output_leaves=len(primal.out_avals))
     maps = _FlatMaps(fn, x_tree, c_tree, len(x_leaves), len(c_leaves))
     (k,) = jex.symbolic_shape(BATCH_DIM, scope=scope)
-    derivatives = _export_derivatives(export, maps, k, x_leaves, primal.out_avals, c_leaves)
+    derivatives, modes = _export_derivatives(
+        export, maps, k, x_leaves, primal.out_avals, c_leaves
+    )
     exps = {"primal": primal, **derivatives}
     _check_exports(exps)
-    blobs = {name: bytes(exps[name].serialize(vjp_order=0)) for name in ARTIFACTS}
-    return pack(_manifest(fn, primal, platforms, signature, specs, constraints), blobs)
+    blobs = {name: bytes(exps[name].serialize(vjp_order=0)) for name in ARTIFACTS if name in exps}
+    manifest = _manifest(fn, primal, platforms, signature, specs, constraints, modes)
+    return pack(manifest, blobs)
 
 
 def _input_specs(concrete: tuple, polymorphic_shapes: Any, scope: Any) -> tuple:
@@ -290,10 +302,18 @@ class _FlatMaps:
         return tuple(jax.vmap(one)(u_s, w_s))
 
 
+class ReverseModeWarning(UserWarning):
+    """``export_function`` uploads forward mode only: reverse mode does not trace."""
+
+
 def _export_derivatives(
     export: Callable, maps: _FlatMaps, k: Any, x_leaves: list, y_avals: list, c_leaves: list
-) -> dict[str, Any]:
-    """The four derivative artifacts, their linear inputs batched on the symbolic ``k``."""
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``(artifacts, modes)``: the derivative artifacts, their linear inputs batched on
+    the symbolic ``k``, and the modes they make up. The forward maps are required; the
+    reverse ones are left out (with a ``ReverseModeWarning``) where they do not trace."""
+    import warnings
+
     import jax
 
     def kb(avals):
@@ -302,12 +322,28 @@ def _export_derivatives(
     xs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in x_leaves]
     ys = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y_avals]
     cs = list(c_leaves)
-    return {
+    forward = {
         "jvp": export(maps.jvp_art, *xs, *kb(xs), *cs),
-        "vjp": export(maps.vjp_art, *xs, *kb(ys), *cs),
         "jvp_jvp": export(maps.jvp_jvp_art, *xs, *kb(xs), *kb(xs), *cs),
-        "jvp_vjp": export(maps.jvp_vjp_art, *xs, *kb(xs), *kb(ys), *cs),
     }
+    try:
+        reverse = {
+            "vjp": export(maps.vjp_art, *xs, *kb(ys), *cs),
+            "jvp_vjp": export(maps.jvp_vjp_art, *xs, *kb(xs), *kb(ys), *cs),
+        }
+    except Exception as exc:  # noqa: BLE001 - whatever stops reverse mode, forward stands
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        name = getattr(maps.fn, "__name__", "the function")
+        warnings.warn(
+            f"{name}: reverse mode does not trace ({type(exc).__name__}: {first[:200]}); "
+            "exporting forward mode only: the server serves gradients, Jacobians, "
+            "Hessians and pushforwards by forward mode, pullbacks by finite differences "
+            "only, and refuses 'jax-reverse'",
+            ReverseModeWarning,
+            stacklevel=4,
+        )
+        return forward, ("forward",)
+    return {**forward, **reverse}, MODES
 
 
 def _check_exports(exps: dict[str, Any]) -> None:
@@ -336,14 +372,15 @@ def _symbolic_dims(specs: Any) -> list[str]:
     )
 
 
-def _manifest(fn, primal, platforms, signature, specs, constraints) -> dict[str, Any]:
+def _manifest(fn, primal, platforms, signature, specs, constraints, modes) -> dict[str, Any]:
     """The bundle's manifest (see ``dxcontract.bundle``)."""
     import jax
 
     symbolic = _symbolic_dims(specs)
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_for(modes),
+        "modes": list(modes),
         "jax_version": jax.__version__,
         "calling_convention_version": primal.calling_convention_version,
         "platforms": list(platforms),

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from dxcontract.operators import returned, unreturned
+
 #: Results whose arrays are shaped like ``x`` (one result) or like ``x`` each (batches).
 _X_SHAPED = frozenset({"gradient"})
 _X_SHAPED_BATCH = frozenset({"hvps", "pullbacks"})
@@ -122,22 +124,24 @@ class ModelCall:
     x: list[Any]
     tangents: Any
 
-    def finish(self, operator: str, result: Any) -> Any:
-        """Rebuild ``result`` (or, for ``AsyncClient``, the awaited result)."""
+    def finish(self, operator: str, result: Any, has_aux: bool = False) -> Any:
+        """Rebuild ``result`` (or, for ``AsyncClient``, the awaited result); a has_aux
+        call's aux is left as it came."""
         if inspect.isawaitable(result):
-            return self._finish_async(operator, result)
-        return self._rebuild(operator, result)
+            return self._finish_async(operator, result, has_aux)
+        return self._rebuild(operator, result, has_aux)
 
-    async def _finish_async(self, operator: str, result: Any) -> Any:
-        return self._rebuild(operator, await result)
+    async def _finish_async(self, operator: str, result: Any, has_aux: bool) -> Any:
+        return self._rebuild(operator, await result, has_aux)
 
-    def _rebuild(self, operator: str, result: Any) -> Any:
+    def _rebuild(self, operator: str, result: Any, has_aux: bool = False) -> Any:
         from ._models import operator_spec
 
-        names = operator_spec(operator).results
-        values = result if len(names) > 1 else (result,)
+        op = operator_spec(operator)
+        names = op.results
+        values = unreturned(op, result, has_aux)
         out = []
-        for name, value in zip(names, values, strict=True):
+        for name, value in zip(names, values[:len(names)], strict=True):
             if name in _X_SHAPED:
                 value = self.split.rebuild(value)
             elif name in _X_SHAPED_BATCH:
@@ -145,7 +149,7 @@ class ModelCall:
             elif name == "hessian":  # H[i][j]: leaf i by leaf j, nested as the model twice
                 value = self.split.rebuild([self.split.rebuild(row) for row in value])
             out.append(value)
-        return out[0] if len(out) == 1 else tuple(out)
+        return returned(op, (*out, *values[len(names):]), has_aux)
 
 
 def model_call(x: Any, tangents: Any) -> ModelCall | None:

@@ -6,7 +6,9 @@ to a multiple of 64 bytes, media type ``application/vnd.dxserve.binary``. The HT
 ``{"__ndarray__": {"offset": o, "nbytes": k}, "dtype", "shape"}`` with ``o`` relative to
 the end of the header, little-endian C-order bytes. Decoding returns read-only numpy
 views into the body (no copy); it accepts any offsets (unaligned ones give arrays with
-``flags.aligned`` False).
+``flags.aligned`` False). A typed PRNG key has dtype ``"key<IMPL>"``, shape the key
+array's, and a buffer of its uint32 words (``nbytes = prod(shape + words) * 4``); it
+decodes to a ``dxcontract.keys.KeyArray`` over a view of the body.
 
 A repeated call sends the same header (same function, backend, shapes, dtypes), so both
 directions remember it: encoding keeps the header bytes of a tree shape (``_HEADERS``),
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MalformedRequestError
+from ..keys import IMPLS, PREFIX, U32, KeyArray
 from ..lru import LRU
 from .common import (
     LE,
@@ -30,10 +33,12 @@ from .common import (
     dumps,
     encode_tree,
     join,
+    key_data_error,
     le_contig,
     loads,
     prod,
     typed_header,
+    typed_value,
     wire_ready,
 )
 
@@ -153,10 +158,16 @@ class Binary:
 class _Slot:
     """An array's place in a binary body, from a header already checked once."""
 
-    __slots__ = ("count", "dtype", "end", "offset", "shape")
+    __slots__ = ("count", "dtype", "end", "impl", "offset", "shape")
 
     def __init__(self, ref: dict) -> None:
-        self.dtype, self.shape = LE[ref["dtype"]], tuple(ref["shape"])
+        name = ref["dtype"]
+        self.impl = None
+        if name.startswith(PREFIX):  # a key array: its words (``typed_header``)
+            self.impl = name[len(PREFIX) : -1]
+            self.dtype, self.shape = U32, (*ref["shape"], *IMPLS[self.impl].words)
+        else:
+            self.dtype, self.shape = LE[name], tuple(ref["shape"])
         self.count, self.offset = prod(self.shape), ref[MARKER]["offset"]
         self.end = self.offset + ref[MARKER]["nbytes"]
 
@@ -191,7 +202,8 @@ class BinaryLayout:
         kind = type(value)
         if kind is _Slot:
             a = np.frombuffer(body, value.dtype, value.count, start + value.offset)
-            return a.reshape(value.shape)
+            a = a.reshape(value.shape)
+            return a if value.impl is None else KeyArray.trusted(value.impl, a)
         if kind is dict:
             return {k: self.fill(v, body, start) for k, v in value.items()}
         if kind is list:
@@ -225,7 +237,7 @@ def _resolve_refs(value: Any, field: str, body: Any, start: int, depth: int) -> 
     return value
 
 
-def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
+def _buffer_view(obj: dict, field: str, body: Any, start: int) -> Any:
     dt, shape = typed_header(obj, field, MAX_DEPTH)
     ref = obj[MARKER]
     if ref.keys() != _REF_KEYS:
@@ -240,6 +252,8 @@ def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
                 f"buffer {name} must be a non-negative int, got {v!r}", field=field
             )
     expected = prod(shape) * dt.itemsize
+    if nbytes != expected and obj["dtype"].startswith(PREFIX):
+        raise key_data_error(obj["dtype"], shape, f"a buffer of {nbytes} bytes", field)
     if nbytes != expected:
         raise MalformedRequestError(
             f"buffer nbytes {nbytes} != prod(shape {list(shape)}) * itemsize {dt.itemsize} "
@@ -255,7 +269,7 @@ def _buffer_view(obj: dict, field: str, body: Any, start: int) -> np.ndarray:
     count = prod(shape)
     try:
         a = np.frombuffer(body, dtype=dt, count=count, offset=start + offset)
-        return a.reshape(shape)
+        return typed_value(obj, a.reshape(shape))
     except ValueError as exc:  # pragma: no cover - guarded above
         raise MalformedRequestError(f"bad buffer: {exc}", field=field) from None
 

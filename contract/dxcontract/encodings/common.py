@@ -1,5 +1,11 @@
 """What every wire encoding shares: limits, dtype and shape checks, JSON text, tree walking.
 
+Typed PRNG keys (``dxcontract.keys``) travel in every encoding as a typed array of dtype
+``"key<IMPL>"``, shape the key array's, and the uint32 words as that encoding's data:
+``typed_header`` reads their header (the data's dtype and shape), ``typed_value``
+makes the ``KeyArray`` of their decoded words, and ``encode_tree`` writes a ``KeyArray``
+(or a framework's key, through ``keys.read_key``) with ``encode_key``.
+
 Depends only on numpy, ml_dtypes (bfloat16) and the stdlib (orjson and pysimdjson are
 used when importable).
 """
@@ -14,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..dtypes import BFLOAT16
-from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
+from ..errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    MalformedRequestError,
+    ShapeMismatchError,
+)
+from ..keys import IMPLS, PREFIX, U32, KeyArray, impl_of, key_dtype, read_key
 from . import flat_arrays
 
 if TYPE_CHECKING:
@@ -44,6 +56,8 @@ MAX_ELEMENTS = 1 << 31
 #: (``loads_checked``: export manifests)
 MAX_MANIFEST_DEPTH = 64
 
+#: the wire dtypes of typed PRNG keys (``dxcontract.keys``)
+KEY_DTYPES = tuple(key_dtype(impl) for impl in IMPLS)
 ALLOWED_DTYPES = (
     "bfloat16", "float16", "float32", "float64",
     "int8", "int16", "int32", "int64",
@@ -416,7 +430,9 @@ def dtype_of(name: Any, field: str) -> np.dtype:
     dt = LE.get(name)
     if dt is None:
         raise DtypeMismatchError(
-            f"dtype {name!r} is not allowed; allowed: {', '.join(ALLOWED_DTYPES)}", field=field
+            f"dtype {name!r} is not allowed; allowed: {', '.join(ALLOWED_DTYPES)} "
+            f"(and {', '.join(map(repr, KEY_DTYPES))} for PRNG keys)",
+            field=field,
         )
     return dt
 
@@ -453,13 +469,44 @@ def _short_shape(shape: list) -> str:
 
 
 def typed_header(obj: dict, field: str, max_depth: int) -> tuple[np.dtype, tuple[int, ...]]:
-    """Check a typed array object's keys; return its dtype and shape."""
+    """Check a typed array object's keys; return the dtype and shape of its data.
+
+    For a key dtype (``"key<threefry2x32>"``) that is uint32 and the key array's shape
+    followed by the implementation's words (``(2,)``); DtypeMismatchError (422) for an
+    implementation not in ``keys.IMPLS``. ``typed_value`` makes the key of the data.
+    """
     if obj.keys() != TYPED_KEYS:
         raise MalformedRequestError(
             f"typed array must have exactly the keys {sorted(TYPED_KEYS)}, got {sorted(obj)}",
             field=field,
         )
-    return dtype_of(obj["dtype"], field), shape_of(obj["shape"], field, max_depth)
+    name = obj["dtype"]
+    if type(name) is str and name.startswith(PREFIX):
+        words = impl_of(name, field).words
+        shape = shape_of(obj["shape"], field, max_depth - len(words))
+        return U32, shape_of([*shape, *words], field, max_depth)  # bounds the words too
+    return dtype_of(name, field), shape_of(obj["shape"], field, max_depth)
+
+
+def typed_value(obj: dict, data: np.ndarray) -> Any:
+    """A typed array's value from its decoded data (``typed_header``'s dtype and shape):
+    ``data`` itself, or the ``KeyArray`` of a key dtype."""
+    name = obj["dtype"]
+    if type(name) is str and name.startswith(PREFIX):
+        return KeyArray.trusted(name[len(PREFIX) : -1], data)
+    return data
+
+
+def key_data_error(name: str, shape: tuple[int, ...], got: str, field: str) -> Exception:
+    """The 422 for key data that do not fit their header: ``shape`` is the data's
+    (``typed_header``'s), ``got`` what was sent instead."""
+    words = IMPLS[name[len(PREFIX) : -1]].words
+    keys = list(shape[: len(shape) - len(words)])
+    return ShapeMismatchError(
+        f"{name} of shape {keys} needs {list(shape)} uint32 words as data "
+        f"({prod(shape) * 4} bytes: jax.random.key_data(key) of the keys), got {got}",
+        field=field,
+    )
 
 
 def prod(shape: tuple[int, ...]) -> int:
@@ -565,7 +612,8 @@ def pytree_to_wire(value: Any) -> Any:
     if isinstance(value, (list, int, float)) and not isinstance(value, bool):
         return np.asarray(value, dtype=np.float64)
     if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
-        return np.asarray(value)  # JAX arrays, numpy scalars
+        key = read_key(value)  # a typed PRNG key: its impl and words (``dxcontract.keys``)
+        return np.asarray(value) if key is None else key  # JAX arrays, numpy scalars
     return value
 
 
@@ -600,7 +648,12 @@ def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
         return json_float(tree)
     if tree is None or isinstance(tree, str | int):
         return tree
+    if type(tree) is KeyArray:
+        return encode_key(tree, encoding, buffers, field)
     if is_arraylike(tree):
+        key = read_key(tree, field)
+        if key is not None:
+            return encode_key(key, encoding, buffers, field)
         return encoding.encode_array(np.asarray(tree), buffers, field)
     if type(tree) is SeqNode:  # a tuple/list node of a pytree: its marker object
         return {
@@ -609,6 +662,25 @@ def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
             ]
         }
     raise InvalidArgumentError(f"cannot encode a {type(tree).__name__}", field=field or None)
+
+
+def encode_key(key: KeyArray, encoding: Encoding, buffers: Any, field: str) -> Any:
+    """A key array's wire form: its words as ``encoding`` writes a uint32 array, with
+    the typed array's ``dtype`` the key's (``"key<threefry2x32>"``) and ``shape`` the key
+    array's. An encoding may write keys its own way with an ``encode_key`` method."""
+    own = getattr(encoding, "encode_key", None)
+    if own is not None:
+        return own(key, buffers, field)
+    wire = encoding.encode_array(key.data, buffers, field)
+    if not (isinstance(wire, dict) and MARKER in wire):
+        raise InvalidArgumentError(
+            f"the {encoding.name!r} encoding writes no typed arrays, so it cannot carry "
+            "PRNG keys; use 'json', 'b64' or 'binary'",
+            field=field or None,
+        )
+    wire["dtype"] = key.dtype
+    wire["shape"] = list(key.shape)
+    return wire
 
 
 class JsonBody:

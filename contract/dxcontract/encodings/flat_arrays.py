@@ -11,7 +11,8 @@ numbers (a Jacobian, a batch of points), parses it with simdjson, and replaces i
 with a placeholder string; the rest of the body (names, backend, small fields) is left
 for the usual parser. ``restore`` puts the arrays back where the placeholders landed.
 Whatever doesn't fit exactly, the caller parses the whole body as before, so the result
-is always the one the usual parser and ``to_tree`` give:
+is always the one the usual parser and ``to_tree`` give (typed arrays, PRNG keys among
+them, are objects, never lifted):
 
 * only a key's value that simdjson reads as an array of numbers, and no more than the
   list up to its first ``]`` (a list of rows: its first ``]`` then ``]``); a deeper

@@ -5,7 +5,10 @@ Every other dtype is a typed object ``{"__ndarray__": <number|nested list>, "dty
 ``"-Infinity"``. Bool data are JSON ``true``/``false``. Complex data are nested
 ``[re, im]`` pairs (the list has one extra trailing axis of length 2). A float64 array
 whose shape has a 0 before its last axis (e.g. ``(0, 3)``) is sent as a typed object,
-because a bare nested list cannot carry that shape.
+because a bare nested list cannot carry that shape. A typed PRNG key is a typed object
+of dtype ``"key<IMPL>"``, shape the key array's and its uint32 words as (nested) list
+data, shape ``shape + words``: ``{"__ndarray__": [0, 0], "dtype": "key<threefry2x32>",
+"shape": []}`` (``dxcontract.keys``; base64 data are read too).
 
 Reading arrays back is ``to_tree``: it turns any decoded JSON value into arrays, lists
 and typed objects of every inline form (list data, base64), and passes the numpy views
@@ -20,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..errors import InvalidArgumentError, MalformedRequestError
+from ..errors import DtypeMismatchError, InvalidArgumentError, MalformedRequestError
+from ..keys import PREFIX, U32, KeyArray
 from . import common
 from .binary import BINARY_TYPE, HEADER_LENGTH
 from .common import (
@@ -35,7 +39,10 @@ from .common import (
     join,
     json_float,
     json_kind,
+    key_data_error,
+    prod,
     typed_header,
+    typed_value,
 )
 from .typed_b64 import from_b64
 
@@ -107,9 +114,10 @@ def to_tree(
     """Turn one decoded JSON value into an ndarray or a pytree of ndarrays.
 
     Numbers and (nested) lists become ``default_dtype`` arrays (0-d for numbers);
-    typed objects keep their dtype and shape; ndarrays (binary views) pass through.
-    Objects are dicts, ``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` tuples / lists
-    of pytrees; ``null`` inside a pytree is a None node.
+    typed objects keep their dtype and shape; ndarrays (binary views) pass through;
+    typed PRNG keys become ``KeyArray``s (``dxcontract.keys``). Objects are dicts,
+    ``{"__tuple__": [...]}`` / ``{"__list__": [...]}`` tuples / lists of pytrees;
+    ``null`` inside a pytree is a None node.
     Errors: MalformedRequestError (400) / DtypeMismatchError (422) with ``field`` a path
     like ``"x[2][1]"`` or ``"contexts[0].w"``.
     """
@@ -123,6 +131,8 @@ def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -
         raise MalformedRequestError(f"pytree nested deeper than {max_depth}", field=field)
     if isinstance(value, np.ndarray):
         check_dtype(value, field)
+        return value
+    if type(value) is KeyArray:  # a key of a binary body: checked there
         return value
     if isinstance(value, dict):
         if MARKER in value:
@@ -166,7 +176,7 @@ def _sequence(
     return out if SEQUENCE_MARKERS[key] is list else tuple(out)
 
 
-def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
+def _typed(obj: dict, field: str, max_depth: int) -> Any:
     dt, shape = typed_header(obj, field, max_depth)
     data = obj[MARKER]
     if isinstance(data, dict):
@@ -175,6 +185,9 @@ def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
             f"{BINARY_TYPE} with {HEADER_LENGTH} needed)",
             field=field,
         )
+    name = obj["dtype"]
+    if name.startswith(PREFIX):
+        return typed_value(obj, _key_words(name, data, shape, field, max_depth))
     if type(data) is memoryview:  # base64 left unparsed in a large body (``loads_body``)
         return from_b64(data, dt, shape, field)
     if isinstance(data, str) and not (
@@ -192,6 +205,29 @@ def _typed(obj: dict, field: str, max_depth: int) -> np.ndarray:
         return out.astype(dt)
     a = _data_to_array(data, field, dt, max_depth)
     _check_shape(a.shape, shape, field)
+    return a.reshape(shape)
+
+
+def _key_words(
+    name: str, data: Any, shape: tuple[int, ...], field: str, max_depth: int
+) -> np.ndarray:
+    """A key's data (base64 or nested lists of uint32 words) -> its uint32 array of
+    ``shape`` (the key array's shape + the words); 422 for data that do not fit."""
+    if type(data) is memoryview or isinstance(data, str):
+        chars = 4 * ((prod(shape) * 4 + 2) // 3)
+        if len(data) != chars:
+            raise key_data_error(name, shape, f"{len(data)} base64 characters, not {chars}", field)
+        return from_b64(data, U32, shape, field)
+    try:
+        a = _data_to_array(data, field, U32, max_depth)
+    except MalformedRequestError as exc:
+        raise DtypeMismatchError(
+            f"{name} data must be uint32 words, integers 0 to 4294967295 "
+            f"(jax.random.key_data(key)): {exc.detail}",
+            field=exc.field,
+        ) from None
+    if a.shape != shape and not (0 in shape and a.shape == shape[: shape.index(0) + 1]):
+        raise key_data_error(name, shape, f"data of shape {list(a.shape)}", field)
     return a.reshape(shape)
 
 

@@ -2,7 +2,9 @@
 
 ``{"__ndarray__": "<base64 of the little-endian C-order bytes>", "dtype": "float32",
 "shape": [2, 3]}`` inside an ``application/json`` body. Decoded arrays are read-only
-views of the decoded bytes.
+views of the decoded bytes. A typed PRNG key is ``{"__ndarray__": "<base64 of its uint32
+words>", "dtype": "key<threefry2x32>", "shape": <the key array's>}``: ``prod(shape +
+words) * 4`` bytes (``dxcontract.keys``).
 
 With ``pybase64`` installed (a client dependency; SIMD base64) an 8 MB array encodes
 and decodes in well under a millisecond, where the standard library takes ~20-40 ms;

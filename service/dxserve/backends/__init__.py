@@ -57,7 +57,8 @@ register_backend(
     None,
     parameters={},
     notes="reverse for gradients/pullbacks, forward for pushforwards/derivatives, "
-    "Jacobians by size, forward-over-reverse for second order",
+    "Jacobians by size, forward-over-reverse for second order; where that mode does not "
+    "trace, the other mode, then finite differences",
 )
 
 _register_sparse()

@@ -11,6 +11,11 @@ VJP, for instance, instead of building the Jacobian).
 ``g`` is a function of the active input alone (contexts are already closed over);
 tangent batches carry a leading axis. Arrays, pytrees, maps and compilation come from
 the function's ``Framework`` (``engine.ops``), so the fallbacks hold for any framework.
+
+Engines and their fallbacks see real numbers only: for a function with complex inputs
+or outputs, preparation uses each engine's ``for_complex`` form (by default
+``real_parts.RealParts``, which gives it the real and imaginary parts and answers in
+JAX's convention).
 """
 
 from __future__ import annotations
@@ -170,6 +175,14 @@ class Engine:
         """``primitive(g, x, batch)`` on a packed batch of tangents (every leaf stacked on
         a leading axis of k, see ``packing``): ``(g(x), results stacked alike)``."""
         return primitive(g, x, batch)
+
+    def for_complex(self, name: str) -> Engine | None:
+        """The engine to use for a function with complex inputs or outputs, answering in
+        JAX's convention; None (the default): this engine wrapped in ``RealParts``, which
+        hands it the real and imaginary parts as real arrays. An engine that follows the
+        convention natively may return itself; one that cannot serve complex numbers
+        raises ``UnsupportedOperatorError`` (``name``: the backend, for messages)."""
+        return None
 
     # --- preparation hooks ----------------------------------------------------------
     def prepare(self, family: str, f: Callable, inputs: Any, limits: Any = None) -> None:

@@ -14,6 +14,9 @@ differences (error O(h²), ~1e-10 relative in float64, ~1e-4 in float32) and
 another finite difference (second order), the defaults coarsen to ``eps**(1/4)``
 and ``eps**(1/3)`` so the two truncation errors balance (~1e-8 in float64).
 
+Complex x reaches the engine as its real and imaginary parts (``real_parts``): the
+differences step along both, with the step of the real dtype under complex64/complex128.
+
 float16 and bfloat16 inputs are refused (``refuse_low_precision``): their steps are
 ~0.1 and ~0.2 of ``max(1, max|x|)`` (bfloat16 keeps 8 bits), and what comes out is no derivative.
 """
@@ -44,7 +47,7 @@ class FiniteDifferencesEngine(Engine):
 
     def _h(self, x: Tree) -> Any:
         leaves = self.ops.leaves(x)
-        dtype = leaves[0].dtype
+        dtype = np.finfo(leaves[0].dtype).dtype  # complex64/128: float32/64's step, a real h
         eps = float(np.finfo(dtype).eps)
         power = {("central", False): 1 / 3, ("forward", False): 1 / 2,
                  ("central", True): 1 / 4, ("forward", True): 1 / 3}[(self.method, self.nested)]

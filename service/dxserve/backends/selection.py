@@ -4,7 +4,10 @@
 for gradients and pullbacks, forward for pushforwards and derivatives, forward vs
 reverse for Jacobians by comparing sizes (forward when n = x.size ≤ m = y.size), and
 forward-over-reverse for second order (``OperatorSpec.order``). A function JAX
-cannot trace gets finite differences. A single first-order backend asked for a
+cannot trace gets finite differences. Where the function traces but the chosen mode's
+transformation of it does not (reverse mode through a ``lax.while_loop``, say),
+preparation falls back along ``auto_candidates``: the other JAX mode, then finite
+differences (second order: forward-over-forward, then finite differences). A single first-order backend asked for a
 second-order operator follows DifferentiationInterface's rule: JAX modes become
 forward-over-reverse (keeping the backend's batch_size on the outer mode), any
 other backend ``b`` becomes ``SecondOrder(b, b)`` (finite differences over finite
@@ -12,6 +15,8 @@ differences, say).
 """
 
 from __future__ import annotations
+
+import json
 
 from dxcontract.backends import (
     Auto,
@@ -25,6 +30,7 @@ from dxcontract.backends import (
 from dxcontract.errors import UnsupportedOperatorError
 from dxcontract.operators import OPERATORS
 
+from . import real_parts
 from .engine import Engine
 from .plugins import PLUGINS
 
@@ -45,14 +51,7 @@ def resolve_backend(
     spec = OPERATORS[family]
     second = spec.order == 2
     if isinstance(backend, Auto):
-        if not traced:
-            fd = FiniteDifferences()
-            return SecondOrder(fd, fd) if second else fd
-        if second:
-            return SecondOrder(JaxForward(), JaxReverse())
-        if spec.auto == "reverse" or (spec.auto == "by_size" and n > m):
-            return JaxReverse()
-        return JaxForward()
+        return auto_candidates(family, traced=traced, n=n, m=m)[0]
     if isinstance(backend, SecondOrder):
         if not second:
             raise UnsupportedOperatorError(
@@ -66,6 +65,79 @@ def resolve_backend(
             return SecondOrder(JaxForward(batch_size=backend.batch_size), JaxReverse())
         return SecondOrder(backend, backend)
     return backend
+
+
+def auto_candidates(family: str, *, traced: bool, n: int = 0, m: int = 0) -> tuple[Backend, ...]:
+    """What ``Auto`` uses for ``family``, best first: the spec's rule, then what to try
+    when the function traces but that mode's transformation of it does not: the other
+    JAX mode, then finite differences (second order: forward-over-reverse, then
+    forward-over-forward, then finite differences over finite differences)."""
+    spec = OPERATORS[family]
+    fd = FiniteDifferences()
+    if spec.order == 2:
+        if not traced:
+            return (SecondOrder(fd, fd),)
+        forward = JaxForward()
+        return (SecondOrder(forward, JaxReverse()), SecondOrder(forward, forward), SecondOrder(fd, fd))
+    if not traced:
+        return (fd,)
+    if spec.auto == "reverse" or (spec.auto == "by_size" and n > m):
+        first, other = JaxReverse(), JaxForward()
+    else:
+        first, other = JaxForward(), JaxReverse()
+    return (first,) if spec.order == 0 else (first, other, fd)
+
+
+def candidates(
+    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0
+) -> tuple[Backend, ...]:
+    """The concrete descriptors preparation tries for ``family``, in order: Auto's
+    ladder (``auto_candidates``), or the one that ``resolve_backend`` gives."""
+    if isinstance(backend, Auto) and family != "sparsity":
+        return auto_candidates(family, traced=traced, n=n, m=m)
+    return (resolve_backend(backend, family, traced=traced, n=n, m=m),)
+
+
+def auto_rule(family: str, *, traced: bool, n: int = 0, m: int = 0) -> str:
+    """Why ``Auto`` first picks what it picks for ``family`` (a sentence)."""
+    chosen = auto_candidates(family, traced=traced, n=n, m=m)[0]
+    if not traced:
+        return f"auto: {mode_name(chosen)}, as JAX cannot trace this function"
+    spec = OPERATORS[family]
+    if spec.order == 1 and spec.auto == "by_size":
+        size = f"x has {n} elements, f(x) {m}"
+        return f"auto's rule for {family}: {mode_name(chosen)} ({size})"
+    return f"auto's rule for {family}: {mode_name(chosen)}"
+
+
+def mode_name(backend: Backend) -> str:
+    """How a concrete backend differentiates, in words: ``"reverse mode"``,
+    ``"forward-over-reverse"``, ``"finite differences"``, ..."""
+    if isinstance(backend, SecondOrder):
+        if isinstance(backend.outer, JaxForward | JaxReverse) and isinstance(
+            backend.inner, JaxForward | JaxReverse
+        ):
+            return f"{_direction(backend.outer)}-over-{_direction(backend.inner)}"
+        return f"{mode_name(backend.outer)} over {mode_name(backend.inner)}"
+    if isinstance(backend, JaxForward | JaxReverse):
+        return f"{_direction(backend)} mode"
+    if isinstance(backend, FiniteDifferences):
+        return "finite differences"
+    return backend.type
+
+
+def backend_name(backend: Backend) -> str:
+    """A concrete backend as a user can pass it: ``"jax-forward"``, or for second order
+    its JSON, ``{"type":"second-order","outer":"jax-forward","inner":"jax-forward"}``."""
+    if isinstance(backend, SecondOrder):
+        parts = {"type": backend.type, "outer": backend_name(backend.outer),
+                 "inner": backend_name(backend.inner)}
+        return json.dumps(parts, separators=(",", ":"))
+    return backend.type
+
+
+def _direction(backend: Backend) -> str:
+    return "forward" if isinstance(backend, JaxForward) else "reverse"
 
 
 def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engine:
@@ -85,8 +157,22 @@ def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engin
     return engine
 
 
-def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
-    """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``."""
+def engines_for(
+    backend: Backend, *, traced: bool, complex_numbers: bool = False
+) -> tuple[Engine, Engine | None]:
+    """``(engine, None)`` for first order, ``(outer, inner)`` for ``SecondOrder``.
+
+    ``complex_numbers``: x or f(x) has a complex leaf; each engine then answers in JAX's
+    convention (its ``for_complex`` form, by default ``RealParts``) or refuses."""
+    outer, inner = _engines(backend, traced=traced)
+    if not complex_numbers:
+        return outer, inner
+    outer_name, inner_name = _names(backend)
+    outer = real_parts.for_complex(outer, outer_name)
+    return outer, None if inner is None else real_parts.for_complex(inner, inner_name)
+
+
+def _engines(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | None]:
     plugin = PLUGINS.get(backend.type)
     if plugin is not None and plugin.engines is not None:
         return plugin.engines(backend, traced=traced)
@@ -98,3 +184,12 @@ def engines_for(backend: Backend, *, traced: bool) -> tuple[Engine, Engine | Non
         inner = engine_for(backend.inner, traced=traced, nested=both_fd)
         return outer, inner
     return engine_for(backend, traced=traced), None
+
+
+def _names(backend: Backend) -> tuple[str, str]:
+    """The backend types of the outer and inner engines, for their messages."""
+    if isinstance(backend, Sparse):
+        backend = backend.dense
+    if isinstance(backend, SecondOrder):
+        return backend.outer.type, backend.inner.type
+    return backend.type, backend.type

@@ -44,6 +44,7 @@ from dxcontract.errors import (
 from dxcontract.operators import OPERATORS
 
 from ..footprint import array_bytes
+from . import real_parts
 from .engine import Engine, Fn
 from .plugins import PLUGINS
 from .sparse_detection import Detector, InProcessDetector, PatternJob, asdex
@@ -137,6 +138,8 @@ class SparseEngine(Engine):
         #: the results' wire object without ``data`` (see ``sparse_wire``)
         self.wire: dict[str, Any] | None = None
         self.values = True  # False for the sparsity operator: a pattern has no data
+        #: the backend named in refusals, once complex numbers are served (``for_complex``)
+        self.complex_name: str | None = None
 
     # the primitives: the dense engine's (other operators never reach this engine)
     def pushforward(self, g: Fn, x: Any, tx: Any) -> tuple[Any, Any]:
@@ -144,6 +147,14 @@ class SparseEngine(Engine):
 
     def pullback(self, g: Fn, x: Any, ty: Any) -> tuple[Any, Any]:
         return self._dense().pullback(g, x, ty)
+
+    def for_complex(self, name: str) -> Engine:
+        """Complex x or f(x): the dense passes in JAX's convention (``RealParts``), and
+        ``jacobian`` combines them into JAX's Jacobian (see there)."""
+        self.complex_name = name
+        if self.dense is not None:
+            self.dense = real_parts.for_complex(self.dense, name)
+        return self
 
     def _dense(self) -> Engine:
         if self.dense is None:
@@ -163,6 +174,8 @@ class SparseEngine(Engine):
                     "backend for Jacobian/Hessian blocks of pytrees",
                     field=field,
                 )
+        if self.complex_name is not None:
+            self._refuse_complex(family, x, y)
         detector: Detector = getattr(limits, "sparsity", None) or IN_PROCESS
         n, m = int(np.size(x)), int(np.prod(np.shape(y), dtype=np.int64))
         self.y_shape = tuple(np.shape(y))
@@ -215,6 +228,25 @@ class SparseEngine(Engine):
         self.wire = wire.wire_object(self.backend.format, shape, rows, cols)
         self.values = colour
 
+    def _refuse_complex(self, family: str, x: Any, y: Any) -> None:
+        """The sparse cases JAX's convention for complex numbers rules out."""
+        hessian = family == "hessian" or (family == "sparsity" and np.shape(y) == ())
+        if not hessian:
+            return
+        if np.dtype(y.dtype).kind == "c":
+            raise UnsupportedOperatorError(
+                "sparse Hessians of complex-valued functions are not served; use a dense "
+                "backend ('jax-reverse' or 'auto')",
+                field="backend",
+            )
+        if family == "hessian" and self.backend.coloring == "star":
+            raise UnsupportedOperatorError(
+                "star colouring recovers a symmetric Hessian, and JAX's Hessian of a "
+                "real function of complex x (jax.jacfwd(jax.grad(f), holomorphic=True)) "
+                "is not symmetric; use coloring 'column', or a dense backend",
+                field="backend.coloring",
+            )
+
     def _choose_dense(self) -> None:
         """With ``dense="auto"``, the engine follows the colouring asdex picked."""
         if self.dense is None:
@@ -222,6 +254,8 @@ class SparseEngine(Engine):
 
             chosen = JaxReverse() if self.coloring.mode == "rev" else JaxForward()
             self.dense = engine_for(chosen, traced=True)
+            if self.complex_name is not None:
+                self.dense = real_parts.for_complex(self.dense, self.complex_name)
 
     def _coloring_name(self) -> str:
         if self.coloring.symmetric:
@@ -255,18 +289,28 @@ class SparseEngine(Engine):
         c = self.coloring
         dense = self._dense()
         k = int(c.num_colors)
+        spec = jax.eval_shape(g, x)
+        complex_x, complex_y = jnp.iscomplexobj(x), jnp.iscomplexobj(spec)
+        # x's dtype, complex where x or y is
+        dtype = jnp.result_type(x.dtype, spec.dtype) if complex_x or complex_y else x.dtype
         if k == 0:
             y = g(x)
-            data = jnp.zeros((0,), dtype=x.dtype)
+            data = jnp.zeros((0,), dtype=dtype)
             return y, self._bcoo(data)
-        seeds = jnp.asarray(c.colors == np.arange(k)[:, None], dtype=x.dtype)  # (k, dim)
+        seeds = c.colors == np.arange(k)[:, None]  # (k, dim) of 0/1
         if c.mode == "rev":  # one pullback per colour of rows
-            y_shape = tuple(jax.eval_shape(g, x).shape)
-            y, out = dense.pullback(g, x, jnp.reshape(seeds, (k, *y_shape)))
-        elif self.kind == "hessian":  # one HVP per colour (H symmetric: either direction)
-            y, out = dense.symmetric_products(g, x, jnp.reshape(seeds, (k, *np.shape(x))))
-        else:  # one pushforward per colour of columns
-            y, out = dense.pushforward(g, x, jnp.reshape(seeds, (k, *np.shape(x))))
+            ones = jnp.reshape(jnp.asarray(seeds, spec.dtype), (k, *spec.shape))
+            y, out = dense.pullback(g, x, ones)
+            if complex_y:  # JAX's rows ∂g/∂x, from the pullbacks of 1 and of i
+                _, out_i = dense.pullback(g, x, 1j * ones)
+                out = (jnp.real(out) - 1j * jnp.real(out_i)).astype(dtype)
+        else:  # one pushforward (HVP for a Hessian, either direction) per colour of columns
+            push = dense.symmetric_products if self.kind == "hessian" else dense.pushforward
+            ones = jnp.reshape(jnp.asarray(seeds, x.dtype), (k, *np.shape(x)))
+            y, out = push(g, x, ones)
+            if complex_x and not complex_y:  # real-valued g: ∂g/∂x - i ∂g/∂y (jax.jacrev's)
+                _, out_i = push(g, x, 1j * ones)
+                out = out - 1j * out_i
         compressed = jnp.reshape(out, (k, -1))
         data = asdex().decompress_data(compressed, c)
         return y, self._bcoo(data)

@@ -50,7 +50,7 @@ class Framework(Protocol):
     name: str
     #: the array namespace the fallbacks compute with (``jnp``, ``numpy``): ``eye``,
     #: ``ones``, ``zeros``, ``empty``, ``arange``, ``reshape``, ``ravel``, ``concatenate``,
-    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``
+    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``, ``real``, ``imag``
     xp: Any
 
     # --- pytrees ------------------------------------------------------------------
@@ -167,6 +167,19 @@ class Framework(Protocol):
     def eager(self) -> Framework:
         """The framework for functions this one cannot trace: concrete arrays, maps by
         loops, ``compile`` returning its function (itself where it is eager already)."""
+        ...
+
+    # --- what a transformation must not trace -------------------------------------
+    def substitute(
+        self, operator: str, caller: Any, x: Tree, tangents: tuple | None, contexts: tuple,
+        y: Tree,
+    ) -> tuple:
+        """``operator``'s results (its table's order; a tuple of k per-tangent results)
+        at traced inputs, for one point, without tracing the function: computed by
+        ``caller`` on concrete arrays (or on traced ones where it says it traces), the
+        derivatives the transformations take coming from ``caller`` too (see
+        ``dxcontract.jax_rules.Caller``). ``y``: the function's output specs. A
+        framework without it (one without tracing) never gets here."""
         ...
 
 

@@ -20,6 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from dxcontract import jax_rules
+from dxcontract.operators import OPERATORS
+
 from .. import executable_cache
 from ..backends import _tangents
 from ..precision import float64_scope
@@ -39,7 +42,8 @@ NOT_TRACEABLE = (
 #: vmap turns a ``cond`` into a select running both branches, callbacks and uploaded
 #: exports are opaque.
 UNBATCHABLE_PRIMITIVES = frozenset(
-    {"cond", "while", "pure_callback", "io_callback", "callback", "dxserve_export_call"}
+    {"cond", "while", "pure_callback", "io_callback", "callback", "dxserve_export_call",
+     jax_rules.LINEAR_MAP}
 )
 
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -71,6 +75,12 @@ class _Trees:
 
     def precision_scope(self) -> AbstractContextManager:
         return float64_scope()
+
+    def substitute(
+        self, operator: str, caller: Any, x: Tree, tangents: tuple | None, contexts: tuple,
+        y: Tree,
+    ) -> tuple:
+        return substitute(operator, caller, x, tangents, contexts, y)
 
 
 @dataclass(frozen=True)
@@ -234,6 +244,61 @@ def _loop_vmap(fn: Callable, in_axes: Any) -> Callable:
         return jax.tree_util.tree_map(lambda *vs: np.stack([np.asarray(v) for v in vs]), *outs)
 
     return looped
+
+
+def substitute(
+    operator: str, caller: Any, x: Tree, tangents: tuple | None, contexts: tuple, y: Tree
+) -> tuple:
+    """``operator``'s results at one traced point from ``caller``'s function ``g``
+    (``dxcontract.jax_rules``): the value is ``g`` itself, a gradient ``g``'s (its
+    derivative the caller's hvp), per-tangent results the caller's linear maps (their
+    derivatives the caller's second-order maps), and the dense derivatives JAX's
+    ``jacfwd`` / ``jacrev`` of those, so each is differentiated by the next operator."""
+    results = OPERATORS[operator].results
+    x_spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+
+    def g(u: Tree) -> Tree:
+        return jax_rules.apply(caller, y, u, contexts)
+
+    def gradient(u: Tree) -> Tree:
+        return jax_rules.value_and_gradient(caller, y, u, contexts)[1]
+
+    def maps(op: str, transpose_op: str, out: Tree) -> tuple:
+        return tuple(
+            jax_rules.linear(caller, op, transpose_op, x, t, contexts, out) for t in tangents or ()
+        )
+
+    done: dict[str, Any] = {}
+    if "gradient" in results:  # one call for both (a scalar f: the family checked it)
+        done["value"], done["gradient"] = jax_rules.value_and_gradient(caller, y, x, contexts)
+    for name in results:
+        if name in done:
+            continue
+        if name == "value":
+            done[name] = g(x)
+        elif name == "jacobian":  # columns or rows by size, as auto picks
+            n, m = (sum(math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(t)) for t in (x, y))
+            done[name] = (jax.jacfwd if n <= m else jax.jacrev)(g)(x)
+        elif name == "hessian":
+            done[name] = jax.jacfwd(gradient)(x)
+        elif name == "derivative":  # a scalar x: the pushforward of 1
+            done[name] = jax_rules.linear(
+                caller, "pushforward", "pullback", x, jnp.ones_like(x), contexts, y
+            )
+        elif name == "second_derivative":  # the pushforward's derivative, at 1 and 1
+            one = jnp.ones_like(x)
+            done[name] = jax_rules.linear(
+                caller, *caller.derivatives["pushforward"], x, one, (one, *contexts), y
+            )
+        elif name == "pushforwards":
+            done[name] = maps("pushforward", "pullback", y)
+        elif name == "pullbacks":
+            done[name] = maps("pullback", "pushforward", x_spec)
+        elif name == "hvps":
+            done[name] = maps("hvp", "hvp", x_spec)
+        else:
+            raise NotImplementedError(f"{name} has no substitute inside a transformation")
+    return tuple(done[name] for name in results)
 
 
 def _subjaxprs(params: dict) -> list[Any]:

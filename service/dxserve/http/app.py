@@ -170,7 +170,8 @@ def _operator_summary(op: OperatorSpec) -> str:
     takes = " and `tangents` (a list)" if op.takes_tangents else ""
     return (
         f"`{op.name}` of a registered function at `x`{takes}. "
-        f"Returns {', '.join(f'`{r}`' for r in op.results)}. Arrays may be JSON lists, "
+        f"Returns {', '.join(f'`{r}`' for r in op.results)}"
+        f"{' (and `aux` with `has_aux`)' if op.aux else ''}. Arrays may be JSON lists, "
         "typed base64 objects, or the binary framing (`application/vnd.dxserve.binary`)."
     )
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from dxcontract.operators import OPERATORS, OperatorSpec
+from dxcontract.operators import AUX, OPERATORS, OperatorSpec
 
 from ..kinds import names as kind_names
 from ..kinds import register_model
@@ -15,7 +15,10 @@ from ..kinds import register_model
 
 class TypedArray(BaseModel):
     """An array with its dtype: base64 of little-endian C-order bytes (or a nested
-    list in lists mode, or a buffer reference in the binary framing)."""
+    list in lists mode, or a buffer reference in the binary framing). A typed PRNG key
+    array (a context) has dtype ``key<threefry2x32>`` (or ``key<rbg>``, ``key<unsafe_rbg>``),
+    its own shape (``[]`` for one key) and its uint32 words as data
+    (``jax.random.key_data``: shape + ``[2]``, or ``[4]`` for the rbg ones)."""
 
     model_config = ConfigDict(
         populate_by_name=True,
@@ -24,7 +27,7 @@ class TypedArray(BaseModel):
         },
     )
     ndarray: str | list[Any] | dict[str, int] = Field(alias="__ndarray__")
-    dtype: str = Field(examples=["float64", "float32", "int64"])
+    dtype: str = Field(examples=["float64", "float32", "int64", "key<threefry2x32>"])
     shape: list[int]
 
 
@@ -142,7 +145,11 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
         "x": (Array, Field(description="The active input. " + ARRAY_DOC, examples=[[1.0, 2.0, 3.0]])),
         "contexts": (
             list[Array],
-            Field(default_factory=list, description="Extra inputs, not differentiated"),
+            Field(
+                default_factory=list,
+                description="Extra inputs, not differentiated; typed PRNG keys travel here "
+                '(dtype "key<threefry2x32>", see TypedArray), never as x',
+            ),
         ),
         "prep": (str | None, Field(None, description="Handle from POST /prepare/{operator}")),
         "batch_axis": (
@@ -156,6 +163,18 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             ),
         ),
     }
+    if op.aux:
+        fields["has_aux"] = (
+            bool,
+            Field(
+                False,
+                description="true: the function returns a pair (output, aux); output is "
+                "differentiated and aux, evaluated at x and never differentiated, comes back "
+                "as the answer's `aux` (stacked (B, ...) with batch_axis=0). The function "
+                "must return a 2-tuple then (422 otherwise)",
+                examples=[True],
+            ),
+        )
     if op.tangents_like is not None:
         like = _SHAPED_LIKE[op.tangents_like]
         fields["tangents"] = (
@@ -177,6 +196,16 @@ def response_model(op: OperatorSpec) -> type[BaseModel]:
             fields[name] = (list[Array], Field(description="One result per tangent"))
         else:
             fields[name] = (Array, Field(description=ARRAY_DOC))
+    if op.aux:
+        fields[AUX] = (
+            Array | list[Any] | None,
+            Field(
+                None,
+                description="With has_aux only: the function's aux at x, a pytree of arrays "
+                "encoded like the other results (tuples and lists as `__tuple__`/`__list__` "
+                "objects). " + ARRAY_DOC,
+            ),
+        )
     return create_model(f"{_camel(op.name)}Response", **fields)
 
 
@@ -279,6 +308,11 @@ class PrepareResponse(BaseModel):
     function: str
     backend: dict[str, Any] = Field(description="The backend as requested")
     resolved: dict[str, Any] = Field(description="The concrete backend it runs with")
+    reason: str | None = Field(
+        None,
+        description="`auto` only: why `resolved` was chosen, Auto's rule or the modes that "
+        "do not trace for this function and the one used instead",
+    )
     sparsity: dict[str, Any] | None = Field(
         None,
         description="Sparse backends only: what preparation found (`of`: jacobian or "

@@ -1,4 +1,9 @@
-"""Every DifferentiationInterface operator, one family per module; each has ``prepare_<op>``."""
+"""Every DifferentiationInterface operator, one family per module; each has ``prepare_<op>``.
+
+Every operator but ``sparsity`` takes ``has_aux=True`` for a function returning
+``(output, aux)``, as JAX's transformations do: ``output`` is differentiated, ``aux`` is
+evaluated at x and returned beside (``dxcontract.operators.returned`` gives the shapes).
+"""
 
 from .derivative import (
     derivative,

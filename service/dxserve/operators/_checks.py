@@ -8,6 +8,7 @@ import numpy as np
 
 from dxcontract import dtypes
 from dxcontract.errors import (
+    FIX,
     DtypeMismatchError,
     NotScalarInputError,
     NotScalarOutputError,
@@ -34,6 +35,13 @@ def differentiable_x(inputs: Inputs) -> None:
 
 def scalar_output(inputs: Inputs, operator: str) -> None:
     y = inputs.y
+    if isinstance(y, tuple | list) and len(y) == 2 and _is_array(y[0]) and y[0].shape == ():
+        # (loss, aux), as JAX's has_aux functions return: say how to ask for that
+        raise NotScalarOutputError(
+            f"{operator} needs a scalar-valued function but it returns a pair (a scalar "
+            f"and more); if the second element is auxiliary output, call it with {FIX}",
+            field="function", fix={"has_aux": True},
+        )
     if not _is_array(y) or y.shape != ():
         shape = y.shape if _is_array(y) else "a pytree"
         raise NotScalarOutputError(
@@ -41,6 +49,21 @@ def scalar_output(inputs: Inputs, operator: str) -> None:
             "use jacobian or pullback for vector outputs",
             field="function",
         )
+
+
+def holomorphic_gradient(inputs: Inputs, operator: str) -> None:
+    """A complex-valued f has a gradient only as ``jax.grad(holomorphic=True)``'s, ``f'(z)``:
+    every leaf of x complex."""
+    if np.dtype(inputs.y.dtype).kind != "c":
+        return
+    for leaf in inputs.framework.leaves(inputs.x):
+        if np.dtype(leaf.dtype).kind != "c":
+            raise DtypeMismatchError(
+                f"{operator} of a complex-valued function needs complex x (its gradient is "
+                f"f'(z), as jax.grad(holomorphic=True)), got {np.dtype(leaf.dtype).name}; send "
+                "complex x, or use jacobian, derivative or pullback",
+                field="x",
+            )
 
 
 def scalar_input(inputs: Inputs, operator: str) -> None:

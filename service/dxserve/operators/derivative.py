@@ -31,30 +31,42 @@ register_family(Family("derivative", _check, _build))
 
 def prepare_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "derivative", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def prepare_value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_and_derivative`` once for this signature (a ``derivative``-family prep)."""
-    return prepare("value_and_derivative", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_and_derivative", f, backend, x, None, contexts,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
-    """``df/dx`` at scalar ``x``: shape ``y.shape``."""
-    return call("derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``df/dx`` at scalar ``x``: shape ``y.shape``; ``(df/dx, aux)`` with ``has_aux``."""
+    return call(
+        "derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any]:
-    """``(f(x), df/dx)`` at scalar ``x``."""
-    return call("value_and_derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), df/dx)`` at scalar ``x``; ``((f(x), aux), df/dx)`` with ``has_aux``."""
+    return call(
+        "value_and_derivative", f, backend, x, None, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )

@@ -16,6 +16,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "gradient")
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "gradient")
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -31,30 +32,46 @@ register_family(Family("gradient", _check, _build))
 
 def prepare_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("gradient", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def prepare_value_and_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_and_gradient`` once for this signature (a ``gradient``-family prep)."""
-    return prepare("value_and_gradient", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_and_gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
-    """``∇f(x)``: x's structure, shapes and dtypes."""
-    return call("gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``∇f(x)``: x's structure, shapes and dtypes.
+
+    ``has_aux``: f returns ``(y, aux)``; ``(∇y(x), aux)`` as ``jax.grad(has_aux=True)``."""
+    return call(
+        "gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def value_and_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any]:
-    """``(f(x), ∇f(x))``."""
-    return call("value_and_gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), ∇f(x))``.
+
+    ``has_aux``: f returns ``(y, aux)``; ``((y, aux), ∇y(x))`` as
+    ``jax.value_and_grad(has_aux=True)``."""
+    return call(
+        "value_and_gradient", f, backend, x, None, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )

@@ -18,6 +18,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "hessian")  # any pytree x: jax.hessian's blocks
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "hessian")
 
 
 def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -36,30 +37,41 @@ register_family(Family("hessian", _check, _build))
 
 def prepare_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux)
 
 
 def prepare_value_gradient_and_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_gradient_and_hessian`` once for this signature (a ``hessian``-family prep)."""
-    return prepare("value_gradient_and_hessian", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_gradient_and_hessian", f, backend, x, None, contexts,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
-    """``∇²f(x)``: shape ``x.shape + x.shape``."""
-    return call("hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``∇²f(x)``: shape ``x.shape + x.shape``; ``(∇²f(x), aux)`` with ``has_aux``
+    (``jax.hessian(has_aux=True)``)."""
+    return call(
+        "hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def value_gradient_and_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """``(f(x), ∇f(x), ∇²f(x))``."""
-    return call("value_gradient_and_hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), ∇f(x), ∇²f(x))``; ``((f(x), aux), ∇f(x), ∇²f(x))`` with ``has_aux``."""
+    return call(
+        "value_gradient_and_hessian", f, backend, x, None, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )

@@ -19,6 +19,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "hvp")
     _checks.differentiable_x(inputs)
+    _checks.holomorphic_gradient(inputs, "hvp")
     _checks.tangents_like(inputs, inputs.x, "x")
 
 
@@ -38,30 +39,41 @@ register_family(Family("hvp", _check, _build))
 
 def prepare_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux)
 
 
 def prepare_gradient_and_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``gradient_and_hvp`` once for this signature (a ``hvp``-family prep)."""
-    return prepare("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare(
+        "gradient_and_hvp", f, backend, x, tangents, contexts,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple:
-    """``(∇²f(x) @ t for t in tangents)``: each has x's structure."""
-    return call("hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(∇²f(x) @ t for t in tangents)``: each has x's structure; ``(hvps, aux)`` with
+    ``has_aux``."""
+    return call(
+        "hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def gradient_and_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, tuple]:
-    """``(∇f(x), (∇²f(x) @ t for t in tangents))``."""
-    return call("gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(∇f(x), (∇²f(x) @ t for t in tangents))``; ``((∇f(x), hvps), aux)`` with ``has_aux``."""
+    return call(
+        "gradient_and_hvp", f, backend, x, tangents, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )

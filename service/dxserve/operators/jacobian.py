@@ -34,30 +34,42 @@ register_family(Family("jacobian", _check, _build))
 
 def prepare_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("jacobian", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def prepare_value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_and_jacobian`` once for this signature (a ``jacobian``-family prep)."""
-    return prepare("value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> Any:
-    """``∂f/∂x``: shape ``y.shape + x.shape``."""
-    return call("jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``∂f/∂x``: shape ``y.shape + x.shape``; ``(∂f/∂x, aux)`` with ``has_aux``
+    (``jax.jacrev(has_aux=True)``)."""
+    return call(
+        "jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any]:
-    """``(f(x), ∂f/∂x)``."""
-    return call("value_and_jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), ∂f/∂x)``; ``((f(x), aux), ∂f/∂x)`` with ``has_aux``."""
+    return call(
+        "value_and_jacobian", f, backend, x, None, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )

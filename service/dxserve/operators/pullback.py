@@ -31,31 +31,44 @@ register_family(Family("pullback", _check, _build))
 
 def prepare_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare(
+        "pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def prepare_value_and_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_and_pullback`` once for this signature (a ``pullback``-family prep)."""
-    return prepare("value_and_pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_and_pullback", f, backend, x, tangents, contexts,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple:
-    """``(Jᵀ @ c for c in tangents)``: each has x's structure."""
-    return call("pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(Jᵀ @ c for c in tangents)``: each has x's structure; ``(pullbacks, aux)`` with
+    ``has_aux``."""
+    return call(
+        "pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def value_and_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, tuple]:
-    """``(f(x), (Jᵀ @ c for c in tangents))``."""
-    return call("value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), (Jᵀ @ c for c in tangents))``; ``((f(x), aux), pullbacks)`` with ``has_aux``."""
+    return call(
+        "value_and_pullback", f, backend, x, tangents, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 

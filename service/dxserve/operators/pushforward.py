@@ -31,31 +31,46 @@ register_family(Family("pushforward", _check, _build))
 
 def prepare_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
-    return prepare("pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare(
+        "pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux
+    )
 
 
 def prepare_value_and_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None,
+    batch_axis: int | None = None, has_aux: bool = False,
 ) -> Prep:
     """Compile ``value_and_pushforward`` once for this signature (a ``pushforward``-family prep)."""
-    return prepare("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis)
+    return prepare(
+        "value_and_pushforward", f, backend, x, tangents, contexts,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple:
-    """``(J @ t for t in tangents)``: a tuple as long as ``tangents``."""
-    return call("pushforward", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(J @ t for t in tangents)``: a tuple as long as ``tangents``; ``(pushforwards,
+    aux)`` with ``has_aux``."""
+    return call(
+        "pushforward", f, backend, x, tangents, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 
 
 def value_and_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
+    has_aux: bool = False,
 ) -> tuple[Any, tuple]:
-    """``(f(x), (J @ t for t in tangents))``."""
-    return call("value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis)
+    """``(f(x), (J @ t for t in tangents))``; ``((f(x), aux), pushforwards)`` with
+    ``has_aux``."""
+    return call(
+        "value_and_pushforward", f, backend, x, tangents, contexts, prep,
+        batch_axis=batch_axis, has_aux=has_aux,
+    )
 

@@ -22,7 +22,9 @@ from dxcontract.operators import OperatorSpec
 
 from ..signature import Signature
 
-OPERATOR_FIELDS = ("function", "backend", "x", "tangents", "contexts", "prep", "batch_axis")
+OPERATOR_FIELDS = (
+    "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
+)
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
 
@@ -55,6 +57,8 @@ class OperatorRequest:
     signature: Signature | None = None
     #: 0: x and the tangents lead with an axis of points; None: one point
     batch_axis: int | None = None
+    #: the function returns ``(output, aux)``: aux is returned as the ``aux`` result
+    has_aux: bool = False
 
 
 class WireMemo:
@@ -104,7 +108,7 @@ def decode_operator_request(
 #: x is one array or pytree: a long flat JSON list of numbers there may be parsed
 #: straight into its float64 array
 _X = ("x",)
-_FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis"))
+_FRAME_FIELDS = frozenset(("function", "backend", "x", "prep", "batch_axis", "has_aux"))
 _MAX_FRAME_CHARS = 2048
 
 
@@ -116,7 +120,7 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
     if not _FRAME_FIELDS.issuperset(obj) or "x" not in obj:
         return None
     function, backend = obj.get("function"), obj.get("backend", "auto")
-    prep, batch_axis = obj.get("prep"), obj.get("batch_axis")
+    prep, batch_axis, has_aux = obj.get("prep"), obj.get("batch_axis"), obj.get("has_aux")
     if type(backend) is dict:
         try:
             backend = codec.dumps(backend)
@@ -128,11 +132,12 @@ def _json_frame(obj: dict, op: OperatorSpec) -> tuple | None:
         type(function) is not str
         or (prep is not None and type(prep) is not str)
         or (batch_axis is not None and type(batch_axis) is not int)
+        or (has_aux is not None and (type(has_aux) is not bool or not op.aux))
     ):
         return None
     if len(function) + len(backend) + (len(prep) if prep else 0) > _MAX_FRAME_CHARS:
         return None  # a memo of 256 frames stays small whatever names are sent
-    return op.name, tuple(obj), function, backend, prep, batch_axis
+    return op.name, tuple(obj), function, backend, prep, batch_axis, has_aux
 
 
 class _Repeat:
@@ -141,15 +146,17 @@ class _Repeat:
     def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
-        self.batch_axis = req.batch_axis
-        self.signature = Signature.of(req.x, req.tangents, req.contexts, req.batch_axis)
+        self.batch_axis, self.has_aux = req.batch_axis, req.has_aux
+        self.signature = Signature.of(
+            req.x, req.tangents, req.contexts, req.batch_axis, req.has_aux
+        )
 
     def request(self, obj: dict) -> OperatorRequest:
         """The request for a body with this header (``obj``: its decoded JSON)."""
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
-            self.prep, self.signature, self.batch_axis,
+            self.prep, self.signature, self.batch_axis, self.has_aux,
         )
 
 
@@ -160,7 +167,7 @@ class _JsonRepeat:
 
     def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
-        self.batch_axis = req.batch_axis
+        self.batch_axis, self.has_aux = req.batch_axis, req.has_aux
         #: ``(shape, dtype, Signature)`` of the last array x, or None
         self.last_x: tuple | None = None
 
@@ -169,7 +176,7 @@ class _JsonRepeat:
         x = codec.to_tree(obj["x"], "x")
         return OperatorRequest(
             self.function, self.backend, x, None, (), self.prep, self._signature_of(x),
-            self.batch_axis,
+            self.batch_axis, self.has_aux,
         )
 
     def _signature_of(self, x: Any) -> Signature | None:
@@ -179,7 +186,7 @@ class _JsonRepeat:
         last = self.last_x  # one read: another thread may replace it meanwhile
         if last is not None and last[0] == x.shape and last[1] is x.dtype:
             return last[2]
-        signature = Signature.of(x, None, (), self.batch_axis)
+        signature = Signature.of(x, None, (), self.batch_axis, self.has_aux)
         self.last_x = (x.shape, x.dtype, signature)
         return signature
 
@@ -249,7 +256,22 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
             f"null (one point), got {batch_axis!r}",
             field="batch_axis",
         )
-    return OperatorRequest(function, backend, x, tangents, contexts, prep, None, batch_axis)
+    has_aux = obj.get("has_aux", False)
+    if type(has_aux) is not bool:
+        raise InvalidArgumentError(
+            f"has_aux must be true (the function returns a pair (output, aux): output is "
+            f"differentiated, aux returned as the answer's \"aux\") or false, got {has_aux!r}",
+            field="has_aux",
+        )
+    if has_aux and not op.aux:
+        raise InvalidArgumentError(
+            f"{op.name} takes no has_aux (it returns no values to put aux beside); "
+            "leave has_aux out",
+            field="has_aux",
+        )
+    return OperatorRequest(
+        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux
+    )
 
 
 def result_nbytes(tree: Any) -> int:
