@@ -299,6 +299,7 @@ class Detached:
         rec = JobRecord(
             id=secrets.token_urlsafe(16), owner=owner, operator=call.op.name,
             function=req.function, status="queued", created=time.time(),
+            has_aux=bool(getattr(req, "has_aux", False)),
             content_type=head.content_type, header_length=head.header_length,
             encoding=call.encoding,
             b64=response_encoding(head.content_type, None, body) == "b64",
@@ -464,6 +465,7 @@ class Detached:
             "status": rec.status,
             "operator": rec.operator,
             "function": rec.function,
+            "has_aux": rec.has_aux,
             "progress": {"done": rec.done, "total": rec.total, "unit": rec.unit},
             "created": _iso(rec.created),
             "started": _iso(rec.started),

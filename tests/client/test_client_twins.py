@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client, RemoteFunction, RemotePrep
-from dxcontract.errors import DxError, FunctionConflictError, UnknownFunctionError
+from dxcontract.errors import DxError, FunctionConflictError, UnknownFunctionError, UnknownJobError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -54,11 +54,13 @@ SCRIPT: list[tuple[str, tuple, dict]] = [
     ("ready", (), {}),
     ("register_kind", ("quad", {"expression": "jnp.sum(x ** 4)", "args": ["x"]}), {}),
     ("gradient", ("quad", "jax-reverse", X), {}),
+    ("jobs", (), {}),
+    ("job", ("no-such-job-0000",), {}),
 ]
 
 NON_OPERATOR_METHODS = {
     "health", "ready", "backends", "functions", "function", "register",
-    "register_expression", "register_kind", "delete",
+    "register_expression", "register_kind", "delete", "job", "jobs",
 }  # fmt: skip
 
 
@@ -155,6 +157,8 @@ def test_outcomes_are_the_servers_answers(outcomes: dict[str, list[Any]]) -> Non
     assert got[19]["functions"] == got[1]["functions"] + 1
     assert got[20] == RemoteFunction("quad", "expression", "")
     assert got[21] == ("array", "<f8", [4.0, 32.0, 108.0])  # 4 x^3
+    assert got[22] == []  # no jobs yet
+    assert got[23][0] is UnknownJobError
 
 
 @pytest.mark.parametrize("cls, http_cls", [(Client, httpx.Client), (AsyncClient, httpx.AsyncClient)])

@@ -116,3 +116,34 @@ def test_async_client_jobs(slow_server) -> None:
                 await job.status()
 
     asyncio.run(run())
+
+
+def _same_bits(a, b) -> None:
+    """Equal trees of arrays, bit for bit (dicts, tuples and lists alike)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _same_bits(a[key], b[key])
+    elif isinstance(a, tuple | list):
+        assert isinstance(b, tuple | list) and len(a) == len(b)
+        for u, v in zip(a, b, strict=True):
+            _same_bits(u, v)
+    else:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_job_with_has_aux_returns_the_aux_as_the_call_does(slow_server) -> None:
+    rng = np.random.default_rng(1)
+    ps = {"w": rng.normal(size=(3, 2)), "scale": np.ones(2), "shift": np.zeros(2)}
+    batch = {"x": rng.normal(size=(4, 3)), "y": rng.normal(size=(4, 2))}
+    st = {"mean": np.zeros(2), "var": np.ones(2)}
+    with Client(slow_server.url) as client:
+        job = client.submit.value_and_gradient("bn_loss", ps, batch, st, has_aux=True)
+        got = job.result(progress=False)
+        plain = client.value_and_gradient("bn_loss", ps, batch, st, has_aux=True)
+        _same_bits(got, plain)
+        (loss, new_st), grads = got
+        assert set(new_st) == {"mean", "var"} and set(grads) == {"w", "scale", "shift"}
+        again = client.job(job.id)  # reattached: the status says has_aux
+        assert again.has_aux and job.status()["has_aux"] is True
+        _same_bits(again.result(progress=False), plain)

@@ -130,14 +130,14 @@ def _methods(op: OperatorSpec) -> str:
 _SUBMIT_HEADER = '''
 
 class SubmitMethods:
-    """``client.submit.<op>(f, backend, x, [tangents], *contexts, batch_axis=None)``: the
-    operator's call sent as a detached job (``POST /jobs/<op>``); each method returns
-    whatever ``self._submit`` returns: a ``dxclient.jobs.Job`` for ``Client``, an
-    awaitable of an ``AsyncJob`` for ``AsyncClient``."""
+    """``client.submit.<op>(f, backend, x, [tangents], *contexts, batch_axis=None,
+    has_aux=False)``: the operator's call sent as a detached job (``POST /jobs/<op>``);
+    each method returns whatever ``self._submit`` returns: a ``dxclient.jobs.Job`` for
+    ``Client``, an awaitable of an ``AsyncJob`` for ``AsyncClient``."""
 
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -145,18 +145,21 @@ class SubmitMethods:
 
 def _submit_method(op: OperatorSpec) -> str:
     name = op.name
+    # as the operator's own method takes it (every operator with an aux: not sparsity)
+    aux_param = " has_aux: bool = False," if op.aux else ""
+    aux_arg = ", has_aux" if op.aux else ""
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None,{aux_param}
     ) -> Any:
         """Submit ``{name}`` as a detached job; ``job.result()``: {op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {op.takes_tangents}, backend, x, {tangents_arg}, contexts
         )
-        return self._submit("{name}", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg})
 '''
 
 

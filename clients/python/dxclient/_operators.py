@@ -497,166 +497,166 @@ class OperatorMethods:
 
 
 class SubmitMethods:
-    """``client.submit.<op>(f, backend, x, [tangents], *contexts, batch_axis=None)``: the
-    operator's call sent as a detached job (``POST /jobs/<op>``); each method returns
-    whatever ``self._submit`` returns: a ``dxclient.jobs.Job`` for ``Client``, an
-    awaitable of an ``AsyncJob`` for ``AsyncClient``."""
+    """``client.submit.<op>(f, backend, x, [tangents], *contexts, batch_axis=None,
+    has_aux=False)``: the operator's call sent as a detached job (``POST /jobs/<op>``);
+    each method returns whatever ``self._submit`` returns: a ``dxclient.jobs.Job`` for
+    ``Client``, an awaitable of an ``AsyncJob`` for ``AsyncClient``."""
 
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         raise NotImplementedError
 
     def value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value`` as a detached job; ``job.result()``: f(x, *contexts)."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``derivative`` as a detached job; ``job.result()``: f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_and_derivative`` as a detached job; ``job.result()``: (f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``second_derivative`` as a detached job; ``job.result()``: f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_derivative_and_second_derivative`` as a detached job; ``job.result()``: (f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``gradient`` as a detached job; ``job.result()``: ∇f(x), shaped like x."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("gradient", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("gradient", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_and_gradient`` as a detached job; ``job.result()``: (f(x), ∇f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_gradient", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``jacobian`` as a detached job; ``job.result()``: ∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_and_jacobian`` as a detached job; ``job.result()``: (f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``hessian`` as a detached job; ``job.result()``: ∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_gradient_and_hessian`` as a detached job; ``job.result()``: (f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``pushforward`` as a detached job; ``job.result()``: (J t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
-        return self._submit("pushforward", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_and_pushforward`` as a detached job; ``job.result()``: (f(x), (J t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
-        return self._submit("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``pullback`` as a detached job; ``job.result()``: (Jᵀ c for c in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
-        return self._submit("pullback", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("pullback", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``value_and_pullback`` as a detached job; ``job.result()``: (f(x), (Jᵀ c for c in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
-        return self._submit("value_and_pullback", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def sparsity(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
@@ -670,20 +670,20 @@ class SubmitMethods:
 
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``hvp`` as a detached job; ``job.result()``: (∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
-        return self._submit("hvp", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("hvp", f, backend, x, tangents, contexts, batch_axis, has_aux)
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         """Submit ``gradient_and_hvp`` as a detached job; ``job.result()``: (∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
-        return self._submit("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux)

@@ -73,17 +73,23 @@ class _Quiet:
 class _JobBase:
     """What ``Job`` and ``AsyncJob`` share: the job's id and operator, its calls."""
 
-    def __init__(self, client: Any, job_id: str, operator: str, model: Any = None) -> None:
+    def __init__(
+        self, client: Any, job_id: str, operator: str, model: Any = None, has_aux: bool = False
+    ) -> None:
         self.client = client
         self.id = job_id
         self.operator = operator
+        #: submitted with ``has_aux``: the result has the function's aux, as JAX gives it
+        self.has_aux = has_aux
         self._model = model  # an Equinox/NNX model's call: results rebuilt as the model
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, operator={self.operator!r})"
 
     def _decode(self, data: bytes) -> Any:
-        result = _models.operator_result(self.operator, {"content-type": codec.JSON_TYPE}, data)
+        result = _models.operator_result(
+            self.operator, {"content-type": codec.JSON_TYPE}, data, self.has_aux
+        )
         return self._model.finish(self.operator, result) if self._model is not None else result
 
     def _events_headers(self) -> dict[str, str]:
@@ -205,8 +211,8 @@ def _cancel_plan(job_id: str) -> Any:
 
 
 def _job_plan(client: Any, cls: type[_JobBase], job_id: str) -> Any:
-    doc = yield Call("GET", f"/jobs/{job_id}", b"", {})
-    return cls(client, job_id, doc.json()["operator"])
+    doc = (yield Call("GET", f"/jobs/{job_id}", b"", {})).json()
+    return cls(client, job_id, doc["operator"], has_aux=bool(doc.get("has_aux")))
 
 
 def _list_plan(limit: int) -> Any:
@@ -230,7 +236,7 @@ class Submitter(SubmitMethods):
 
     def _submit(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
-        tangents: Any, contexts: tuple, batch_axis: int | None = None,
+        tangents: Any, contexts: tuple, batch_axis: int | None = None, has_aux: bool = False,
     ) -> Any:
         client = self._client
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
@@ -238,10 +244,10 @@ class Submitter(SubmitMethods):
             x, tangents = model.x, model.tangents
         call = job_call(operator, _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, client.encoding,
-            batch_axis=batch_axis,
+            batch_axis=batch_axis, has_aux=has_aux,
         ))
         make: Callable[[Any], _JobBase] = lambda response: self._job_class(  # noqa: E731
-            client, response.json()["id"], operator, model
+            client, response.json()["id"], operator, model, has_aux
         )
         return client._run(call, None, make)
 

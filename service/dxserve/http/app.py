@@ -282,8 +282,10 @@ def _add_job_routes(app: FastAPI) -> None:
 
 
 _JOB_EVENTS = {"text/event-stream": {"schema": {
-    "type": "string",
-    "description": "Server-Sent Events, as a streamed operator's: `event: progress` with data "
+    "type": "object",
+    "properties": {"event": {"type": "string", "enum": ["progress", "result", "error"]},
+                   "data": {"type": "string", "description": "One line of JSON"}},
+    "description": "Server-Sent Events (each one described), as a streamed operator's: `event: progress` with data "
     '`{"done": k, "total": n, "unit": ...}` as the job moves, `: keep-alive` comments, then '
     "one `event: result` (the operator's JSON answer; typed base64 arrays with `Accept: "
     "text/event-stream; arrays=b64`) or one `event: error` (a problem document). Closing "

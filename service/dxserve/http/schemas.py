@@ -345,6 +345,7 @@ class JobStatus(BaseModel):
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     operator: str = Field(examples=["hessian"])
     function: str
+    has_aux: bool = Field(False, description="Submitted with `has_aux`: the result has `aux`")
     progress: JobProgress
     created: str = Field(description="ISO 8601, UTC")
     started: str | None = None

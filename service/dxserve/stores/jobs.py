@@ -68,6 +68,7 @@ class JobRecord:
     function: str
     status: str
     created: float
+    has_aux: bool = False  # the function returns (output, aux); aux is one more result
     content_type: str | None = None  # the request body's, as sent
     header_length: str | None = None  # the binary framing's header length, as sent
     encoding: str = "json"  # the answer's encoding when the result's Accept names none
