@@ -20,7 +20,6 @@ raise a ``TypeError`` naming the operator and the backend.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,6 +49,7 @@ from .preparation import (
     probe,
     refuse_aux,
     split_aux,
+    tree_size,
     with_aux,
 )
 from .preparation import call as call_prepared
@@ -98,8 +98,8 @@ def traced_call(
         refuse_aux(operator)
         y, _ = split_aux(f, y)
         output = primary(f)
-    resolved = resolve_backend(backend, family, traced=traced, n=_size(framework, px),
-                               m=_size(framework, y))
+    resolved = resolve_backend(backend, family, traced=traced, n=tree_size(framework, px),
+                               m=tree_size(framework, y))
     engine, inner = engines_for(
         resolved, traced=traced, complex_numbers=has_complex(framework, px, y)
     )
@@ -340,5 +340,3 @@ def _unstack(framework: Framework, batch: Any, k: int, axis: int) -> tuple:
     return tuple(framework.tree_map(lambda v, i=i: take(v, i), batch) for i in range(k))
 
 
-def _size(framework: Framework, tree: Any) -> int:
-    return sum(math.prod(leaf.shape) for leaf in framework.leaves(tree))

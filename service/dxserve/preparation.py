@@ -439,7 +439,8 @@ def probe(
         raise FunctionEvaluationError(_short(exc), field="x") from exc
 
 
-def _size(framework: Framework, tree: Tree) -> int:
+def tree_size(framework: Framework, tree: Tree) -> int:
+    """Elements in ``tree``'s leaves, summed."""
     # Python ints (math.prod), not numpy's int64: a shape's product cannot overflow
     return sum(math.prod(np.shape(v)) for v in framework.leaves(tree))
 
@@ -468,7 +469,7 @@ def _check_result_size(
     ``engine`` may count them itself (a sparse Jacobian holds nnz numbers, not m * n).
     ``inputs`` are one point's; ``points`` of them are computed (a batch counts whole).
     ``aux``: the spec of a has_aux function's auxiliary output, returned too."""
-    n, m = _size(inputs.framework, inputs.x), _size(inputs.framework, inputs.y)
+    n, m = tree_size(inputs.framework, inputs.x), tree_size(inputs.framework, inputs.y)
     k = len(inputs.tangents or ())
     counted = engine.result_elements(family, n, m, k) if engine is not None else None
     elements = OPERATORS[family].result_elements(n, m, k) if counted is None else counted
@@ -478,7 +479,7 @@ def _check_result_size(
         _extent(inputs.framework, inputs.x), _extent(inputs.framework, inputs.y), k
     )
     if aux is not None:
-        elements += _size(inputs.framework, aux)
+        elements += tree_size(inputs.framework, aux)
         extent += _extent(inputs.framework, aux)
     elements, extent = elements * points, extent * points
     if points > 1 and elements > limit:
@@ -561,7 +562,7 @@ def _prepare(
         refuse_aux(operator)
         y, aux = split_aux(f, y)
         output = primary(f)
-    n, m = _size(fw, px), _size(fw, y)
+    n, m = tree_size(fw, px), tree_size(fw, y)
     choices = candidates(backend, family, traced=traced, n=n, m=m)
     failed: list[tuple[Backend, str]] = []  # Auto's choices whose transformation failed
     for i, resolved in enumerate(choices):
@@ -736,7 +737,7 @@ def _cannot(
 ) -> DxError:
     """The error for an explicit backend whose transformation of ``f`` failed: naming
     the backend, and the backend ``Auto`` would use instead where one traces."""
-    n, m = _size(framework, x), _size(framework, y)
+    n, m = tree_size(framework, x), tree_size(framework, y)
     other = None
     for choice in auto_candidates(family, traced=True, n=n, m=m):
         if choice != resolved and trace_error(
@@ -1114,7 +1115,7 @@ def resolve(
         traced, y = probe(f, x, contexts, fw)
         if has_aux:
             y, f = split_aux(f, y)[0], primary(f)
-        n, m = _size(fw, x), _size(fw, y)
+        n, m = tree_size(fw, x), tree_size(fw, y)
         choices = candidates(backend, op.family, traced=traced, n=n, m=m)
         chosen, failed = choices[0], []
         if len(choices) > 1 and _checks(op.family, x, contexts, y, fw):
