@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
-from _common import PYTHON, Tee, free_port, machine_line, markdown_table
+from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table
+from throughput import LUA
 
 ENCODE = r"""
 import sys, numpy as np
@@ -69,23 +67,6 @@ async def run():
 asyncio.run(run())
 """
 
-LUA = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "{ctype}"
-wrk.headers["Accept"] = "{ctype}"
-wrk.headers["{name}"] = "{value}"
-local bodies = {{}}
-for i = 1, 16 do
-  local f = io.open("{folder}/body" .. i .. ".bin", "rb")
-  bodies[i] = f:read("*a")
-  f:close()
-end
-local i = 0
-request = function()
-  i = i % 16 + 1
-  return wrk.format(nil, nil, nil, bodies[i])
-end
-"""
 
 LOADS = (("wrk", 8), ("wrk", 32), ("wrk", 64), ("AsyncClient", 32))
 
@@ -110,28 +91,16 @@ class TreeServer:
         subprocess.run([PYTHON, "-c", ENCODE, str(folder)], env=self.env, check=True)
         ctype, name, value = (folder / "head").read_text().split("\n")[:3]
         (folder / "post.lua").write_text(
-            LUA.format(ctype=ctype, name=name, value=value, folder=folder)
+            LUA.format(ctype=ctype, hl_name=name, hl=value, folder=folder, count=16)
         )
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        port = free_port()
+        self.server = Server(
+            [PYTHON, "-m", "dxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--store", str(folder / "store"), "--compilation-cache", "", "--log-level", "warning"],
-            env=self.env, stdout=open(folder / "log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-            start_new_session=True,
+            port, "/health", folder / "log", env={"PYTHONPATH": self.env["PYTHONPATH"]},
         )
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code < 500:
-                    self._wrk(8, 1)  # compile and warm
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.tree} not ready; see {self.folder / 'log'}")
+        self.port, self.url, self.proc = port, self.server.url, self.server.proc
+        self._wrk(8, 1)  # compile and warm
 
     def _wrk(self, connections: int, seconds: int) -> tuple[int, float]:
         out = subprocess.run(
@@ -159,13 +128,7 @@ class TreeServer:
         return (_cpu_seconds(self.proc.pid) - before) / count * 1e6, rps, client
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-
+        self.server.stop()
 
 def _spread(values: list[float]) -> str:
     return f"{np.median(values):.0f} ({np.percentile(values, 25):.0f}-{np.percentile(values, 75):.0f})"
@@ -185,8 +148,6 @@ def main() -> None:
         try:
             for i, tree in enumerate(trees):
                 servers.append(TreeServer(tree, Path(tmp) / f"tree{i}"))
-            for server in servers:
-                server.wait_ready()
             for r in range(args.rounds):
                 for load in LOADS:
                     for server in servers[r % len(servers):] + servers[: r % len(servers)]:
