@@ -72,7 +72,7 @@ def traced_call(
     # probed on zeros of the traced shapes: a function that cannot trace is called on them
     traced, y = probe(f, _zeros(framework, px), _zeros(framework, contexts), framework)
     resolved = resolve_backend(backend, family, traced=traced, n=_size(framework, px),
-                               m=_size(framework, y))
+                               m=_size(framework, y), framework=framework.name)
     engine, inner = engines_for(resolved, traced=traced)
     if not (traced and engine.traces and (inner is None or inner.traces)):
         raise UnsupportedOperatorError(

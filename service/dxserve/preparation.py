@@ -50,7 +50,7 @@ from .backends.engine import Engine
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
 from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
-from .frameworks import Framework, framework_of, get_framework
+from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
 
@@ -64,8 +64,8 @@ BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values(
 def as_tree(value: Any) -> Tree:
     """Normalize one input: Python numbers and lists of numbers become float64 arrays.
 
-    numpy and JAX arrays keep their dtype; dicts, tuples and lists of anything else
-    (arrays, pytrees, None) are pytree nodes.
+    numpy and JAX arrays keep their dtype, torch tensors become numpy arrays of theirs;
+    dicts, tuples and lists of anything else (arrays, pytrees, None) are pytree nodes.
     """
     if type(value) is np.ndarray:
         return value  # (the fast path; any other array falls through unchanged)
@@ -81,7 +81,8 @@ def as_tree(value: Any) -> Tree:
         return [as_tree(v) for v in value]
     if isinstance(value, (int, float, list)):
         return np.asarray(value, dtype=np.float64)
-    return value
+    host = host_array(value)  # a torch tensor: its data, on the host, of its dtype
+    return value if host is None else host
 
 
 # --- operator families -----------------------------------------------------
@@ -515,7 +516,7 @@ def _prepare(
         pt = None if tangents is None else tuple(_first_point(fw, t) for t in tangents)
     traced, y = probe(f, px, contexts, fw)
     resolved = resolve_backend(
-        backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y)
+        backend, family, traced=traced, n=_size(fw, px), m=_size(fw, y), framework=fw.name
     )
     if batch_axis is not None and (family == "sparsity" or resolved.type == "sparse"):
         raise InvalidArgumentError(
@@ -835,4 +836,6 @@ def resolve(backend: Backend | str, operator: str, f: Callable, x: Any, *context
     fw = framework_of(f)
     with fw.precision_scope():
         traced, y = probe(f, x, contexts, fw)
-    return resolve_backend(backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y))
+    return resolve_backend(
+        backend, family, traced=traced, n=_size(fw, x), m=_size(fw, y), framework=fw.name
+    )

@@ -45,7 +45,7 @@ class FiniteDifferencesEngine(Engine):
     def _h(self, x: Tree) -> Any:
         leaves = self.ops.leaves(x)
         dtype = leaves[0].dtype
-        eps = float(np.finfo(dtype).eps)
+        eps = float(self.xp.finfo(dtype).eps)  # the framework's own dtypes (torch's)
         power = {("central", False): 1 / 3, ("forward", False): 1 / 2,
                  ("central", True): 1 / 4, ("forward", True): 1 / 3}[(self.method, self.nested)]
         base = self.step if self.step is not None else eps**power
