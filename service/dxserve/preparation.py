@@ -812,7 +812,10 @@ def call(
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
-        if found.tangents is not None and prep.traced:
+        from_host = getattr(prep.framework, "from_host", None)
+        if from_host is not None:  # a framework whose programs answer on the host (torch)
+            out = from_host(out)
+        elif found.tangents is not None and prep.traced:
             out = _on_device(prep.framework, found.operator, out)
     return out[0] if len(out) == 1 else out
 

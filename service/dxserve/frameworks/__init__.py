@@ -174,6 +174,10 @@ class Framework(Protocol):
         loops, ``compile`` returning its function (itself where it is eager already)."""
         ...
 
+    # optional: ``from_host(tree)``, for a framework whose executables return host arrays
+    # (torch's): every result of a library call as the framework's arrays. Without it, the
+    # library returns what the executables return (per-tangent results ``to_device``).
+
 
 _FRAMEWORKS: dict[str, Framework] = {}
 

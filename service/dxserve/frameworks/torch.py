@@ -53,6 +53,7 @@ Tree = Any
 #: Where torch functions compute: the first GPU torch sees, else the CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: Wrap executables in ``torch.compile`` (opt-in: compiling takes seconds per signature).
+_CPU = torch.device("cpu")
 COMPILE = os.environ.get("DXSERVE_TORCH_COMPILE", "").strip().lower() in ("1", "true", "yes")
 
 
@@ -174,23 +175,23 @@ class TorchNumpy:
 
     @staticmethod
     def eye(n: int, dtype: Any = None) -> torch.Tensor:
-        return torch.eye(int(n), dtype=None if dtype is None else torch_dtype(dtype), device=DEVICE)
+        return torch.eye(int(n), dtype=None if dtype is None else torch_dtype(dtype), device=_device())
 
     @staticmethod
     def ones(shape: Any, dtype: Any = None) -> torch.Tensor:
-        return torch.ones(_shape(shape), dtype=_dt(dtype), device=DEVICE)
+        return torch.ones(_shape(shape), dtype=_dt(dtype), device=_device())
 
     @staticmethod
     def zeros(shape: Any, dtype: Any = None) -> torch.Tensor:
-        return torch.zeros(_shape(shape), dtype=_dt(dtype), device=DEVICE)
+        return torch.zeros(_shape(shape), dtype=_dt(dtype), device=_device())
 
     @staticmethod
     def empty(shape: Any, dtype: Any = None) -> torch.Tensor:
-        return torch.empty(_shape(shape), dtype=_dt(dtype), device=DEVICE)
+        return torch.empty(_shape(shape), dtype=_dt(dtype), device=_device())
 
     @staticmethod
     def arange(n: int) -> torch.Tensor:
-        return torch.arange(int(n), device=DEVICE)
+        return torch.arange(int(n), device=_device())
 
     @staticmethod
     def reshape(a: torch.Tensor, shape: Any) -> torch.Tensor:
@@ -230,7 +231,7 @@ class TorchNumpy:
     def asarray(value: Any, dtype: Any = None) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value if dtype is None else value.to(torch_dtype(dtype))
-        return torch.as_tensor(value, dtype=_dt(dtype), device=DEVICE)
+        return torch.as_tensor(value, dtype=_dt(dtype), device=_device())
 
     @staticmethod
     def astype(a: torch.Tensor, dtype: Any) -> torch.Tensor:
@@ -239,6 +240,12 @@ class TorchNumpy:
     @staticmethod
     def finfo(dtype: Any) -> Any:
         return torch.finfo(torch_dtype(dtype))
+
+
+def _device() -> torch.device:
+    """``DEVICE``, or meta inside a run on meta tensors (``_estimate``)."""
+    default = torch.get_default_device()
+    return default if default.type == "meta" else DEVICE
 
 
 def _dt(dtype: Any) -> torch.dtype | None:
@@ -269,9 +276,9 @@ class TorchExecutable:
         self.out_info = out_info
 
     def __call__(self, *args: Any) -> Any:
-        with torch.no_grad():  # torch.func's transforms track their own gradients
-            out = self.run(*to_torch(args))
-        return to_host(out)
+        # not under no_grad: torch.func's transforms ignore it, but some rules compute
+        # their derivatives' derivatives with it and lose them (det's, for one)
+        return to_host(self.run(*to_torch(args)))
 
 
 def _meta(value: Any) -> Any:
@@ -341,6 +348,13 @@ class TorchFramework:
     def to_device(self, tree: Tree) -> Tree:
         return to_torch(tree)
 
+    def from_host(self, tree: Tree) -> Tree:
+        """Results as the library returns them: tensors on the host (numpy arrays from
+        chunked runs and cut tangent batches become tensors sharing their memory)."""
+        return jax.tree_util.tree_map(
+            lambda v: _tensor(v, _CPU) if isinstance(v, np.ndarray | np.generic) else v, tree
+        )
+
     def device(self) -> Any:
         return str(DEVICE)
 
@@ -397,7 +411,7 @@ class TorchFramework:
         if leaves:
             vec = torch.cat([torch.reshape(v, (-1,)) for v in leaves])
         else:
-            vec = torch.zeros(0, device=DEVICE)
+            vec = torch.zeros(0, device=_device())
 
         def unravel(v: Any) -> Tree:
             parts = torch.split(v, sizes) if leaves else []
@@ -412,8 +426,10 @@ class TorchFramework:
         return TorchExecutable(fn, args)
 
     def compile_donating(self, fn: Callable, args: tuple) -> TorchExecutable:
-        # no donation in torch; the last argument (the previous block) is ignored by fn
-        return TorchExecutable(fn, args)
+        # no donation in torch; the last argument (the previous block: its spec, here) is
+        # ignored by fn, and is the output's spec
+        previous = args[-1]
+        return TorchExecutable(fn, args, previous if isinstance(previous, TensorSpec) else None)
 
     def executable_key(self, *args: Any) -> Any:
         return None
