@@ -19,9 +19,9 @@ by finite differences, prepared, chunked and budgeted like a JAX one. What diffe
   ``torch.compile`` instead (bench/torch.py measured both: seconds to a minute of
   compilation per signature, for tens of microseconds per call on small inputs).
 * **Estimates** (budgets, chunk planning) come from one run of the program on meta
-  tensors under ``FlopCounterMode``: the flops of its matrix products and convolutions,
-  plus one flop per output element; memory is the arguments, the outputs and one
-  output-sized temporary (torch has no ahead-of-time memory analysis). A program that
+  tensors (shapes, no data) at compile time: the most bytes its operations hold at once
+  (each allocation watched until it is freed), the flops of its matrix products
+  (``FlopCounterMode``) plus one per element other operations write. A program that
   cannot run on meta tensors (one that closes over concrete tensors) has no estimate
   and is not bounded, as server-side numpy code is not.
 * **Pytrees** are JAX's (dicts, lists, tuples; tensors are leaves), as the core's are;
@@ -37,6 +37,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # the documented extension point
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import Estimate
@@ -288,27 +290,56 @@ def _meta(value: Any) -> Any:
     return value
 
 
+class _Allocations(TorchDispatchMode):
+    """Every tensor the operations below torch.func's transforms allocate (views are not
+    allocations), and when it is freed: the most bytes alive at once, and in all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.total = self.elements = 0
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, tuple | list) else (out,)
+        for ret, value in zip(func._schema.returns, outs, strict=False):
+            if isinstance(value, torch.Tensor) and ret.alias_info is None:
+                size = value.numel() * value.element_size()
+                self.live += size
+                self.total += size
+                self.elements += value.numel()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(value, self._free, size)
+        return out
+
+
 #: meta runs change torch's default device for the thread that runs them (a context
-#: manager of torch's): one at a time, so no other thread sees it
+#: manager of torch's): one at a time
 _META_LOCK = threading.Lock()
 
 
 def _estimate(fn: Callable, args: tuple) -> tuple[Estimate | None, Any]:
-    """``(estimate, meta outputs)`` of ``fn(*args)`` from a run on meta tensors, or
-    ``(None, None)`` where it cannot run on them."""
+    """``(estimate, meta outputs)`` of ``fn(*args)`` from a run on meta tensors (shapes
+    and dtypes, no data), or ``(None, None)`` where it cannot run on them.
+
+    Memory: the arguments, plus the most bytes the program's operations hold at once
+    (each allocation counted until torch frees it, as a real run frees it). Work: the
+    flops ``FlopCounterMode`` counts (matrix products, convolutions) plus one per element
+    every other operation writes; traffic: the arguments read and every allocation
+    written."""
     meta = jax.tree_util.tree_map(_meta, args)
     try:
         with _META_LOCK, torch.device("meta"), FlopCounterMode(display=False) as counter:
-            out = fn(*meta)
+            with _Allocations() as allocations:
+                out = fn(*meta)
     except Exception:  # noqa: BLE001 - closes over concrete tensors, say: not bounded
         return None, None
     arg_bytes = sum(_nbytes(v) for v in jax.tree_util.tree_leaves(meta))
-    outs = [v for v in jax.tree_util.tree_leaves(out) if isinstance(v, torch.Tensor)]
-    out_bytes = sum(_nbytes(v) for v in outs)
-    elements = sum(v.numel() for v in outs)
-    memory = arg_bytes + 2 * out_bytes
-    flops = float(counter.get_total_flops() + elements)
-    return Estimate(int(memory), flops, float(memory)), out
+    memory = arg_bytes + allocations.peak
+    flops = float(counter.get_total_flops() + allocations.elements)
+    return Estimate(int(memory), flops, float(arg_bytes + allocations.total)), out
 
 
 def _nbytes(value: Any) -> int:
