@@ -190,7 +190,7 @@ def register_framework(framework: Framework) -> Framework:
 
 def get_framework(name: str = DEFAULT) -> Framework:
     """The framework registered as ``name`` (JAX's and torch's are made on first use;
-    torch's needs torch installed: ``pip install 'dxserve[torch]'``)."""
+    torch's needs torch installed: the server's ``torch`` extra)."""
     found = _FRAMEWORKS.get(name)
     if found is None and name == DEFAULT:
         from .jax import JAX  # loaded when first asked for: importing dxserve stays light
@@ -200,8 +200,11 @@ def get_framework(name: str = DEFAULT) -> Framework:
         try:
             from .torch import TORCH  # imports torch: only for torch functions
         except ImportError as exc:
+            from dxcontract.extras import SERVER, install_hint
+
             raise KeyError(
-                f"framework 'torch' needs PyTorch installed (pip install 'dxserve[torch]'): {exc}"
+                f"framework 'torch' needs PyTorch installed ({install_hint('torch', SERVER)}): "
+                f"{exc}"
             ) from None
         found = _FRAMEWORKS.setdefault("torch", TORCH)
     if found is None:
