@@ -147,11 +147,31 @@ def host_numpy(tree: Tree) -> Tree:
 
 
 def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
-    """``jax.tree_util.tree_map``, with a tensor (the common tree) handled in Python
-    alone: ``torch.compile`` traces that path, not JAX's C++ pytrees."""
+    """``jax.tree_util.tree_map`` over tensors in dicts, lists and tuples (None empty), in
+    Python alone: ``torch.compile`` traces it, where it cannot trace JAX's C++ pytrees."""
     if isinstance(tree, torch.Tensor):
         return fn(tree, *rest)
-    return jax.tree_util.tree_map(fn, tree, *rest)
+    if tree is None:
+        return None
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v, *(r[k] for r in rest)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        items = [tree_map(fn, v, *(r[i] for r in rest)) for i, v in enumerate(tree)]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return fn(tree, *rest)
+
+
+def tree_leaves(tree: Tree) -> list[Any]:
+    """``jax.tree_util.tree_leaves``' order (dict keys sorted), in Python alone."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in tree_leaves(tree[k])]
+    if isinstance(tree, list | tuple):
+        return [leaf for v in tree for leaf in tree_leaves(v)]
+    return [tree]
 
 
 def batch_map(fn: Callable[[Tree], Tree], batch: Tree, batch_size: int | None = None) -> Tree:
@@ -161,10 +181,6 @@ def batch_map(fn: Callable[[Tree], Tree], batch: Tree, batch_size: int | None = 
     if leaves and leaves[0].shape[0] == 1:
         return tree_map(lambda v: v[None], fn(tree_map(lambda v: v[0], batch)))
     return torch.func.vmap(fn, chunk_size=batch_size)(batch)
-
-
-def tree_leaves(tree: Tree) -> list[Any]:
-    return [tree] if isinstance(tree, torch.Tensor) else jax.tree_util.tree_leaves(tree)
 
 
 # --- specs ------------------------------------------------------------------------------
