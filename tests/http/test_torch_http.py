@@ -223,6 +223,11 @@ def test_the_mlp_is_detected_as_torch_and_described(client, torch_server) -> Non
     assert framework_of(torch_models.mlp_loss).name == "torch"
     info = httpx.get(f"{torch_server.url}/functions/mlp_loss", timeout=30).json()
     assert [a["name"] for a in info["arguments"]] == ["params", "inputs", "targets"]
+    # shapes from its example, the output's from a run on meta tensors
+    assert info["shapes_from"] == "example"
+    assert (info["output"]["shape"], info["output"]["dtype"]) == ([], "float64")
+    assert info["arguments"][1]["shape"] == [32, 3]
+    assert "hvp" in info["operators"] and "jacobian" in info["operators"]
     # HVPs of a pytree of parameters: forward over reverse by default
     params = torch_models.parameters()
     inputs, targets = torch_models.data()

@@ -90,7 +90,7 @@ def numpy_dtype(dtype: Any) -> np.dtype:
 
             found = np.dtype(ml_dtypes.bfloat16)
         else:
-            found = torch.empty(0, dtype=dtype).numpy().dtype
+            found = torch.empty(0, dtype=dtype, device="cpu").numpy().dtype
         _TO_NUMPY[dtype] = found
     return found
 
@@ -321,10 +321,13 @@ class TorchExecutable:
 
 
 def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
-        dtype = value.dtype if isinstance(value, torch.Tensor) else torch_dtype(np.asarray(value).dtype)
-        return torch.empty(tuple(np.shape(value)), dtype=dtype, device="meta")
-    return value
+    """A meta tensor shaped like ``value``: a tensor, a numpy array or a spec (anything
+    with ``shape`` and ``dtype``); other leaves as they are."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return value
+    return torch.empty(tuple(value.shape), dtype=torch_dtype(value.dtype), device="meta")
 
 
 class _Allocations(TorchDispatchMode):
