@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -355,11 +354,6 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-#: meta runs change torch's default device for the thread that runs them (a context
-#: manager of torch's): one at a time
-_META_LOCK = threading.Lock()
-
-
 def _estimate(fn: Callable, args: tuple) -> tuple[Estimate | None, Any]:
     """``(estimate, meta outputs)`` of ``fn(*args)`` from a run on meta tensors (shapes
     and dtypes, no data), or ``(None, None)`` where it cannot run on them.
@@ -371,7 +365,8 @@ def _estimate(fn: Callable, args: tuple) -> tuple[Estimate | None, Any]:
     written."""
     meta = jax.tree_util.tree_map(_meta, args)
     try:
-        with _META_LOCK, torch.device("meta"), FlopCounterMode(display=False) as counter:
+        # torch.device("meta") sets the default device of this thread alone
+        with torch.device("meta"), FlopCounterMode(display=False) as counter:
             with _Allocations() as allocations:
                 out = fn(*meta)
     except Exception:  # noqa: BLE001 - closes over concrete tensors, say: not bounded
@@ -457,7 +452,7 @@ class TorchFramework:
         if concrete:
             meta = jax.tree_util.tree_map(_meta, args)
             try:
-                with _META_LOCK, torch.device("meta"):
+                with torch.device("meta"):
                     return jax.tree_util.tree_map(spec_of, fn(*meta))
             except Exception:  # noqa: BLE001 - closes over concrete tensors: run it
                 pass
