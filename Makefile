@@ -14,7 +14,7 @@ PORT   ?= 8000
 # test processes for make test and make test-slow (pytest-xdist); 0 runs them in this one
 PYTEST_WORKERS ?= 2
 
-.PHONY: serve test test-slow test-cluster test-protocol lint openapi docs clean docker-test
+.PHONY: serve test test-slow test-torch test-cluster test-protocol lint openapi docs clean docker-test
 
 $(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,11 +30,29 @@ serve: $(SERVE_STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not docker and not slow and not cluster"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not docker and not slow and not cluster and not torch"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "slow"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "slow and not torch"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+
+# Functions written in PyTorch: torch (about 5 GB with its CUDA libraries) goes into a
+# virtualenv of its own, .venv-torch, so .venv and `make test` stay free of it; the tests
+# marked `torch` run there (the torch conformance grids in process and over HTTP, a served
+# nn.Module, progress, budgets), and the architecture tests check again that importing
+# dxserve imports no torch.
+TORCH_VENV := .venv-torch
+TORCH_PY := $(TORCH_VENV)/bin/python
+TORCH_STAMP := $(TORCH_VENV)/.installed
+$(TORCH_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.toml
+	test -x $(TORCH_PY) || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install -q --upgrade pip
+	$(TORCH_PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e './clients/python[test,jax]' -e '.[test,torch]'
+	touch $(TORCH_STAMP)
+
+test-torch: $(TORCH_STAMP)
+	$(TORCH_PY) -m pytest -q -n $(PYTEST_WORKERS) -m "torch"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; [ $$rc -eq 0 ] || exit $$rc
+	$(TORCH_PY) -m pytest -q tests/project/test_architecture.py
 
 # The bounded HTTP protocol (service/dxserve/http/protocol.py) against the lowest and the
 # highest uvicorn that pyproject.toml allows, each installed apart and put first on the path.
@@ -81,4 +99,4 @@ openapi: $(STAMP)
 	$(PY) -m dxserve.openapi_dump > openapi/openapi.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache site
+	rm -rf $(VENV) $(TORCH_VENV) .pytest_cache .ruff_cache site

@@ -16,6 +16,8 @@ from .backends import (
     SecondOrder,
     Sparse,
     SparsePattern,
+    TorchForward,
+    TorchReverse,
     backend_from_json,
 )
 from .errors import DxError, PreparationMismatchError
@@ -33,5 +35,7 @@ __all__ = [
     "SecondOrder",
     "Sparse",
     "SparsePattern",
+    "TorchForward",
+    "TorchReverse",
     "backend_from_json",
 ]

@@ -96,7 +96,37 @@ class FiniteDifferences:
         )
 
 
-FirstOrder = JaxForward | JaxReverse | FiniteDifferences
+@dataclass(frozen=True)
+class TorchForward:
+    """PyTorch forward mode (``torch.func.jvp``), for functions written in torch.
+    Jacobians are built from ``batch_size`` columns per call."""
+
+    batch_size: int | None = None
+    type: ClassVar[str] = "torch-forward"
+
+    def __post_init__(self) -> None:
+        _check_batch_size(self.batch_size, "backend.batch_size")
+
+    def to_json(self) -> dict[str, Any]:
+        return _compact({"type": self.type, "batch_size": self.batch_size})
+
+
+@dataclass(frozen=True)
+class TorchReverse:
+    """PyTorch reverse mode (``torch.func.vjp``), for functions written in torch.
+    Jacobians are built from ``batch_size`` rows per call."""
+
+    batch_size: int | None = None
+    type: ClassVar[str] = "torch-reverse"
+
+    def __post_init__(self) -> None:
+        _check_batch_size(self.batch_size, "backend.batch_size")
+
+    def to_json(self) -> dict[str, Any]:
+        return _compact({"type": self.type, "batch_size": self.batch_size})
+
+
+FirstOrder = JaxForward | JaxReverse | TorchForward | TorchReverse | FiniteDifferences
 
 
 @dataclass(frozen=True)
@@ -112,8 +142,8 @@ class SecondOrder:
             value = getattr(self, part)
             if type(value) not in _CLASSES or isinstance(value, SecondOrder | Auto | Sparse):
                 raise InvalidBackendError(
-                    f"{part} must be a first-order backend "
-                    "(jax-forward, jax-reverse, finite-differences or a registered one)",
+                    f"{part} must be a first-order backend (jax-forward, jax-reverse, "
+                    "torch-forward, torch-reverse, finite-differences or a registered one)",
                     field=f"backend.{part}",
                 )
 
@@ -378,16 +408,24 @@ class Sparse:
         )
 
 
-Backend = JaxForward | JaxReverse | FiniteDifferences | SecondOrder | Auto | Sparse
+Backend = (
+    JaxForward | JaxReverse | TorchForward | TorchReverse | FiniteDifferences | SecondOrder
+    | Auto | Sparse
+)
 
 #: type -> descriptor class; ``register_backend_type`` adds plug-in backends.
 BACKEND_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (JaxForward, JaxReverse, FiniteDifferences, SecondOrder, Auto, Sparse)
+    cls.type: cls for cls in (
+        JaxForward, JaxReverse, TorchForward, TorchReverse, FiniteDifferences, SecondOrder,
+        Auto, Sparse,
+    )
 }
 
 _PARAMS: dict[str, tuple[str, ...]] = {
     "jax-forward": ("batch_size",),
     "jax-reverse": ("batch_size",),
+    "torch-forward": ("batch_size",),
+    "torch-reverse": ("batch_size",),
     "finite-differences": ("method", "step", "batch_size"),
     "second-order": ("outer", "inner"),
     "auto": (),
@@ -501,6 +539,8 @@ _CLASSES = _DescriptorClasses()
 _SHORTHANDS: dict[str, Backend] = {
     "jax-forward": JaxForward(),
     "jax-reverse": JaxReverse(),
+    "torch-forward": TorchForward(),
+    "torch-reverse": TorchReverse(),
     "finite-differences": FiniteDifferences(),
     "auto": Auto(),
 }

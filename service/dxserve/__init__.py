@@ -21,6 +21,8 @@ from dxcontract.backends import (
     SecondOrder,
     Sparse,
     SparsePattern,
+    TorchForward,
+    TorchReverse,
     backend_from_json,
 )
 from dxcontract.errors import (
@@ -50,6 +52,7 @@ __all__ = [
     "JaxForward",
     "JaxReverse", "NotScalarInputError", "NotScalarOutputError", "Prep",
     "PreparationMismatchError", "SecondOrder", "ShapeMismatchError", "Sparse", "SparsePattern",
+    "TorchForward", "TorchReverse",
     "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",
     "register_backend", "resolve", "__version__", *_operator_names,
 ]

@@ -58,7 +58,7 @@ from dxcontract.operators import OPERATORS
 
 from .backends.engine import Engine
 from .budget import ComputeLimits, Estimate
-from .frameworks import Framework, get_framework
+from .frameworks import Framework, astype, get_framework
 from .jobs import Job
 
 #: Default bytes of device memory one chunk may need by XLA's estimate (512 MiB).
@@ -279,11 +279,11 @@ class Chunker:
             if forward:
                 v = xp.ravel(x)
                 _, cols = engine.pushforward(
-                    lambda u: target(xp.reshape(u, x.shape)), v, basis.astype(v.dtype)
+                    lambda u: target(xp.reshape(u, x.shape)), v, astype(xp, basis, v.dtype)
                 )
                 return xp.reshape(cols, (size, m)).T  # columns of J, as J's own layout
             y = fw.eval_shape(target, x)
-            cot = xp.reshape(basis.astype(y.dtype), (size, *y.shape))
+            cot = xp.reshape(astype(xp, basis, y.dtype), (size, *y.shape))
             _, rows = engine.pullback(target, x, cot)
             return xp.reshape(rows, (size, n))
 

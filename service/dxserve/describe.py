@@ -33,6 +33,8 @@ from dxcontract.bundle import tree_spec
 from dxcontract.keys import KeyArray, impl_of, is_key_dtype
 from dxcontract.operators import OPERATORS
 
+from .frameworks import DEFAULT, framework_of, host_array
+
 #: An example request is given for inputs of at most this many numbers in all.
 MAX_EXAMPLE_ELEMENTS = 1024
 #: The size a symbolic dimension takes in an example.
@@ -47,14 +49,19 @@ def facts(
     fn: Callable, args: Sequence[Any], source: str, example: Sequence[Any] | None = None
 ) -> dict[str, Any] | None:
     """What ``describe`` shows of ``fn`` called on ``args`` (arrays or ``jax.ShapeDtypeStruct``s,
-    ``(x, *contexts)``): their specs and the output's by ``jax.eval_shape``, and the
-    example's JSON (when ``example`` holds values). None if ``fn`` cannot be traced
-    on them. Call it in float64 scope: float64 examples stay float64."""
+    ``(x, *contexts)``): their specs and the output's by ``jax.eval_shape`` (another
+    framework's ``eval_shape`` for a function written in it: torch's runs on meta
+    tensors), and the example's JSON (when ``example`` holds values). None if ``fn``
+    cannot be traced on them. Call it in float64 scope: float64 examples stay float64."""
     import jax
 
     try:
         specs = [_spec_tree(a) for a in args]
-        output = jax.eval_shape(fn, *specs)
+        framework = framework_of(fn)
+        if framework.name == DEFAULT:
+            output = jax.eval_shape(fn, *specs)
+        else:
+            output = framework.eval_shape(fn, *specs)
         found: dict[str, Any] = {
             "x": tree_spec(specs[0], "x"),
             "contexts": [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(specs[1:])],
@@ -197,6 +204,9 @@ def _spec_tree(value: Any) -> Any:
     def leaf(v: Any) -> Any:
         if isinstance(v, jax.ShapeDtypeStruct):
             return v
+        host = host_array(v)  # a torch tensor: read on the host
+        if host is not None:
+            return jax.ShapeDtypeStruct(host.shape, host.dtype)
         v = keys.to_jax(v)  # a KeyArray example: JAX's key, whose dtype is the spec's
         a = v if keys.is_jax_key(v) else np.asarray(v)
         return jax.ShapeDtypeStruct(a.shape, a.dtype)

@@ -22,11 +22,12 @@ Tree = Any
 def is_jax_key(value: Any) -> bool:
     """Is ``value`` a JAX typed key array (or its abstract spec)?"""
     dtype = getattr(value, "dtype", None)
-    return (
-        dtype is not None
-        and not isinstance(dtype, np.dtype | str)
-        and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    )
+    if dtype is None or isinstance(dtype, np.dtype | str):
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:  # another framework's dtype (torch's): not JAX's, so not a key
+        return False
 
 
 def to_jax(tree: Tree) -> Tree:

@@ -99,7 +99,7 @@ def traced_call(
         y, _ = split_aux(f, y)
         output = primary(f)
     resolved = resolve_backend(backend, family, traced=traced, n=tree_size(framework, px),
-                               m=tree_size(framework, y))
+                               m=tree_size(framework, y), framework=framework.name)
     engine, inner = engines_for(
         resolved, traced=traced, complex_numbers=has_complex(framework, px, y)
     )

@@ -65,7 +65,7 @@ from .backends.selection import (
 from .budget import ComputeLimits
 from .chunking import chunker_for, slicer_for
 from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
-from .frameworks import Framework, framework_of, get_framework
+from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
 
@@ -79,8 +79,8 @@ BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values(
 def as_tree(value: Any) -> Tree:
     """Normalize one input: Python numbers and lists of numbers become float64 arrays.
 
-    numpy and JAX arrays keep their dtype; dicts, tuples and lists of anything else
-    (arrays, pytrees, None) are pytree nodes.
+    numpy and JAX arrays keep their dtype, torch tensors become numpy arrays of theirs;
+    dicts, tuples and lists of anything else (arrays, pytrees, None) are pytree nodes.
     """
     if type(value) is np.ndarray:
         return value  # (the fast path; any other array falls through unchanged)
@@ -96,7 +96,8 @@ def as_tree(value: Any) -> Tree:
         return [as_tree(v) for v in value]
     if isinstance(value, (int, float, list)):
         return np.asarray(value, dtype=np.float64)
-    return value
+    host = host_array(value)  # a torch tensor: its data, on the host, of its dtype
+    return value if host is None else host
 
 
 # --- operator families -----------------------------------------------------
@@ -563,11 +564,11 @@ def _prepare(
         y, aux = split_aux(f, y)
         output = primary(f)
     n, m = tree_size(fw, px), tree_size(fw, y)
-    choices = candidates(backend, family, traced=traced, n=n, m=m)
+    choices = candidates(backend, family, traced=traced, n=n, m=m, framework=fw.name)
     failed: list[tuple[Backend, str]] = []  # Auto's choices whose transformation failed
     for i, resolved in enumerate(choices):
         reason = (
-            _auto_reason(family, traced, n, m, failed, resolved)
+            _auto_reason(family, traced, n, m, failed, resolved, fw.name)
             if isinstance(backend, Auto) else None
         )
         try:
@@ -690,12 +691,12 @@ def _name(f: Callable) -> str:
 
 def _auto_reason(
     family: str, traced: bool, n: int, m: int, failed: list[tuple[Backend, str]],
-    chosen: Backend,
+    chosen: Backend, framework: str,
 ) -> str:
     """What ``Auto`` chose for ``family`` and why: its rule, or the modes that do not
     trace for this function and the one it uses instead."""
     if not failed:
-        return auto_rule(family, traced=traced, n=n, m=m)
+        return auto_rule(family, traced=traced, n=n, m=m, framework=framework)
     grouped: list[tuple[list[str], str]] = []  # modes failing for one reason, together
     for choice, why in failed:
         if grouped and grouped[-1][1] == why:
@@ -739,7 +740,7 @@ def _cannot(
     the backend, and the backend ``Auto`` would use instead where one traces."""
     n, m = tree_size(framework, x), tree_size(framework, y)
     other = None
-    for choice in auto_candidates(family, traced=True, n=n, m=m):
+    for choice in auto_candidates(family, traced=True, n=n, m=m, framework=framework.name):
         if choice != resolved and trace_error(
             f, choice, family, x, tangents, contexts, y, framework
         ) is None:
@@ -1080,7 +1081,10 @@ def call(
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
-        if found.tangents is not None and prep.traced:
+        from_host = getattr(prep.framework, "from_host", None)
+        if from_host is not None:  # a framework whose programs answer on the host (torch)
+            out = from_host(out)
+        elif found.tangents is not None and prep.traced:
             out = _on_device(prep.framework, prep.results(found.operator), out)
     return returned(OPERATORS[operator], out, prep.has_aux)
 
@@ -1116,7 +1120,7 @@ def resolve(
         if has_aux:
             y, f = split_aux(f, y)[0], primary(f)
         n, m = tree_size(fw, x), tree_size(fw, y)
-        choices = candidates(backend, op.family, traced=traced, n=n, m=m)
+        choices = candidates(backend, op.family, traced=traced, n=n, m=m, framework=fw.name)
         chosen, failed = choices[0], []
         if len(choices) > 1 and _checks(op.family, x, contexts, y, fw):
             tangents = _probe_tangents(op.family, x, y, fw)
@@ -1131,7 +1135,8 @@ def resolve(
     if not explain:
         return chosen
     reason = (
-        _auto_reason(op.family, traced, n, m, failed, chosen) if isinstance(backend, Auto) else None
+        _auto_reason(op.family, traced, n, m, failed, chosen, fw.name)
+        if isinstance(backend, Auto) else None
     )
     return chosen, reason
 

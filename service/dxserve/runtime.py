@@ -50,6 +50,8 @@ def bootstrap(settings: Settings) -> None:
         Path(settings.compilation_cache) / "executables" if settings.compilation_cache else None,
         settings.executable_cache_mb << 20,
     )
+    if settings.torch_compile:  # read by frameworks/torch.py, which loads with torch
+        os.environ["DXSERVE_TORCH_COMPILE"] = "1"
     if settings.warm_up:
         warm_up()
 

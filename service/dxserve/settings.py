@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     compilation_cache_mb: int = Field(default=1024, ge=0)
     #: Initialise JAX (backend, tracer, compiler) at start-up, not on the first request.
     warm_up: bool = True
+    #: Wrap the executables of functions written in torch in ``torch.compile``: seconds of
+    #: compilation per new signature for calls many times faster on small inputs (off:
+    #: they run eagerly; bench/results/torch-cpu.md). Read when torch is first used.
+    torch_compile: bool = False
     #: Bearer token required for registry writes (and compute, if below is set).
     token: str | None = None
     #: A file of accepted tokens, one per line (``#`` comments), besides ``token``.

@@ -42,7 +42,8 @@ def _union(name: str) -> dict:
 def test_backend_union_is_complete() -> None:
     union = _union("HvpRequest")
     assert set(union["mapping"]) == {
-        "jax-forward", "jax-reverse", "finite-differences", "second-order", "auto", "sparse"
+        "jax-forward", "jax-reverse", "torch-forward", "torch-reverse", "finite-differences",
+        "second-order", "auto", "sparse",
     }
     second = SCHEMAS["SecondOrderBackend"]
     assert set(second["required"]) == {"type", "outer", "inner"}

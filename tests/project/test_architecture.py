@@ -290,15 +290,60 @@ def _neutral_files() -> list[Path]:
     return out
 
 
-@pytest.mark.parametrize("path", _neutral_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_the_neutral_core_imports_no_jax(path: Path) -> None:
-    """Not at module level, not inside a function, not for type checking: the one
-    JAX-specific place is ``frameworks/jax.py`` (with the JAX engines and kinds)."""
+def _imported(path: Path, tops: tuple[str, ...]) -> list[str]:
+    """Every import of a top-level package in ``tops`` anywhere in ``path`` (at module
+    level, inside functions, for type checking)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.split(".")[0] in ("jax", "jaxlib")]
+            found += [a.name for a in node.names if a.name.split(".")[0] in tops]
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            if node.module.split(".")[0] in ("jax", "jaxlib"):
+            if node.module.split(".")[0] in tops:
                 found.append(node.module)
-    assert found == []
+    return found
+
+
+@pytest.mark.parametrize("path", _neutral_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_neutral_core_imports_no_jax_nor_torch(path: Path) -> None:
+    """Not at module level, not inside a function, not for type checking: the one
+    JAX-specific place is ``frameworks/jax.py`` (with the JAX engines and kinds), the one
+    torch-specific place ``frameworks/torch.py`` (with the torch engines)."""
+    assert _imported(path, ("jax", "jaxlib", "torch")) == []
+
+
+#: The only modules that import torch, and only when a torch function or backend is used.
+TORCH_MODULES = {"frameworks/torch.py", "backends/torch_modes.py"}
+
+
+def test_torch_lives_in_its_own_modules() -> None:
+    importing = {
+        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+        if _imported(path, ("torch", "functorch"))
+    }
+    assert importing == TORCH_MODULES
+    for path in (REPO / "contract", REPO / "clients" / "python"):
+        assert [p for p in path.rglob("*.py") if _imported(p, ("torch",))] == []
+
+
+_NO_TORCH_PROBE = """
+import json, sys
+import numpy as np
+import dxserve, dxserve.http.app, dxserve.service, dxclient
+from dxserve.backends import PLUGINS
+g = dxserve.gradient(lambda x: (x ** 2).sum(), "auto", np.array([1.0, 2.0]))
+print(json.dumps({"torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+                  "backends": sorted(PLUGINS), "g": np.asarray(g).tolist()}))
+"""
+
+
+def test_importing_and_using_dxserve_imports_no_torch() -> None:
+    """Torch's backends are registered without torch: it is imported when a torch
+    function or engine is first used, never by dxserve itself."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_PROBE], capture_output=True, text=True, timeout=120,
+        check=True,
+    )
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["torch"] == []
+    assert {"torch-forward", "torch-reverse", "jax-forward"} <= set(found["backends"])
+    assert found["g"] == [2.0, 4.0]

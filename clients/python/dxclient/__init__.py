@@ -12,6 +12,8 @@ from dxcontract.backends import (
     SecondOrder,
     Sparse,
     SparsePattern,
+    TorchForward,
+    TorchReverse,
     backend_from_json,
 )
 from dxcontract.errors import DxError, PreparationMismatchError
@@ -47,5 +49,7 @@ __all__ = [
     "SecondOrder",
     "Sparse",
     "SparsePattern",
+    "TorchForward",
+    "TorchReverse",
     "backend_from_json",
 ]

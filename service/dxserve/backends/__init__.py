@@ -1,7 +1,8 @@
 """Backend descriptors (shared with the client) and the engines behind them.
 
 The built-in backends are registered here with the same ``register_backend`` a
-plug-in uses.
+plug-in uses. The torch modes' engines (``torch_modes``) are imported when one is
+first made: registering them imports no torch.
 """
 
 from dxcontract.backends import (
@@ -12,6 +13,8 @@ from dxcontract.backends import (
     JaxReverse,
     SecondOrder,
     Sparse,
+    TorchForward,
+    TorchReverse,
     backend_from_json,
 )
 
@@ -27,12 +30,43 @@ register_backend(
     lambda b, *, traced, nested: ForwardEngine(b.batch_size, traced),
     parameters={"batch_size": "tangents per vectorized call (null: all)"},
     notes="second order as forward-over-reverse",
+    framework="jax",
+    mode="forward",
 )
 register_backend(
     JaxReverse,
     lambda b, *, traced, nested: ReverseEngine(b.batch_size, traced),
     parameters={"batch_size": "rows per vectorized call (null: all)"},
     notes="second order as forward-over-reverse",
+    framework="jax",
+    mode="reverse",
+)
+
+
+def _torch_engine(b: TorchForward | TorchReverse, *, traced: bool, nested: bool) -> Engine:
+    from .torch_modes import TorchForwardEngine, TorchReverseEngine  # torch, when used
+
+    kind = TorchForwardEngine if isinstance(b, TorchForward) else TorchReverseEngine
+    return kind(b.batch_size, traced)
+
+
+register_backend(
+    TorchForward,
+    _torch_engine,
+    parameters={"batch_size": "tangents per vectorized call (null: all)"},
+    notes="torch.func.jvp, for functions written in torch; second order as "
+    "forward-over-reverse",
+    framework="torch",
+    mode="forward",
+)
+register_backend(
+    TorchReverse,
+    _torch_engine,
+    parameters={"batch_size": "rows per vectorized call (null: all)"},
+    notes="torch.func.vjp, for functions written in torch; second order as "
+    "forward-over-reverse",
+    framework="torch",
+    mode="reverse",
 )
 register_backend(
     FiniteDifferences,
@@ -73,6 +107,8 @@ __all__ = [
     "JaxReverse",
     "SecondOrder",
     "Sparse",
+    "TorchForward",
+    "TorchReverse",
     "backend_from_json",
     "backend_table",
     "engine_for",

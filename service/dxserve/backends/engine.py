@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from ..frameworks import Framework, get_framework
+from ..frameworks import Framework, astype, get_framework
 
 Tree = Any
 
@@ -227,7 +227,8 @@ class Engine:
     def _columns(self, g: Fn, x: Tree) -> tuple[Tree, Any, Callable]:
         """``(g(x), cols, unflatten)``: cols stacks ``J @ e_i`` over flat x, shape (n, *y)."""
         v, unflatten = self.flatten(x)
-        y, cols = self.pushforward(lambda u: g(unflatten(u)), v, self.basis(v.size, v.dtype))
+        n = math.prod(v.shape)  # (not v.size: a method on some frameworks' arrays)
+        y, cols = self.pushforward(lambda u: g(unflatten(u)), v, self.basis(n, v.dtype))
         return y, cols, unflatten
 
     def _rows(self, g: Fn, x: Tree) -> tuple[Any, Any, Callable]:
@@ -246,7 +247,7 @@ class Engine:
             eye = self.basis(m, np.result_type(*[_dtype_of(v) for v in leaves]))
             parts = _split(eye, sizes, axis=1)
             cotangents = [
-                xp.reshape(p, (m, *np.shape(v))).astype(_dtype_of(v))
+                astype(xp, xp.reshape(p, (m, *np.shape(v))), _dtype_of(v))
                 for p, v in zip(parts, leaves, strict=True)
             ]
             y, out = self.pullback(g, x, ops.unflatten(y_def, cotangents))
@@ -281,7 +282,7 @@ def _blocks(ops: Framework, rows: list[Any], y: Tree, x: Tree) -> Tree:
     nested = []
     for part, y_leaf in zip(rows, y_leaves, strict=True):
         blocks = [
-            xp.reshape(b, (*np.shape(y_leaf), *np.shape(x_leaf))).astype(_dtype_of(x_leaf))
+            astype(xp, xp.reshape(b, (*np.shape(y_leaf), *np.shape(x_leaf))), _dtype_of(x_leaf))
             for b, x_leaf in zip(_split(part, sizes, axis=1), x_leaves, strict=True)
         ]
         nested.append(ops.unflatten(x_def, blocks))

@@ -47,8 +47,8 @@ class FiniteDifferencesEngine(Engine):
 
     def _h(self, x: Tree) -> Any:
         leaves = self.ops.leaves(x)
-        dtype = np.finfo(leaves[0].dtype).dtype  # complex64/128: float32/64's step, a real h
-        eps = float(np.finfo(dtype).eps)
+        dtype = self.xp.real(leaves[0]).dtype  # complex64/128: float32/64's step, a real h
+        eps = float(self.xp.finfo(dtype).eps)  # the framework's own dtypes (torch's)
         power = {("central", False): 1 / 3, ("forward", False): 1 / 2,
                  ("central", True): 1 / 4, ("forward", True): 1 / 3}[(self.method, self.nested)]
         base = self.step if self.step is not None else eps**power

@@ -41,6 +41,11 @@ class BackendPlugin:
     #: and builds its engines; None for plain backends
     resolve: Resolver | None = None
     engines: EnginesFactory | None = None
+    #: the one framework whose functions the engine differentiates (None: any)
+    framework: str | None = None
+    #: "forward" or "reverse": the framework's native mode this backend is (``auto``
+    #: picks it for the framework's functions); None for other backends
+    mode: str | None = None
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -48,6 +53,8 @@ class BackendPlugin:
             "parameters": dict(self.parameters),
             "operators": list(self.operators),
         }
+        if self.framework is not None:
+            out["framework"] = self.framework
         if self.notes:
             out["notes"] = self.notes
         return out
@@ -65,9 +72,16 @@ def register_backend(
     notes: str = "",
     resolve: Resolver | None = None,
     engines: EnginesFactory | None = None,
+    framework: str | None = None,
+    mode: str | None = None,
 ) -> BackendPlugin:
     """Add a backend type: ``descriptor`` (a frozen dataclass with a class attribute
     ``type`` and ``to_json()``) and ``engine(descriptor, *, traced, nested)``.
+
+    ``framework``: the framework (``frameworks``) whose functions alone the engine
+    differentiates (None: any function); ``mode``: ``"forward"`` or ``"reverse"`` when
+    the backend is that framework's native mode, which ``auto`` then picks for its
+    functions (the first registered of each mode), second order forward-over-reverse.
 
     ``parameters`` documents the descriptor's JSON parameters (name -> meaning); by
     default they are its dataclass fields. A first-order backend asked for a second
@@ -77,11 +91,33 @@ def register_backend(
     if parameters is None:
         parameters = {f.name: f.name for f in fields(descriptor)} if is_dataclass(descriptor) else {}
     register_backend_type(descriptor, tuple(parameters))
+    if mode not in (None, "forward", "reverse"):
+        raise ValueError(f"mode is 'forward', 'reverse' or None, got {mode!r}")
     plugin = BackendPlugin(
-        descriptor, engine, dict(parameters), tuple(operators), notes, resolve, engines
+        descriptor, engine, dict(parameters), tuple(operators), notes, resolve, engines,
+        framework, mode,
     )
     PLUGINS[descriptor.type] = plugin
     return plugin
+
+
+def native_modes(framework: str) -> dict[str, type]:
+    """``{"forward": descriptor class, "reverse": ...}``: the modes registered as
+    ``framework``'s own (the first of each; fewer where none is)."""
+    found: dict[str, type] = {}
+    for plugin in PLUGINS.values():
+        if plugin.framework == framework and plugin.mode is not None:
+            found.setdefault(plugin.mode, plugin.descriptor)
+    return found
+
+
+def fitting(framework: str) -> list[str]:
+    """The backend types that differentiate ``framework``'s functions: its own first-order
+    backends, those for any framework, and the choosers (``auto``, ``second-order``)."""
+    return [
+        name for name, plugin in PLUGINS.items()
+        if plugin.framework in (None, framework) and name != "sparse"
+    ]
 
 
 def backend_table() -> list[dict[str, Any]]:

@@ -1,108 +1,124 @@
 """Turn what the user asked for into concrete descriptors and engines, per operator.
 
-``Auto()`` picks what each operator family's spec says (``OperatorSpec.auto``): reverse
-for gradients and pullbacks, forward for pushforwards and derivatives, forward vs
-reverse for Jacobians by comparing sizes (forward when n = x.size ≤ m = y.size), and
-forward-over-reverse for second order (``OperatorSpec.order``). A function JAX
-cannot trace gets finite differences. Where the function traces but the chosen mode's
+``Auto()`` picks what each operator family's spec says (``OperatorSpec.auto``) among the
+native modes of the function's framework (``jax-forward``/``jax-reverse`` for JAX,
+``torch-forward``/``torch-reverse`` for torch): reverse for gradients and pullbacks,
+forward for pushforwards and derivatives, forward vs reverse for Jacobians by comparing
+sizes (forward when n = x.size ≤ m = y.size), and forward-over-reverse for second order
+(``OperatorSpec.order``). A function its framework cannot trace, or a framework without
+native modes, gets finite differences. Where the function traces but the chosen mode's
 transformation of it does not (reverse mode through a ``lax.while_loop``, say),
-preparation falls back along ``auto_candidates``: the other JAX mode, then finite
-differences (second order: forward-over-forward, then finite differences). A single first-order backend asked for a
-second-order operator follows DifferentiationInterface's rule: JAX modes become
-forward-over-reverse (keeping the backend's batch_size on the outer mode), any
-other backend ``b`` becomes ``SecondOrder(b, b)`` (finite differences over finite
+preparation falls back along ``auto_candidates``: the framework's other mode, then finite
+differences (second order: forward-over-forward, then finite differences). A single
+first-order backend asked for a second-order operator follows DifferentiationInterface's
+rule: a framework's native modes become forward-over-reverse (keeping the backend's
+batch_size on the outer mode), any other backend ``b`` becomes ``SecondOrder(b, b)``
+(finite differences over finite
 differences, say).
+
+A backend registered for one framework never differentiates another's functions: a
+JAX mode named for a torch function (or the reverse) is refused, naming the backends
+that fit.
 """
 
 from __future__ import annotations
 
 import json
 
-from dxcontract.backends import (
-    Auto,
-    Backend,
-    FiniteDifferences,
-    JaxForward,
-    JaxReverse,
-    SecondOrder,
-    Sparse,
-)
+from dxcontract.backends import Auto, Backend, FiniteDifferences, SecondOrder, Sparse
 from dxcontract.errors import UnsupportedOperatorError
 from dxcontract.operators import OPERATORS
 
+from ..frameworks import DEFAULT
 from . import real_parts
 from .engine import Engine
-from .plugins import PLUGINS
+from .plugins import PLUGINS, fitting, native_modes
 
 #: the families second-order backends serve (their specs say order 2)
 SECOND_ORDER = tuple(name for name, op in OPERATORS.items() if op.family == name and op.order == 2)
 
 
 def resolve_backend(
-    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0
+    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0,
+    framework: str = DEFAULT,
 ) -> Backend:
     """The concrete descriptor used for ``family`` (never ``Auto``); ``backend`` is a
-    descriptor, parsed where the call came in."""
+    descriptor, parsed where the call came in; ``framework``: the name of the function's
+    framework (a backend of another framework is refused)."""
     if family == "sparsity" and backend.type != "sparse":  # the pattern: any backend's
         backend = Sparse(dense=backend)
+    refuse_other_framework(backend, framework)
     plugin = PLUGINS.get(backend.type)
     if plugin is not None and plugin.resolve is not None:
         return plugin.resolve(backend, family, traced=traced, n=n, m=m)
     spec = OPERATORS[family]
     second = spec.order == 2
+    modes = native_modes(framework)
     if isinstance(backend, Auto):
-        return auto_candidates(family, traced=traced, n=n, m=m)[0]
+        return auto_candidates(family, traced=traced, n=n, m=m, framework=framework)[0]
     if isinstance(backend, SecondOrder):
         if not second:
             raise UnsupportedOperatorError(
                 f"second-order backends serve {', '.join(SECOND_ORDER)}, not "
-                f"{family}; pass a first-order backend such as 'jax-reverse'",
+                f"{family}; pass a first-order backend such as "
+                f"{_first_order_example(framework)!r}",
                 field="backend",
             )
         return backend
     if second:
-        if isinstance(backend, JaxForward | JaxReverse):
-            return SecondOrder(JaxForward(batch_size=backend.batch_size), JaxReverse())
+        if plugin is not None and plugin.mode is not None and len(modes) == 2:
+            return SecondOrder(
+                modes["forward"](batch_size=getattr(backend, "batch_size", None)),
+                modes["reverse"](),
+            )
         return SecondOrder(backend, backend)
     return backend
 
 
-def auto_candidates(family: str, *, traced: bool, n: int = 0, m: int = 0) -> tuple[Backend, ...]:
-    """What ``Auto`` uses for ``family``, best first: the spec's rule, then what to try
-    when the function traces but that mode's transformation of it does not: the other
-    JAX mode, then finite differences (second order: forward-over-reverse, then
-    forward-over-forward, then finite differences over finite differences)."""
+def auto_candidates(
+    family: str, *, traced: bool, n: int = 0, m: int = 0, framework: str = DEFAULT
+) -> tuple[Backend, ...]:
+    """What ``Auto`` uses for ``family``, best first: the spec's rule among
+    ``framework``'s native modes, then what to try when the function traces but that
+    mode's transformation of it does not: the other mode, then finite differences
+    (second order: forward-over-reverse, then forward-over-forward, then finite
+    differences over finite differences)."""
     spec = OPERATORS[family]
     fd = FiniteDifferences()
+    modes = native_modes(framework)
+    if not traced or len(modes) < 2:
+        return (SecondOrder(fd, fd),) if spec.order == 2 else (fd,)
+    forward, reverse = modes["forward"], modes["reverse"]
     if spec.order == 2:
-        if not traced:
-            return (SecondOrder(fd, fd),)
-        forward = JaxForward()
-        return (SecondOrder(forward, JaxReverse()), SecondOrder(forward, forward), SecondOrder(fd, fd))
-    if not traced:
-        return (fd,)
+        return (
+            SecondOrder(forward(), reverse()), SecondOrder(forward(), forward()),
+            SecondOrder(fd, fd),
+        )
     if spec.auto == "reverse" or (spec.auto == "by_size" and n > m):
-        first, other = JaxReverse(), JaxForward()
+        first, other = reverse(), forward()
     else:
-        first, other = JaxForward(), JaxReverse()
+        first, other = forward(), reverse()
     return (first,) if spec.order == 0 else (first, other, fd)
 
 
 def candidates(
-    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0
+    backend: Backend, family: str, *, traced: bool, n: int = 0, m: int = 0,
+    framework: str = DEFAULT,
 ) -> tuple[Backend, ...]:
     """The concrete descriptors preparation tries for ``family``, in order: Auto's
     ladder (``auto_candidates``), or the one that ``resolve_backend`` gives."""
     if isinstance(backend, Auto) and family != "sparsity":
-        return auto_candidates(family, traced=traced, n=n, m=m)
-    return (resolve_backend(backend, family, traced=traced, n=n, m=m),)
+        return auto_candidates(family, traced=traced, n=n, m=m, framework=framework)
+    return (resolve_backend(backend, family, traced=traced, n=n, m=m, framework=framework),)
 
 
-def auto_rule(family: str, *, traced: bool, n: int = 0, m: int = 0) -> str:
+def auto_rule(
+    family: str, *, traced: bool, n: int = 0, m: int = 0, framework: str = DEFAULT
+) -> str:
     """Why ``Auto`` first picks what it picks for ``family`` (a sentence)."""
-    chosen = auto_candidates(family, traced=traced, n=n, m=m)[0]
+    chosen = auto_candidates(family, traced=traced, n=n, m=m, framework=framework)[0]
     if not traced:
-        return f"auto: {mode_name(chosen)}, as JAX cannot trace this function"
+        return f"auto: {mode_name(chosen)}, as {_label(framework)} cannot trace this function"
     spec = OPERATORS[family]
     if spec.order == 1 and spec.auto == "by_size":
         size = f"x has {n} elements, f(x) {m}"
@@ -114,13 +130,13 @@ def mode_name(backend: Backend) -> str:
     """How a concrete backend differentiates, in words: ``"reverse mode"``,
     ``"forward-over-reverse"``, ``"finite differences"``, ..."""
     if isinstance(backend, SecondOrder):
-        if isinstance(backend.outer, JaxForward | JaxReverse) and isinstance(
-            backend.inner, JaxForward | JaxReverse
-        ):
-            return f"{_direction(backend.outer)}-over-{_direction(backend.inner)}"
+        outer, inner = _direction(backend.outer), _direction(backend.inner)
+        if outer is not None and inner is not None:
+            return f"{outer}-over-{inner}"
         return f"{mode_name(backend.outer)} over {mode_name(backend.inner)}"
-    if isinstance(backend, JaxForward | JaxReverse):
-        return f"{_direction(backend)} mode"
+    direction = _direction(backend)
+    if direction is not None:
+        return f"{direction} mode"
     if isinstance(backend, FiniteDifferences):
         return "finite differences"
     return backend.type
@@ -136,8 +152,45 @@ def backend_name(backend: Backend) -> str:
     return backend.type
 
 
-def _direction(backend: Backend) -> str:
-    return "forward" if isinstance(backend, JaxForward) else "reverse"
+def _direction(backend: Backend) -> str | None:
+    """``"forward"`` or ``"reverse"`` for a framework's native mode, else ``None``."""
+    plugin = PLUGINS.get(backend.type)
+    return None if plugin is None else plugin.mode
+
+
+def _label(framework: str) -> str:
+    return {"jax": "JAX", "torch": "PyTorch"}.get(framework, framework)
+
+
+def refuse_other_framework(backend: Backend, framework: str) -> None:
+    """``UnsupportedOperatorError`` (422, field ``backend``) when ``backend``, or a backend
+    nested in it, differentiates only another framework's functions; it names the
+    backends that fit (also as ``fits`` in the problem document)."""
+    for part, field in _parts(backend, "backend"):
+        plugin = PLUGINS.get(part.type)
+        if plugin is None or plugin.framework in (None, framework):
+            continue
+        fits = fitting(framework)
+        raise UnsupportedOperatorError(
+            f"{part.type} differentiates functions written in {plugin.framework}, and this "
+            f"function is written in {framework}; use one of: {', '.join(fits)}",
+            field=field, fits=fits,
+        )
+
+
+def _parts(backend: Backend, field: str) -> list[tuple[Backend, str]]:
+    """``backend`` and the backends nested in it (second order, sparse), with their fields."""
+    out = [(backend, field)]
+    for name in ("outer", "inner", "dense"):
+        nested = getattr(backend, name, None)
+        if nested is not None and hasattr(nested, "type"):
+            out += _parts(nested, f"{field}.{name}")
+    return out
+
+
+def _first_order_example(framework: str) -> str:
+    modes = native_modes(framework)
+    return modes["reverse"].type if "reverse" in modes else FiniteDifferences.type
 
 
 def engine_for(backend: Backend, *, traced: bool, nested: bool = False) -> Engine:

@@ -391,4 +391,5 @@ def register() -> None:
         "on the dense backend",
         resolve=resolve_sparse,
         engines=sparse_engines,
+        framework="jax",  # patterns are detected from JAX programs (asdex)
     )

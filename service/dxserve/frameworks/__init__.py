@@ -3,7 +3,8 @@
 The operators, the engines' fallbacks, preparation, chunking, budgets and request
 batching are written against ``Framework`` alone; JAX is one framework
 (``frameworks/jax.py``). A function says which framework it is written in with
-``@dxserve.function(framework="name")``; unmarked functions are JAX's.
+``@dxserve.function(framework="name")``; an unmarked one whose code refers to torch
+and not to JAX is torch's (``detect_framework``), any other JAX's.
 
 A framework that has no abstract evaluation (torch, numpy) probes by calling the
 function (on meta tensors, or small inputs); one that cannot compile returns its
@@ -17,6 +18,9 @@ importing dxserve registers JAX's lazily, on first use, and changes nothing else
 
 from __future__ import annotations
 
+import sys
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -50,7 +54,8 @@ class Framework(Protocol):
     name: str
     #: the array namespace the fallbacks compute with (``jnp``, ``numpy``): ``eye``,
     #: ``ones``, ``zeros``, ``empty``, ``arange``, ``reshape``, ``ravel``, ``concatenate``,
-    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``, ``real``, ``imag``
+    #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``, ``real``, ``imag``, ``finfo``,
+    #: and ``astype`` where its arrays have no ``astype`` method (see ``astype``)
     xp: Any
 
     # --- pytrees ------------------------------------------------------------------
@@ -182,6 +187,10 @@ class Framework(Protocol):
         framework without it (one without tracing) never gets here."""
         ...
 
+    # optional: ``from_host(tree)``, for a framework whose executables return host arrays
+    # (torch's): every result of a library call as the framework's arrays. Without it, the
+    # library returns what the executables return (per-tangent results ``to_device``).
+
 
 _FRAMEWORKS: dict[str, Framework] = {}
 
@@ -193,12 +202,24 @@ def register_framework(framework: Framework) -> Framework:
 
 
 def get_framework(name: str = DEFAULT) -> Framework:
-    """The framework registered as ``name`` (JAX's is made on first use)."""
+    """The framework registered as ``name`` (JAX's and torch's are made on first use;
+    torch's needs torch installed: the server's ``torch`` extra)."""
     found = _FRAMEWORKS.get(name)
     if found is None and name == DEFAULT:
         from .jax import JAX  # loaded when first asked for: importing dxserve stays light
 
         found = _FRAMEWORKS.setdefault(DEFAULT, JAX)
+    if found is None and name == "torch":
+        try:
+            from .torch import TORCH  # imports torch: only for torch functions
+        except ImportError as exc:
+            from dxcontract.extras import SERVER, install_hint
+
+            raise KeyError(
+                f"framework 'torch' needs PyTorch installed ({install_hint('torch', SERVER)}): "
+                f"{exc}"
+            ) from None
+        found = _FRAMEWORKS.setdefault("torch", TORCH)
     if found is None:
         raise KeyError(f"no framework {name!r} is registered (known: {sorted(_FRAMEWORKS)})")
     return found
@@ -206,9 +227,123 @@ def get_framework(name: str = DEFAULT) -> Framework:
 
 def framework_of(f: Callable) -> Framework:
     """The framework ``f`` is written in: the one its ``@dxserve.function(framework=...)``
-    names, else ``DEFAULT``."""
+    names, else the one its code refers to (``detect_framework``)."""
     info = getattr(f, "__dxserve__", None)
-    return get_framework(getattr(info, "framework", None) or DEFAULT)
+    name = getattr(info, "framework", None)
+    return get_framework(name or _detected(f))
 
 
-__all__ = ["DEFAULT", "Estimate", "Framework", "framework_of", "get_framework", "register_framework"]
+_DETECTED: weakref.WeakKeyDictionary[Callable, str] = weakref.WeakKeyDictionary()
+#: libraries whose functions are told apart by what their code refers to
+_LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}
+
+
+def _detected(f: Callable) -> str:
+    try:
+        found = _DETECTED.get(f)
+    except TypeError:  # not weakly referable: detected each time
+        return detect_framework(f)
+    if found is None:
+        found = detect_framework(f)
+        try:
+            _DETECTED[f] = found
+        except TypeError:
+            pass
+    return found
+
+
+def detect_framework(f: Callable) -> str:
+    """``"torch"`` when ``f``'s code refers to torch (the module or anything from it: a
+    function, a tensor, an ``nn.Module``, among its globals and closure, and those of
+    the functions it calls in its own modules) and not to JAX; else ``DEFAULT``.
+    Ambiguous and plain-Python functions are JAX's, as before."""
+    if "torch" not in sys.modules:  # nothing can be torch's
+        return DEFAULT
+    found = _libraries(f, depth=3, seen=set())
+    return "torch" if found == {"torch"} else DEFAULT
+
+
+def _libraries(f: Any, depth: int, seen: set[int]) -> set[str]:
+    """The libraries (``_LIBRARIES``' values) that ``f`` refers to."""
+    if id(f) in seen:
+        return set()
+    seen.add(id(f))
+    f = getattr(f, "func", f)  # functools.partial
+    own = _library_of(f)
+    if own is not None:
+        return {own}
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return set()
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    scope = getattr(f, "__globals__", {})
+    values = [scope[n] for n in names if n in scope]
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    found: set[str] = set()
+    for value in values:
+        library = _library_of(value)
+        if library is not None:
+            found.add(library)
+        elif depth > 0 and isinstance(value, types.FunctionType):
+            found |= _libraries(value, depth - 1, seen)
+    return found
+
+
+def _library_of(value: Any) -> str | None:
+    """``"torch"`` or ``"jax"`` for a module, function, class or object of theirs (an
+    ``nn.Module`` subclass of the caller's is torch's: its bases are)."""
+    if isinstance(value, types.ModuleType):
+        names = [value.__name__]
+    elif isinstance(value, type):
+        names = [c.__module__ for c in value.__mro__]
+    elif isinstance(value, types.FunctionType):
+        names = [value.__module__]
+    else:
+        names = [getattr(value, "__module__", None), *(c.__module__ for c in type(value).__mro__)]
+    for name in names:
+        found = _LIBRARIES.get(name.split(".")[0]) if isinstance(name, str) else None
+        if found is not None:
+            return found
+    return None
+
+
+def host_array(value: Any) -> Any:
+    """A torch tensor (torch is loaded: its caller made it) as a numpy array on the host,
+    of its dtype, detached from any autograd graph; None for anything else. Operators
+    take numpy at their edge: a tensor's data is read once, never tracked."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    from .torch import host_numpy
+
+    try:
+        return host_numpy(value)
+    except RuntimeError as exc:  # a tensor inside torch.func's own transforms
+        from dxcontract.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "a torch tensor being transformed by torch.func (grad, vmap, ...) cannot be "
+            f"passed to a dxserve operator; pass concrete tensors ({exc})"[:400]
+        ) from None
+
+
+def astype(xp: Any, a: Any, dtype: Any) -> Any:
+    """``a`` cast to ``dtype``: ``xp.astype`` (the array API's function) where the namespace
+    has one, else the array's own method (numpy 1.x)."""
+    cast = getattr(xp, "astype", None)
+    return a.astype(dtype) if cast is None else cast(a, dtype)
+
+
+__all__ = [
+    "DEFAULT", "Estimate", "Framework", "astype", "detect_framework", "framework_of",
+    "get_framework", "host_array", "register_framework",
+]

@@ -61,6 +61,22 @@ class JaxReverseBackend(BaseModel):
     batch_size: int | None = _BATCH
 
 
+class TorchForwardBackend(BaseModel):
+    """PyTorch forward mode (``torch.func.jvp``), for functions written in torch."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["torch-forward"]
+    batch_size: int | None = _BATCH
+
+
+class TorchReverseBackend(BaseModel):
+    """PyTorch reverse mode (``torch.func.vjp``), for functions written in torch."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["torch-reverse"]
+    batch_size: int | None = _BATCH
+
+
 class FiniteDifferencesBackend(BaseModel):
     """Finite differences (any function, traced or not)."""
 
@@ -71,9 +87,13 @@ class FiniteDifferencesBackend(BaseModel):
     batch_size: int | None = _BATCH
 
 
-FirstOrderName = Literal["jax-forward", "jax-reverse", "finite-differences"]
+FirstOrderName = Literal[
+    "jax-forward", "jax-reverse", "torch-forward", "torch-reverse", "finite-differences"
+]
 FirstOrderBackend = Annotated[
-    JaxForwardBackend | JaxReverseBackend | FiniteDifferencesBackend, Field(discriminator="type")
+    JaxForwardBackend | JaxReverseBackend | TorchForwardBackend | TorchReverseBackend
+    | FiniteDifferencesBackend,
+    Field(discriminator="type"),
 ]
 
 
@@ -123,12 +143,15 @@ class SparseBackend(BaseModel):
 
 
 BackendObject = Annotated[
-    JaxForwardBackend | JaxReverseBackend | FiniteDifferencesBackend | SecondOrderBackend
-    | AutoBackend | SparseBackend,
+    JaxForwardBackend | JaxReverseBackend | TorchForwardBackend | TorchReverseBackend
+    | FiniteDifferencesBackend | SecondOrderBackend | AutoBackend | SparseBackend,
     Field(discriminator="type"),
 ]
 #: the shorthands: a backend named by its type, with default parameters
-BackendName = Literal["auto", "jax-forward", "jax-reverse", "finite-differences", "sparse"]
+BackendName = Literal[
+    "auto", "jax-forward", "jax-reverse", "torch-forward", "torch-reverse",
+    "finite-differences", "sparse",
+]
 
 
 _SHAPED_LIKE = {"x": "x", "y": "f(x)"}

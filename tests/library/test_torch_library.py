@@ -1,0 +1,254 @@
+"""PyTorch functions in process: what the torch conformance grid does not sweep.
+
+Framework detection, ``nn.Module`` parameters as a pytree x (results a dict of tensors
+by parameter name, as ``torch.func.grad``'s), dtypes in and out, one tangent, batches
+of points, chunked runs with progress, budgets, and the refusals: a backend of the
+other framework, a function that returns no tensor, tensors inside ``torch.func``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+
+import dxserve  # noqa: E402
+from dxcontract.errors import (  # noqa: E402
+    BudgetExceededError,
+    DtypeMismatchError,
+    FunctionEvaluationError,
+    InvalidArgumentError,
+    UnsupportedOperatorError,
+)
+from dxserve import SecondOrder, TorchForward, TorchReverse  # noqa: E402
+from dxserve.budget import ComputeLimits  # noqa: E402
+from dxserve.frameworks import framework_of  # noqa: E402
+from dxserve.jobs import Job  # noqa: E402
+from tests.references import rosenbrock_gradient, rosenbrock_hessian, sin_cumsum_jacobian  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def rosenbrock(x):
+    return torch.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+
+def sin_cumsum(x):
+    return torch.sin(x) * torch.cumsum(x, 0)
+
+
+class Recording(Job):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def report(self, done: int) -> None:
+        self.seen.append(done)
+        super().report(done)
+
+
+# --- which framework ----------------------------------------------------------------
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+NET = Net()
+
+
+def _uses_net(x):
+    return NET(x).sum()
+
+
+def test_functions_that_refer_to_torch_are_torch_functions() -> None:
+    assert framework_of(rosenbrock).name == "torch"
+    assert framework_of(lambda x: torch.sin(x).sum()).name == "torch"
+    assert framework_of(_uses_net).name == "torch"  # an nn.Module subclass of the caller's
+    assert framework_of(lambda x: rosenbrock(x) * 2).name == "torch"  # through a helper
+    assert framework_of(lambda x: jnp.sum(x)).name == "jax"
+    assert framework_of(lambda x: jnp.sum(x) + torch.zeros(())).name == "jax"  # both: JAX's
+    assert framework_of(lambda x: (x**2).sum()).name == "jax"  # plain Python: JAX's
+    marked = dxserve.function(framework="torch")(lambda x: (x**2).sum())
+    assert framework_of(marked).name == "torch"
+
+
+# --- values, dtypes, tangents -------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch-reverse", "torch-forward", "auto",
+                                     "finite-differences"])
+def test_float32_in_float32_out(backend: str) -> None:
+    x = np.linspace(0.1, 1.3, 6)
+    # float32: eps ~1.2e-7; finite differences' step ~5e-3, their error relative to max|g|
+    rtol = 1e-3 if backend == "finite-differences" else 1e-5
+    for given in (x.astype(np.float32), torch.tensor(x, dtype=torch.float32)):
+        g = dxserve.gradient(rosenbrock, backend, given)
+        assert isinstance(g, torch.Tensor) and g.dtype == torch.float32
+        want = rosenbrock_gradient(x)
+        np.testing.assert_allclose(g.numpy(), want, rtol=rtol, atol=rtol * np.abs(want).max())
+        j = dxserve.jacobian(sin_cumsum, backend, given)
+        assert j.dtype == torch.float32
+        np.testing.assert_allclose(j.numpy(), sin_cumsum_jacobian(x), rtol=rtol, atol=rtol)
+    h = dxserve.hessian(rosenbrock, "auto", x.astype(np.float32))
+    assert h.dtype == torch.float32
+    np.testing.assert_allclose(h.numpy(), rosenbrock_hessian(x), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch-forward", "torch-reverse",
+                                     SecondOrder(TorchReverse(), TorchReverse())])
+def test_one_tangent(backend) -> None:
+    x = np.linspace(0.2, 1.1, 5)
+    t = np.linspace(-1.0, 1.0, 5)
+    (hv,) = dxserve.hvp(rosenbrock, backend, x, (t,))
+    np.testing.assert_allclose(hv.numpy(), rosenbrock_hessian(x) @ t, rtol=1e-12)
+    if isinstance(backend, str):
+        (jt,) = dxserve.pushforward(sin_cumsum, backend, x, (t,))
+        np.testing.assert_allclose(jt.numpy(), sin_cumsum_jacobian(x) @ t, rtol=1e-12)
+        (ct,) = dxserve.pullback(sin_cumsum, backend, x, (t,))
+        np.testing.assert_allclose(ct.numpy(), t @ sin_cumsum_jacobian(x), rtol=1e-12)
+
+
+def test_batches_of_points() -> None:
+    xs = np.linspace(0.1, 1.3, 15).reshape(3, 5)
+    g = dxserve.gradient(rosenbrock, "torch-reverse", xs, batch_axis=0)
+    np.testing.assert_allclose(g.numpy(), np.stack([rosenbrock_gradient(x) for x in xs]),
+                               rtol=1e-12)
+    h = dxserve.hessian(rosenbrock, "auto", xs, batch_axis=0)
+    np.testing.assert_allclose(h.numpy(), np.stack([rosenbrock_hessian(x) for x in xs]),
+                               rtol=1e-12)
+
+
+# --- nn.Module parameters as x ------------------------------------------------------
+def test_module_parameters_are_the_pytree_x() -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 5, dtype=torch.float64), torch.nn.Tanh(),
+        torch.nn.Linear(5, 1, dtype=torch.float64),
+    )
+    data = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+
+    def loss(params, inputs):
+        return torch.func.functional_call(model, params, (inputs,)).pow(2).mean()
+
+    params = dict(model.named_parameters())  # tensors that require grad: read, not tracked
+    got = dxserve.gradient(loss, "auto", params, data)
+    want = torch.func.grad(loss)({k: v.detach() for k, v in params.items()}, data)
+    assert set(got) == set(want) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for k in want:
+        assert isinstance(got[k], torch.Tensor) and got[k].shape == want[k].shape
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
+    tangent = {k: torch.ones_like(v) for k, v in want.items()}
+    (hv,) = dxserve.hvp(loss, "auto", params, (tangent,), data)
+    _, want_hv = torch.func.jvp(lambda p: torch.func.grad(loss)(p, data),
+                                ({k: v.detach() for k, v in params.items()},), (tangent,))
+    for k in want_hv:
+        torch.testing.assert_close(hv[k], want_hv[k], rtol=1e-12, atol=1e-14)
+    assert all(v.grad is None for v in params.values())  # nothing accumulated on the model
+
+
+# --- chunks, progress, budgets --------------------------------------------------------
+@pytest.mark.parametrize(("operator", "f", "backend", "expected"), [
+    ("jacobian", sin_cumsum, "torch-forward", sin_cumsum_jacobian),
+    ("jacobian", sin_cumsum, "torch-reverse", sin_cumsum_jacobian),
+    ("hessian", rosenbrock, "auto", rosenbrock_hessian),
+])
+def test_chunked_runs_report_progress(operator, f, backend, expected) -> None:
+    x = np.linspace(0.1, 1.3, 40)
+    prep = dxserve.preparation.prepare(
+        operator, f, backend, x, None, (), limits=ComputeLimits(chunk_from=20)
+    )
+    assert prep.chunked(operator)
+    job = Recording()
+    (out,) = prep.run(operator, x, None, (), job)
+    assert job.seen[-1] == 40 and len(job.seen) == 10
+    np.testing.assert_allclose(np.asarray(out), expected(x), rtol=1e-12, atol=1e-12)
+    # the same numbers as one shot
+    whole = getattr(dxserve, operator)(f, backend, x)
+    np.testing.assert_allclose(np.asarray(out), whole.numpy(), rtol=1e-14, atol=1e-14)
+
+
+def test_chunks_fit_the_memory_budget_by_the_estimate() -> None:
+    x = np.linspace(0.1, 1.3, 300)
+    fd = SecondOrder(dxserve.FiniteDifferences(), dxserve.FiniteDifferences())
+    prep = dxserve.preparation.prepare(
+        "hessian", rosenbrock, fd, x, None, (),
+        limits=ComputeLimits(chunk_memory_bytes=8 * 1024**2, chunk_from=0),
+    )
+    size = prep.chunker.size_for("hessian")
+    assert size is not None and size < 300  # the one shot's estimate is over 8 MiB
+    job = Recording()
+    (h,) = prep.run("hessian", x, None, (), job)
+    exe = prep.chunker.executables()[0]
+    assert exe.estimate.memory_bytes <= 8 * 1024**2
+    np.testing.assert_allclose(h, rosenbrock_hessian(x), rtol=1e-4, atol=1e-2)
+
+
+def test_over_budget_is_refused_before_it_runs_as_for_jax() -> None:
+    from dxserve.examples import sin_cumsum as jax_sin_cumsum
+
+    x = np.linspace(0.1, 1.3, 64)
+    refusals = []
+    for f, backend in ((sin_cumsum, "torch-forward"), (jax_sin_cumsum, "jax-forward")):
+        with pytest.raises(BudgetExceededError) as info:
+            dxserve.preparation.prepare("jacobian", f, backend, x, None, (),
+                                        limits=ComputeLimits(max_memory_bytes=4096))
+        refusals.append(info.value.extra["limit"])
+    assert refusals == ["max_request_memory_bytes"] * 2
+
+
+def test_a_function_closing_over_tensors_is_not_estimated_but_runs() -> None:
+    weights = torch.linspace(1, 2, 5, dtype=torch.float64)  # concrete: no meta run
+
+    def weighted(x):
+        return torch.sum(weights * x**2)
+
+    prep = dxserve.preparation.prepare("gradient", weighted, "torch-reverse", np.ones(5),
+                                       None, (), limits=ComputeLimits(max_memory_bytes=1))
+    (g,) = prep.run("gradient", np.ones(5), None, ())
+    np.testing.assert_allclose(np.asarray(g), 2 * weights.numpy())
+
+
+# --- refusals ---------------------------------------------------------------------------
+def test_a_backend_of_the_other_framework_names_those_that_fit() -> None:
+    with pytest.raises(UnsupportedOperatorError) as info:
+        dxserve.gradient(rosenbrock, "jax-reverse", np.ones(3))
+    assert info.value.field == "backend"
+    assert {"torch-reverse", "torch-forward", "finite-differences"} <= set(
+        info.value.extra["fits"])
+    with pytest.raises(UnsupportedOperatorError) as info:
+        dxserve.hessian(rosenbrock, SecondOrder(TorchForward(), dxserve.JaxReverse()), np.ones(3))
+    assert info.value.field == "backend.inner"
+    with pytest.raises(UnsupportedOperatorError) as info:
+        dxserve.gradient(lambda x: jnp.sum(x**2), TorchReverse(), np.ones(3))
+    assert "jax-reverse" in info.value.extra["fits"]
+
+
+def test_careless_functions_and_inputs_are_typed_errors() -> None:
+    with pytest.raises(FunctionEvaluationError):
+        dxserve.gradient(lambda x: float(torch.sum(x)), "torch-reverse", np.ones(3))
+    with pytest.raises(DtypeMismatchError):
+        dxserve.gradient(rosenbrock, "torch-reverse", np.arange(3))
+    with pytest.raises(FunctionEvaluationError):  # the function raises on these inputs
+        dxserve.gradient(lambda x: torch.sum(x @ torch.ones(4, dtype=x.dtype)), "auto",
+                         np.ones(3))
+
+    def inside(x):  # an operator called on torch.func's own wrapped tensors
+        return dxserve.gradient(rosenbrock, "torch-reverse", x).sum()
+
+    with pytest.raises(InvalidArgumentError):
+        torch.func.grad(inside)(torch.ones(3, dtype=torch.float64))
+
+
+def test_torch_compile_executables_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dxserve.frameworks.torch as torch_framework
+
+    monkeypatch.setattr(torch_framework, "COMPILE", True)
+    x = np.linspace(0.1, 1.3, 7)
+    cache = dxserve.preparation.PrepCache()
+    g = dxserve.preparation.call("gradient", rosenbrock, "torch-reverse", x, None, (),
+                                 cache=cache)
+    np.testing.assert_allclose(g.numpy(), rosenbrock_gradient(x), rtol=1e-12)
