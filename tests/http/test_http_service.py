@@ -8,6 +8,7 @@ transports (ASGI for the async client, Starlette's TestClient for the sync one).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import sys
@@ -143,8 +144,13 @@ def test_backends(server: Any) -> None:
     backends = httpx.get(server.url + "/backends").json()["backends"]
     by_type = {b["type"]: b for b in backends}
     assert set(by_type) == {
-        "jax-forward", "jax-reverse", "finite-differences", "second-order", "auto", "sparse"
+        "jax-forward", "jax-reverse", "torch-forward", "torch-reverse", "finite-differences",
+        "second-order", "auto", "sparse",
     }
+    has_torch = importlib.util.find_spec("torch") is not None
+    for name in ("torch-forward", "torch-reverse"):  # listed, and whether this server has it
+        assert by_type[name]["framework"] == "torch"
+        assert by_type[name]["installed"] is has_torch
     assert set(by_type["jax-forward"]["parameters"]) == {"batch_size"}
     assert set(by_type["jax-reverse"]["parameters"]) == {"batch_size"}
     assert set(by_type["finite-differences"]["parameters"]) == {"method", "step", "batch_size"}

@@ -8,6 +8,7 @@ The built-in JAX and finite-difference backends register through the same call.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -55,6 +56,9 @@ class BackendPlugin:
         }
         if self.framework is not None:
             out["framework"] = self.framework
+            # listed either way (descriptors are part of the API); a function of a
+            # framework this server lacks cannot be registered, so say whether it can
+            out["installed"] = importlib.util.find_spec(self.framework) is not None
         if self.notes:
             out["notes"] = self.notes
         return out
