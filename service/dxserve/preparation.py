@@ -210,7 +210,12 @@ class Prep:
 
     def holds(self, operator: str, device: Any) -> bool:
         """Is ``operator`` compiled for ``device`` (``None``: the unpinned default)?"""
-        return (operator, device) in self.executables
+        return (operator, self._bound(device)) in self.executables
+
+    def _bound(self, device: Any) -> Any:
+        """The key ``device``'s executables are kept under (one for all devices where
+        the framework's executables are not bound to one: ``Framework.per_device``)."""
+        return device if getattr(self.framework, "per_device", True) else None
 
     @property
     def family(self) -> str:
@@ -337,7 +342,7 @@ class Prep:
     def warm(self, operator: str, device: Any = None) -> bool:
         """Is everything ``run`` needs for ``operator`` compiled for ``device`` (see
         ``compile_for``)?"""
-        return (operator, device) in self.warmed
+        return (operator, self._bound(device)) in self.warmed
 
     def compile_for(
         self, operator: str, x: Tree, tangents: tuple | None, contexts: tuple

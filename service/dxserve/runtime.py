@@ -50,8 +50,9 @@ def bootstrap(settings: Settings) -> None:
         Path(settings.compilation_cache) / "executables" if settings.compilation_cache else None,
         settings.executable_cache_mb << 20,
     )
-    if settings.torch_compile:  # read by frameworks/torch.py, which loads with torch
-        os.environ["DXSERVE_TORCH_COMPILE"] = "1"
+    # read by frameworks/torch.py, which loads with torch
+    os.environ["DXSERVE_TORCH_COMPILE"] = settings.torch_compile
+    os.environ["DXSERVE_TORCH_COMPILE_AFTER"] = repr(settings.torch_compile_after)
     if settings.warm_up:
         warm_up()
 

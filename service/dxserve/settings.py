@@ -58,10 +58,15 @@ class Settings(BaseSettings):
     compilation_cache_mb: int = Field(default=1024, ge=0)
     #: Initialise JAX (backend, tracer, compiler) at start-up, not on the first request.
     warm_up: bool = True
-    #: Wrap the executables of functions written in torch in ``torch.compile``: seconds of
-    #: compilation per new signature for calls many times faster on small inputs (off:
-    #: they run eagerly; bench/results/torch-cpu.md). Read when torch is first used.
-    torch_compile: bool = False
+    #: ``torch.compile`` for the executables of functions written in torch: ``hot``
+    #: serves each signature eagerly at once and compiles it on a background thread once
+    #: it has run ``torch_compile_after`` seconds (when compiling pays for itself: seconds
+    #: of compilation for calls many times faster); ``always`` compiles every signature
+    #: before its first answer; ``off`` stays eager (bench/results/torch-cpu.md). Read
+    #: when torch is first used.
+    torch_compile: Literal["off", "hot", "always"] = "hot"
+    #: Seconds a torch executable runs eagerly before ``hot`` compiles it.
+    torch_compile_after: float = Field(default=2.0, ge=0)
     #: Bearer token required for registry writes (and compute, if below is set).
     token: str | None = None
     #: A file of accepted tokens, one per line (``#`` comments), besides ``token``.
@@ -246,6 +251,14 @@ class Settings(BaseSettings):
     export_gate_memory_bytes: int = Field(default=4 << 30, ge=64 << 20)
     #: Wall-clock and CPU-time seconds one export check may take.
     export_gate_timeout: float = Field(default=60.0, gt=0)
+
+    @field_validator("torch_compile", mode="before")
+    @classmethod
+    def _torch_compile_switch(cls, value: object) -> object:
+        """``1``/``true`` (the switch it once was) is ``always``, ``0``/``false`` ``off``."""
+        text = str(value).strip().lower()
+        return {"1": "always", "true": "always", "yes": "always",
+                "0": "off", "false": "off", "no": "off"}.get(text, value)
 
     @field_validator("functions", mode="before")
     @classmethod

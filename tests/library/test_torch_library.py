@@ -8,6 +8,8 @@ other framework, a function that returns no tensor, tensors inside ``torch.func`
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -246,9 +248,95 @@ def test_careless_functions_and_inputs_are_typed_errors() -> None:
 def test_torch_compile_executables_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     import dxserve.frameworks.torch as torch_framework
 
-    monkeypatch.setattr(torch_framework, "COMPILE", True)
+    monkeypatch.setattr(torch_framework, "COMPILE", "always")
     x = np.linspace(0.1, 1.3, 7)
     cache = dxserve.preparation.PrepCache()
     g = dxserve.preparation.call("gradient", rosenbrock, "torch-reverse", x, None, (),
                                  cache=cache)
     np.testing.assert_allclose(g.numpy(), rosenbrock_gradient(x), rtol=1e-12)
+
+
+# --- hot executables: compiled in the background once they have run long enough ---------
+def _hot_prep(monkeypatch: pytest.MonkeyPatch, x: np.ndarray) -> tuple[Any, Any]:
+    """A gradient prep whose executable compiles after its first call (the threshold
+    at 0 s), and that executable."""
+    import dxserve.frameworks.torch as torch_framework
+
+    monkeypatch.setattr(torch_framework, "COMPILE", "hot")
+    monkeypatch.setattr(torch_framework, "COMPILE_AFTER", 0.0)
+    prep = dxserve.prepare_gradient(rosenbrock, "torch-reverse", x)
+    dxserve.gradient(rosenbrock, "torch-reverse", x, prep=prep)  # eager; queues the compile
+    (exe,) = [e for e in prep.executables.values()
+              if isinstance(e, torch_framework.TorchExecutable)]
+    assert exe.compile_tried.wait(timeout=600)
+    return prep, exe
+
+
+def test_hot_executables_compile_in_the_background_and_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = np.linspace(0.1, 1.3, 7)
+    prep, exe = _hot_prep(monkeypatch, x)
+    assert exe.run is not exe.fn  # the compiled program now answers
+    for _ in range(3):
+        g = dxserve.gradient(rosenbrock, "torch-reverse", x, prep=prep)
+        np.testing.assert_allclose(g.numpy(), rosenbrock_gradient(x), rtol=1e-12)
+
+
+def test_a_program_that_does_not_compile_or_disagrees_stays_eager(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import dxserve.frameworks.torch as torch_framework
+
+    def failing(fn: Any, **options: Any) -> Any:
+        raise RuntimeError("no C++ compiler here")
+
+    def wrong(fn: Any, **options: Any) -> Any:  # compiles "fine", answers off by one
+        return lambda *args: torch_framework.tree_map(lambda t: t + 1, fn(*args))
+
+    x = np.linspace(0.1, 1.3, 5)
+    for fake, said in ((failing, "torch.compile failed"), (wrong, "differ from the eager")):
+        monkeypatch.setattr(torch_framework.torch, "compile", fake)
+        with caplog.at_level("WARNING", logger="dxserve.torch"):
+            prep, exe = _hot_prep(monkeypatch, x)
+        assert exe.run is exe.fn
+        assert said in caplog.text
+        g = dxserve.gradient(rosenbrock, "torch-reverse", x, prep=prep)
+        np.testing.assert_allclose(g.numpy(), rosenbrock_gradient(x), rtol=1e-12)
+        caplog.clear()
+
+
+def test_the_library_stays_eager_unless_told() -> None:
+    import dxserve.frameworks.torch as torch_framework
+
+    assert torch_framework._compile_mode("") == "off"
+    assert torch_framework._compile_mode("1") == "always"
+    assert torch_framework._compile_mode("hot") == "hot"
+
+
+def test_forward_mode_programs_run_safely_from_several_threads() -> None:
+    """torch keeps forward-mode AD levels process-wide: two threads in ``jvp`` at once
+    broke each other's ("no level exists") until torch programs took a lock."""
+    import threading
+
+    backend = SecondOrder(TorchForward(), TorchReverse())
+    x = np.linspace(0.1, 1.3, 6)
+    t = np.ones(6)
+    expected = rosenbrock_hessian(x) @ t
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        prep = dxserve.prepare_hvp(rosenbrock, backend, x, (t,))
+        try:
+            for _ in range(150):
+                (got,) = dxserve.hvp(rosenbrock, backend, x, (t,), prep=prep)
+                np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []

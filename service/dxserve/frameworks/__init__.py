@@ -93,6 +93,10 @@ class Framework(Protocol):
         """The current default device: executables are compiled per device (None: one)."""
         ...
 
+    # optional: ``per_device = False`` for a framework whose executables are not bound to
+    # the device they were compiled on (its ``device()`` is always None): a worker pinned
+    # to any device then finds the one executable compiled.
+
     def block(self, tree: Tree) -> Tree:
         """``tree`` once its computation has finished (asynchronous frameworks)."""
         ...

@@ -13,11 +13,16 @@ by finite differences, prepared, chunked and budgeted like a JAX one. What diffe
 * **Probing** calls the function once on the inputs (torch has no abstract evaluation
   that can see tensors a function closes over); ``eval_shape`` runs on meta tensors
   where it can.
-* **Compiling.** By default an executable runs the program eagerly: preparation keeps
-  the resolved engines, the built program and its estimate, so a call pays only the
-  program itself. ``DXSERVE_TORCH_COMPILE=1`` wraps each executable in
-  ``torch.compile`` instead (bench/torch.py measured both: seconds to a minute of
-  compilation per signature, for tens of microseconds per call on small inputs).
+* **Compiling.** An executable answers at once, running the program eagerly:
+  preparation keeps the resolved engines, the built program and its estimate, so a
+  call pays only the program itself. ``torch.compile`` makes calls several times
+  faster for seconds of compilation per signature (bench/results/torch-cpu.md), so
+  it is used where it pays (``DXSERVE_TORCH_COMPILE``): ``hot``, the server's
+  default, compiles an executable on a background thread once it has run eagerly for
+  ``DXSERVE_TORCH_COMPILE_AFTER`` seconds, checks the compiled program's results
+  against the eager ones on the same inputs and then runs it instead (a program that
+  does not compile, or disagrees, stays eager); ``always`` compiles before the first
+  answer; ``off``, the library's default, never.
 * **Estimates** (budgets, chunk planning) come from one run of the program on meta
   tensors (shapes, no data) at compile time: the most bytes its operations hold at once
   (each allocation watched until it is freed), the flops of its matrix products
@@ -33,12 +38,17 @@ by finite differences, prepared, chunked and budgeted like a JAX one. What diffe
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import queue
+import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -47,15 +57,35 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented extension point
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import threads
 from . import Estimate
 
 Tree = Any
 
 #: Where torch functions compute: the first GPU torch sees, else the CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-#: Wrap executables in ``torch.compile`` (opt-in: compiling takes seconds per signature).
 _CPU = torch.device("cpu")
-COMPILE = os.environ.get("DXSERVE_TORCH_COMPILE", "").strip().lower() in ("1", "true", "yes")
+
+
+def _compile_mode(text: str) -> str:
+    text = text.strip().lower()
+    if text in ("1", "true", "yes"):
+        return "always"
+    return text if text in ("hot", "always") else "off"
+
+
+#: When executables use ``torch.compile``: "off", "hot" or "always" (see the module).
+COMPILE = _compile_mode(os.environ.get("DXSERVE_TORCH_COMPILE", "off"))
+#: Seconds an executable runs eagerly before "hot" compiles it.
+COMPILE_AFTER = float(os.environ.get("DXSERVE_TORCH_COMPILE_AFTER") or 2.0)
+#: How low the background compile thread runs, below the threads that serve
+COMPILE_NICE = 10
+_log = logging.getLogger("dxserve.torch")
+#: Held while any torch program runs (eagerly, on meta tensors, or being compiled):
+#: torch's forward-mode AD keeps its levels in process-wide state, so two threads in
+#: ``torch.func.jvp`` at once corrupt each other's (the device workers, the compile
+#: threads that probe and estimate, the background compile thread).
+RUN_LOCK = threading.RLock()
 
 
 # --- dtypes and conversions -----------------------------------------------------------
@@ -311,11 +341,20 @@ class TorchExecutable:
     ``out_info``: the spec of its output where it is one array (a chunk's block);
     ``estimate``: from one run on meta tensors, None where that cannot run."""
 
-    __slots__ = ("fn", "run", "out_info", "estimate", "__weakref__")
+    __slots__ = ("fn", "run", "out_info", "estimate", "eager_seconds", "compile_tried",
+                 "_queued", "__weakref__")
 
     def __init__(self, fn: Callable, args: tuple, out_info: Any = None) -> None:
         self.fn = fn
-        self.run = torch.compile(fn, dynamic=False) if COMPILE else fn
+        #: set once compiling has been tried: ``run`` is then the compiled program, or
+        #: still ``fn`` where it did not compile or disagreed
+        self.compile_tried = threading.Event()
+        self.eager_seconds = 0.0
+        self._queued = False
+        self.run = fn
+        if COMPILE == "always":
+            self.run = torch.compile(fn, dynamic=False)
+            self.compile_tried.set()
         self.estimate, meta_out = _estimate(fn, args)
         if out_info is None and meta_out is not None and isinstance(meta_out, torch.Tensor):
             out_info = spec_of(meta_out)
@@ -324,7 +363,104 @@ class TorchExecutable:
     def __call__(self, *args: Any) -> Any:
         # not under no_grad: torch.func's transforms ignore it, but some rules compute
         # their derivatives' derivatives with it and lose them (det's, for one)
-        return to_host(self.run(*to_torch(args)))
+        tensors = to_torch(args)
+        with RUN_LOCK:
+            run = self.run
+            if COMPILE != "hot" or run is not self.fn:
+                return to_host(run(*tensors))
+            start = time.perf_counter()
+            out = to_host(run(*tensors))
+            self.eager_seconds += time.perf_counter() - start
+        if self.eager_seconds >= COMPILE_AFTER:
+            self._compile_later(tensors, out)
+        return out
+
+    def _compile_later(self, args: tuple, expected: Any) -> None:
+        """Queue this executable for compiling on the background thread, with copies of
+        one call's inputs and eager results to check the compiled program against."""
+        with _QUEUE_LOCK:
+            if self._queued:
+                return
+            self._queued = True
+        copy = partial(tree_map, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v)
+        _background().put((weakref.ref(self), copy(args), copy(expected)))
+
+    def _compile_now(self, args: tuple, expected: Any) -> None:
+        # under the lock (compiling traces the program): torch calls wait for it, once
+        try:
+            with RUN_LOCK:
+                self._try_compiling(args, expected)
+        finally:
+            self.compile_tried.set()
+
+    def _try_compiling(self, args: tuple, expected: Any) -> None:
+        try:
+            compiled = torch.compile(self.fn, dynamic=False)
+            got = to_host(compiled(*args))
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager program
+            _log.warning("torch.compile failed; the program stays eager: %s", _first_line(exc))
+            return
+        if not _agree(got, expected):
+            _log.warning("the compiled program's results differ from the eager ones beyond "
+                         "rounding; the program stays eager")
+            return
+        self.run = compiled
+
+
+# --- the background compile thread --------------------------------------------------------
+_QUEUE_LOCK = threading.Lock()
+_QUEUE: queue.SimpleQueue | None = None
+
+
+def _background() -> queue.SimpleQueue:
+    """The queue of the one thread that compiles hot executables (started when first
+    needed: a daemon, so a compile in progress never holds up the process's exit)."""
+    global _QUEUE
+    with _QUEUE_LOCK:
+        if _QUEUE is None:
+            _QUEUE = queue.SimpleQueue()
+            threading.Thread(
+                target=_compile_forever, args=(_QUEUE,), name="dxserve-torch-compile",
+                daemon=True,
+            ).start()
+    return _QUEUE
+
+
+def _compile_forever(jobs: queue.SimpleQueue) -> None:
+    threads.lower_priority_of_current_thread(COMPILE_NICE)
+    while True:
+        ref, args, expected = jobs.get()
+        executable = ref()
+        if executable is not None:  # not evicted while it waited
+            executable._compile_now(args, expected)
+        del executable, args, expected
+
+
+def _agree(got: Tree, expected: Tree) -> bool:
+    """Do the compiled results match the eager ones leaf by leaf, to rounding (the
+    square root of the dtype's epsilon, relative to the largest entry)?"""
+    got_leaves, expected_leaves = tree_leaves(got), tree_leaves(expected)
+    if len(got_leaves) != len(expected_leaves):
+        return False
+    for g, e in zip(got_leaves, expected_leaves, strict=True):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != e.shape or g.dtype != e.dtype:
+            return False
+        if not (e.is_floating_point() or e.is_complex()):
+            if not torch.equal(g, e):
+                return False
+            continue
+        rtol = torch.finfo(e.dtype).eps ** 0.5
+        scale = float(e.abs().max()) if e.numel() else 0.0
+        if not torch.allclose(g, e, rtol=rtol, atol=rtol * max(1.0, scale), equal_nan=True):
+            return False
+    return True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _meta(value: Any) -> Any:
@@ -374,7 +510,7 @@ def _estimate(fn: Callable, args: tuple) -> tuple[Estimate | None, Any]:
     meta = jax.tree_util.tree_map(_meta, args)
     try:
         # torch.device("meta") sets the default device of this thread alone
-        with torch.device("meta"), FlopCounterMode(display=False) as counter:
+        with RUN_LOCK, torch.device("meta"), FlopCounterMode(display=False) as counter:
             with _Allocations() as allocations:
                 out = fn(*meta)
     except Exception:  # noqa: BLE001 - closes over concrete tensors, say: not bounded
@@ -429,8 +565,12 @@ class TorchFramework:
             lambda v: _tensor(v, _CPU) if isinstance(v, np.ndarray | np.generic) else v, tree
         )
 
+    #: one executable serves every device worker: torch places its tensors on ``DEVICE``
+    #: itself and follows no worker's pinning
+    per_device = False
+
     def device(self) -> Any:
-        return str(DEVICE)
+        return None
 
     def block(self, tree: Tree) -> Tree:
         return tree  # executables return host tensors: finished
@@ -439,7 +579,7 @@ class TorchFramework:
     def probe(self, f: Callable, x: Tree, contexts: tuple) -> tuple[bool, Tree]:
         """``f`` called once on the inputs: its outputs' specs. A torch function whose
         result holds anything but tensors is refused (a ``TypeError``)."""
-        with torch.no_grad():
+        with RUN_LOCK, torch.no_grad():
             out = f(*to_torch((x, *contexts)))
         leaves = jax.tree_util.tree_leaves(out)
         bad = next((v for v in leaves if not isinstance(v, torch.Tensor)), None)
@@ -460,12 +600,12 @@ class TorchFramework:
         if concrete:
             meta = jax.tree_util.tree_map(_meta, args)
             try:
-                with torch.device("meta"):
+                with RUN_LOCK, torch.device("meta"):
                     return jax.tree_util.tree_map(spec_of, fn(*meta))
             except Exception:  # noqa: BLE001 - closes over concrete tensors: run it
                 pass
             args = to_torch(args)
-        with torch.no_grad():
+        with RUN_LOCK, torch.no_grad():
             return jax.tree_util.tree_map(spec_of, fn(*args))
 
     # transforming
