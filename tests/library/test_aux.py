@@ -52,6 +52,7 @@ from tests.aux_functions import (
     triple,
     vector_pair,
 )
+from tests.recording_job import Recording
 
 T1, T2 = np.array([1.0, -0.5, 0.25]), np.array([0.0, 2.0, -1.0])
 C1, C2 = np.array([0.5, 1.0, -2.0]), np.array([1.0, 0.0, 0.0])  # cotangents of aux_vector
@@ -352,16 +353,6 @@ def test_a_batch_of_points_stacks_aux_like_the_results(op: str) -> None:
 
 
 # --- chunked runs: aux once, beside the chunks --------------------------------------------
-class Recording(Job):
-    """A job that keeps every progress report."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[int] = []
-
-    def report(self, done: int) -> None:
-        self.seen.append(done)
-        super().report(done)
 
 
 @pytest.mark.parametrize("backend", ["jax-forward", "jax-reverse", "finite-differences"])

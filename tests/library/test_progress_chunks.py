@@ -17,6 +17,7 @@ from dxserve.chunking import CHUNK_FROM
 from dxserve.examples import rosenbrock, sin_cumsum, tanh_layer
 from dxserve.jobs import Job, JobCancelled
 from dxserve.precision import float64_scope
+from tests.recording_job import Recording
 from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 
 FORWARD_REVERSE_FD = ["jax-forward", "jax-reverse", "finite-differences"]
@@ -35,19 +36,6 @@ def _forced(prep: preparation.Prep, operator: str, size: int) -> tuple:
     return out, job
 
 
-class Recording(Job):
-    """A job that keeps every report and may cancel itself after ``stop_at``."""
-
-    def __init__(self, stop_at: int | None = None) -> None:
-        super().__init__()
-        self.seen: list[int] = []
-        self.stop_at = stop_at
-
-    def report(self, done: int) -> None:
-        self.seen.append(done)
-        super().report(done)
-        if self.stop_at is not None and done >= self.stop_at:
-            self.cancel()
 
 
 def _prepare(operator: str, f, backend, x, *contexts, limits=None) -> preparation.Prep:

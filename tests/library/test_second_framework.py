@@ -32,7 +32,7 @@ from dxserve import Engine, register_backend
 from dxserve.budget import ComputeLimits
 from dxserve.examples import sin_cumsum
 from dxserve.frameworks import Estimate, get_framework, register_framework
-from dxserve.jobs import Job
+from tests.recording_job import Recording
 from tests.references import rosenbrock_gradient, rosenbrock_hessian, sin_cumsum_jacobian
 
 Tree = Any
@@ -268,14 +268,6 @@ def _close(got: Any, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
 
 
-class Recording(Job):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[int] = []
-
-    def report(self, done: int) -> None:
-        self.seen.append(done)
-        super().report(done)
 
 
 # --- in process -------------------------------------------------------------------

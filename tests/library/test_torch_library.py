@@ -28,7 +28,7 @@ from dxcontract.errors import (  # noqa: E402
 from dxserve import SecondOrder, TorchForward, TorchReverse  # noqa: E402
 from dxserve.budget import ComputeLimits  # noqa: E402
 from dxserve.frameworks import framework_of  # noqa: E402
-from dxserve.jobs import Job  # noqa: E402
+from tests.recording_job import Recording  # noqa: E402
 from tests.references import rosenbrock_gradient, rosenbrock_hessian, sin_cumsum_jacobian  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -42,14 +42,6 @@ def sin_cumsum(x):
     return torch.sin(x) * torch.cumsum(x, 0)
 
 
-class Recording(Job):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[int] = []
-
-    def report(self, done: int) -> None:
-        self.seen.append(done)
-        super().report(done)
 
 
 # --- which framework ----------------------------------------------------------------
