@@ -35,7 +35,11 @@ from tests.http.test_progress_http import (  # noqa: E402
     wait_for,
     worker_is_free,
 )
-from tests.references import rosenbrock_hessian, sin_cumsum_jacobian  # noqa: E402
+from tests.references import (  # noqa: E402
+    rosenbrock_gradient,
+    rosenbrock_hessian,
+    sin_cumsum_jacobian,
+)
 
 try:  # imported as a top-level module by pytest (tests/ has no __init__.py)
     import scenarios as sc
@@ -308,3 +312,30 @@ def test_closing_a_stream_cancels_torch_work_and_frees_the_worker(make_server) -
                 break  # running in chunks
     assert wait_for(lambda: cancelled(srv.url) >= 1, 60), srv.output()
     assert worker_is_free(srv.url)
+
+
+# --- hot signatures: compiled in the background, then served compiled --------------------
+def _compiles(url: str, outcome: str) -> float:
+    wanted = f'dxserve_background_compiles_total{{framework="torch",outcome="{outcome}"}} '
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(wanted):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_hot_signature_is_compiled_in_the_background_and_answers_the_same(
+    make_server,
+) -> None:
+    # compiled after its first call (no threshold); /metrics says when it is served compiled
+    srv = make_server(modules=MODULES, env={"DXSERVE_TORCH_COMPILE": "hot",
+                                            "DXSERVE_TORCH_COMPILE_AFTER": "0"})
+    x = np.linspace(0.1, 1.3, 9)
+    with Client(srv.url) as c:
+        eager = c.gradient("torch_rosenbrock", "torch-reverse", x)
+        assert wait_for(lambda: _compiles(srv.url, "compiled") >= 1, 600), \
+            httpx.get(f"{srv.url}/metrics").text
+        assert _compiles(srv.url, "kept_eager") == 0
+        for _ in range(3):
+            compiled = c.gradient("torch_rosenbrock", "torch-reverse", x)
+            np.testing.assert_allclose(compiled, rosenbrock_gradient(x), rtol=1e-10)
+            np.testing.assert_allclose(compiled, eager, rtol=1e-12)

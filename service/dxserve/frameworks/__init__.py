@@ -93,6 +93,9 @@ class Framework(Protocol):
         """The current default device: executables are compiled per device (None: one)."""
         ...
 
+    # optional: ``background_compiles() -> {outcome: count}``, for a framework that
+    # compiles hot executables in the background (torch's): ``/metrics`` reports them.
+
     # optional: ``per_device = False`` for a framework whose executables are not bound to
     # the device they were compiled on (its ``device()`` is always None): a worker pinned
     # to any device then finds the one executable compiled.
@@ -197,6 +200,11 @@ class Framework(Protocol):
 
 
 _FRAMEWORKS: dict[str, Framework] = {}
+
+
+def loaded_frameworks() -> list[Framework]:
+    """The frameworks in use in this process (made or registered so far)."""
+    return list(_FRAMEWORKS.values())
 
 
 def register_framework(framework: Framework) -> Framework:

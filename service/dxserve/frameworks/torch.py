@@ -86,6 +86,8 @@ _log = logging.getLogger("dxserve.torch")
 #: ``torch.func.jvp`` at once corrupt each other's (the device workers, the compile
 #: threads that probe and estimate, the background compile thread).
 RUN_LOCK = threading.RLock()
+#: What the background compiles came to: served compiled, or kept eager (failed or disagreed)
+_OUTCOMES = {"compiled": 0, "kept_eager": 0}
 
 
 # --- dtypes and conversions -----------------------------------------------------------
@@ -399,12 +401,15 @@ class TorchExecutable:
             got = to_host(compiled(*args))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the eager program
             _log.warning("torch.compile failed; the program stays eager: %s", _first_line(exc))
+            _OUTCOMES["kept_eager"] += 1
             return
         if not _agree(got, expected):
             _log.warning("the compiled program's results differ from the eager ones beyond "
                          "rounding; the program stays eager")
+            _OUTCOMES["kept_eager"] += 1
             return
         self.run = compiled
+        _OUTCOMES["compiled"] += 1
 
 
 # --- the background compile thread --------------------------------------------------------
@@ -669,6 +674,11 @@ class TorchFramework:
 
     def eager(self) -> TorchFramework:
         return self
+
+    def background_compiles(self) -> dict[str, int]:
+        """How many hot executables were compiled and served compiled, and how many
+        stayed eager (they did not compile, or disagreed with the eager results)."""
+        return dict(_OUTCOMES)
 
 
 TORCH = TorchFramework()

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from ..admission import Budget
+from ..frameworks import loaded_frameworks
 from ..preparation import PrepCache
 from ..request_batching import Batcher
 from ..worker import Workers
@@ -31,6 +32,7 @@ class Metrics:
         self.requests = _RequestCollector()
         self.registry.register(self.requests)
         self.registry.register(_CacheCollector(cache))
+        self.registry.register(_FrameworkCollector())
         if batcher is not None:
             self.registry.register(_BatchCollector(batcher))
         if workers is not None:
@@ -113,6 +115,23 @@ class _CacheCollector:
         )
         held.add_metric([], self.cache.nbytes)
         return [hits, misses, size, held]
+
+
+class _FrameworkCollector:
+    """``dxserve_background_compiles_total{framework, outcome}``: hot executables a
+    framework compiled in the background (torch's), read at scrape time."""
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "dxserve_background_compiles",
+            "Hot executables compiled in the background: served compiled, or kept eager",
+            labels=["framework", "outcome"],
+        )
+        for framework in loaded_frameworks():
+            outcomes = getattr(framework, "background_compiles", None)
+            for outcome, n in (outcomes() if outcomes is not None else {}).items():
+                family.add_metric([framework.name, outcome], n)
+        return [family]
 
 
 class _BatchCollector:
