@@ -339,3 +339,28 @@ def test_a_hot_signature_is_compiled_in_the_background_and_answers_the_same(
             compiled = c.gradient("torch_rosenbrock", "torch-reverse", x)
             np.testing.assert_allclose(compiled, rosenbrock_gradient(x), rtol=1e-10)
             np.testing.assert_allclose(compiled, eager, rtol=1e-12)
+
+
+# --- the client takes torch tensors as inputs ---------------------------------------------
+def test_the_client_takes_torch_tensors(client) -> None:
+    x = np.linspace(0.1, 1.3, 6)
+    want = rosenbrock_gradient(x)
+    tracked = torch.tensor(x, requires_grad=True)  # detached on the way out
+    for function in ("rosenbrock", "torch_rosenbrock"):
+        got = client.gradient(function, "auto", tracked)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-10)
+    single = client.gradient("torch_rosenbrock", "auto", torch.tensor(x, dtype=torch.float32))
+    assert single.dtype == np.float32
+    np.testing.assert_allclose(single, want, rtol=1e-4)
+    # bfloat16 tensors arrive as bfloat16 (a JAX function: torch functions take float32/64)
+    low = client.gradient("rosenbrock", "jax-reverse", torch.tensor(x).to(torch.bfloat16))
+    assert low.dtype.name == "bfloat16"
+    # nn.Module parameters (torch.nn.Parameter) as a dict of tensors
+    params = dict(torch_models.MODEL.named_parameters())  # they require grad
+    xs, ys = (torch.tensor(a) for a in torch_models.data())
+    served = client.gradient("mlp_loss", "torch-reverse", params, xs, ys)
+    want_params = torch.func.grad(torch_models.mlp_loss)(
+        {k: v.detach() for k, v in params.items()}, xs, ys)
+    for k in params:
+        np.testing.assert_allclose(served[k], want_params[k].numpy(), rtol=1e-10, atol=1e-12)

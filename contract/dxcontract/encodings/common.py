@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -611,11 +612,31 @@ def pytree_to_wire(value: Any) -> Any:
         return SeqNode(TUPLE_MARKER, [pytree_to_wire(v) for v in value])
     if isinstance(value, (list, int, float)) and not isinstance(value, bool):
         return np.asarray(value, dtype=np.float64)
+    if is_torch_tensor(value):
+        return torch_to_numpy(value)
     if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
         key = read_key(value)  # a typed PRNG key: its impl and words (``dxcontract.keys``)
         return np.asarray(value) if key is None else key  # JAX arrays, numpy scalars
     return value
 
+
+
+def is_torch_tensor(value: Any) -> bool:
+    """Is ``value`` a torch tensor (``nn.Parameter`` too)? Told from its type's module,
+    so that nothing here imports torch."""
+    module = type(value).__module__
+    return (module == "torch" or module.startswith("torch.")) and hasattr(value, "detach")
+
+
+def torch_to_numpy(tensor: Any) -> np.ndarray:
+    """A torch tensor as numpy reads it: detached from autograd, copied to the host if it
+    is on a GPU, bfloat16 as ``ml_dtypes``' (numpy has none). torch is imported already:
+    the caller made the tensor."""
+    torch = sys.modules["torch"]
+    host = tensor.detach().cpu()
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.uint16).numpy().view(BFLOAT16)
+    return host.numpy()
 
 
 def is_arraylike(x: Any) -> bool:
