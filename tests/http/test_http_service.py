@@ -66,6 +66,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 # --- liveness under load -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_health_answers_while_a_long_jacobian_runs(server: Any) -> None:
     """The event loop answers every /health within the probe's 1 s timeout while the
     worker computes (a blocked event loop would cost seconds). How fast it answers is

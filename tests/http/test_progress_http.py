@@ -244,6 +244,7 @@ def test_closing_a_plain_request_cancels_and_frees_the_worker(make_server) -> No
     assert worker_is_free(srv.url)
 
 
+@pytest.mark.slow
 def test_stream_deadline_ends_with_an_error_event(make_server) -> None:
     srv = make_server(env={"DXSERVE_STREAM_TIMEOUT": "3"})
     # The first stream may spend its 3 s compiling; the chunk executable is kept, so the

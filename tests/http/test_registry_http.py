@@ -210,6 +210,7 @@ def test_expression_over_plain_json_matches_in_process(fresh, spec):
                     np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=RTOL, atol=1e-13, err_msg=f"{op} {backend}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_registry_survives_restart(tmp_path, how):
     store = tmp_path / "store"

@@ -88,6 +88,7 @@ def _gradient(http: httpx.Client) -> None:
 SLOWLORIS = 2000
 
 
+@pytest.mark.slow
 @pytest.mark.protocol
 def test_slowloris_on_the_default_configuration(make_server: Any) -> None:
     srv = make_server()  # every limit at its default: headers within 10 s

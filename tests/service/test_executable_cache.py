@@ -97,6 +97,7 @@ def restart(tmp_path: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_restarted_process_loads_without_tracing_and_same_bits(tmp_path):
     cold = restart(tmp_path)
     assert cold["calls"] >= 3  # probe + the two traced operators

@@ -161,6 +161,7 @@ def fuzz_server(tmp_path_factory):
     stop_server(srv)
 
 
+@pytest.mark.slow
 def test_mutated_bundles_never_crash_the_server(fuzz_server):
     counts = fuzz(fuzz_server, FAST_COUNT, seed=12)
     assert sum(v for k, v in counts.items() if k != "seconds") == FAST_COUNT

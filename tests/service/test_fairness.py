@@ -15,6 +15,7 @@ import threading
 
 import httpx
 import numpy as np
+import pytest
 
 from tests.service.test_compile_off_worker import HealthWatch, wait_until
 from tests.slow_functions import heavy_sines_hessian
@@ -22,6 +23,7 @@ from tests.slow_functions import heavy_sines_hessian
 N = 2000
 
 
+@pytest.mark.slow
 def test_small_gradient_answers_between_the_chunks_of_a_long_hessian(make_server) -> None:
     srv = make_server(modules=("dxserve.examples", "tests.slow_functions"))
     x = np.linspace(-1.0, 1.0, N)

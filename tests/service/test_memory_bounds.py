@@ -11,6 +11,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from dxcontract import codec
 from tests.conftest import memory_of
@@ -37,6 +38,7 @@ CACHE_BYTES = 64 * MiB
 RSS_SLACK = 96 * MiB
 
 
+@pytest.mark.slow
 def test_large_sparsity_patterns_stay_within_the_cache_byte_budget(make_server) -> None:
     srv = make_server(env={"DXSERVE_CACHE_BYTES": str(CACHE_BYTES)})
     with httpx.Client(base_url=srv.url, timeout=300) as c:

@@ -181,6 +181,7 @@ class HealthPoller(threading.Thread):
                 time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_health_answers_while_patterns_are_found_and_coloured(srv: ServerProcess) -> None:
     poller = HealthPoller(srv.url)
     poller.start()
@@ -217,7 +218,7 @@ def test_health_answers_while_patterns_are_found_and_coloured(srv: ServerProcess
 @pytest.mark.parametrize(("function", "says"), [
     ("sp_abort", "crashed"),
     ("sp_hog", "memory"),
-    ("sp_spin", "longer than 10 s"),
+    pytest.param("sp_spin", "longer than 10 s", marks=pytest.mark.slow),
     ("sp_closure", "cannot be rebuilt"),
 ])
 def test_a_failing_detection_child_is_a_422(srv: ServerProcess, function: str, says: str) -> None:

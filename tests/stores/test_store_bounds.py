@@ -185,6 +185,7 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 def test_restart_on_a_large_store_starts_small_and_serves_on_demand(tmp_path: Path) -> None:
     env = {"DXSERVE_MAX_LOADED_FUNCTIONS": "2"}

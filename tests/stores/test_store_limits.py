@@ -247,6 +247,7 @@ def _register(url: str, name: str, expression: str) -> httpx.Response:
                       timeout=120)
 
 
+@pytest.mark.slow
 def test_a_server_at_its_quota_deletes_registers_and_restarts(tmp_path: Path) -> None:
     content = len(b'{"args": ["x"], "expression": "jnp.sum(x) * 1000"}')
     fit = 5
@@ -285,6 +286,7 @@ def test_a_server_at_its_quota_deletes_registers_and_restarts(tmp_path: Path) ->
         stop_server(srv)
 
 
+@pytest.mark.slow
 def test_a_server_on_a_full_disk_deletes_registers_and_restarts(tmp_path: Path,
                                                                   tiny_fs: Path) -> None:
     store = tiny_fs / "store"
