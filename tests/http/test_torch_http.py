@@ -364,3 +364,24 @@ def test_the_client_takes_torch_tensors(client) -> None:
         {k: v.detach() for k, v in params.items()}, xs, ys)
     for k in params:
         np.testing.assert_allclose(served[k], want_params[k].numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_lazy_views_and_scalars_leave_the_client_resolved() -> None:
+    """torch marks ``z.conj()`` and ``z.conj().imag`` with a bit instead of computing them;
+    numpy cannot read such tensors, so the client resolves them on the way out."""
+    from dxcontract.encodings.common import torch_to_numpy
+
+    x = np.linspace(0.1, 1.3, 6)
+    z = torch.tensor(x + 2j * x)
+    assert z.conj().is_conj() and z.conj().imag.is_neg()
+    np.testing.assert_array_equal(torch_to_numpy(z.conj()), x - 2j * x)
+    np.testing.assert_array_equal(torch_to_numpy(z.conj().imag), -2 * x)
+    scalar = torch_to_numpy(torch.tensor(1.5, dtype=torch.bfloat16))
+    assert scalar.shape == () and scalar.dtype.name == "bfloat16" and float(scalar) == 1.5
+
+
+def test_the_client_sends_a_negated_view_as_its_values(client) -> None:
+    x = np.linspace(0.1, 1.3, 6)
+    flipped = torch.tensor(-x + 1j * x).conj().imag  # -x, lazily
+    got = client.gradient("torch_rosenbrock", "torch-reverse", flipped)
+    np.testing.assert_allclose(got, rosenbrock_gradient(-x), rtol=1e-10)

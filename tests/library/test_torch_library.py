@@ -332,3 +332,46 @@ def test_forward_mode_programs_run_safely_from_several_threads() -> None:
     for w in workers:
         w.join()
     assert errors == []
+
+
+# --- read-only inputs from the wire ---------------------------------------------------------
+def _read_only(values: np.ndarray) -> np.ndarray:
+    out = np.frombuffer(values.tobytes(), dtype=values.dtype).reshape(values.shape)
+    assert not out.flags.writeable
+    return out
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: v,                                   # contiguous: shared, no copy
+    lambda v: v[::2],                              # strided
+    lambda v: v[::-1],                             # negative strides: DLPack refuses them
+    lambda v: v[3:4].reshape(()),                  # 0-d
+], ids=["contiguous", "strided", "reversed", "0-d"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "complex128", "int32"])
+def test_read_only_inputs_become_tensors_without_warnings(make, dtype: str) -> None:
+    """Decoded bodies are read-only views of the request; they reach torch without a copy
+    where they can and without the warning that ``from_numpy`` gives for them (silencing
+    that per call changed process-wide warning filters from every device thread)."""
+    import warnings
+
+    from dxserve.frameworks.torch import numpy_dtype, to_torch
+
+    np_dtype = numpy_dtype(getattr(torch, dtype))
+    value = make(_read_only(np.arange(8).astype(np_dtype)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = to_torch(value)
+    assert t.dtype == getattr(torch, dtype)
+    assert tuple(t.shape) == value.shape
+    if dtype == "bfloat16":  # numpy cannot take torch's bfloat16: compare as float64
+        np.testing.assert_array_equal(t.double().numpy(), value.astype(np.float64))
+    else:
+        np.testing.assert_array_equal(t.numpy(), value)
+    if value.flags.c_contiguous and dtype != "bfloat16":
+        assert t.data_ptr() == value.ctypes.data  # the wire's bytes, not a copy
+
+
+def test_a_gradient_on_a_read_only_input_is_exact() -> None:
+    x = _read_only(np.linspace(-1.2, 1.4, 7))
+    got = dxserve.gradient(rosenbrock, TorchReverse(), x)
+    np.testing.assert_allclose(got.numpy(), rosenbrock_gradient(x), rtol=1e-12)

@@ -630,10 +630,11 @@ def is_torch_tensor(value: Any) -> bool:
 
 def torch_to_numpy(tensor: Any) -> np.ndarray:
     """A torch tensor as numpy reads it: detached from autograd, copied to the host if it
-    is on a GPU, bfloat16 as ``ml_dtypes``' (numpy has none). torch is imported already:
-    the caller made the tensor."""
+    is on a GPU, a lazy conjugate or negation applied (``z.conj()``, ``z.conj().imag``),
+    bfloat16 as ``ml_dtypes``' (numpy has none). torch is imported already: the caller
+    made the tensor."""
     torch = sys.modules["torch"]
-    host = tensor.detach().cpu()
+    host = tensor.detach().cpu().resolve_conj().resolve_neg()
     if host.dtype == torch.bfloat16:
         return host.view(torch.uint16).numpy().view(BFLOAT16)
     return host.numpy()

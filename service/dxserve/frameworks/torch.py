@@ -44,7 +44,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,14 +134,25 @@ def _tensor(value: Any, device: torch.device) -> Any:
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
         return value
-    if value.dtype.name == "bfloat16":
-        t = torch.from_numpy(np.ascontiguousarray(value).view(np.uint16)).view(torch.bfloat16)
-    elif value.flags.writeable:
+    bfloat16 = value.dtype.name == "bfloat16"
+    if bfloat16:  # neither from_numpy nor DLPack knows ml_dtypes' bfloat16: share its bits
+        # (not ascontiguousarray, which makes a 0-d array 1-d)
+        value = (value if value.flags.c_contiguous else value.copy(order="C")).view(np.uint16)
+    if value.flags.writeable:
         t = torch.from_numpy(value)
-    else:  # a read-only buffer from the wire: torch reads it, never writes it
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(value)
+    elif value.flags.c_contiguous:
+        # a read-only buffer from the wire, shared without a copy. from_numpy would warn
+        # that torch has no read-only tensors, and silencing that per call is not
+        # thread-safe; DLPack shares the same memory without the warning. Functions must
+        # not write their inputs in place (autograd refuses to for the ones it tracks).
+        try:
+            t = torch.from_dlpack(value)
+        except (BufferError, RuntimeError):  # numpy < 2 exports no read-only arrays
+            t = torch.from_numpy(value.copy())
+    else:  # read-only and strided (DLPack refuses negative strides): a writable copy
+        t = torch.from_numpy(np.ascontiguousarray(value))
+    if bfloat16:
+        t = t.view(torch.bfloat16)
     return t if device.type == "cpu" else t.to(device)
 
 
