@@ -80,10 +80,13 @@ COMPILE_AFTER = float(os.environ.get("DXSERVE_TORCH_COMPILE_AFTER") or 2.0)
 #: How low the background compile thread runs, below the threads that serve
 COMPILE_NICE = 10
 _log = logging.getLogger("dxserve.torch")
-#: Held while any torch program runs (eagerly, on meta tensors, or being compiled):
-#: torch's forward-mode AD keeps its levels in process-wide state, so two threads in
-#: ``torch.func.jvp`` at once corrupt each other's (the device workers, the compile
-#: threads that probe and estimate, the background compile thread).
+#: Held while any torch program runs (eagerly, on meta tensors, compiled, or being
+#: compiled): torch's forward-mode AD keeps its levels in process-wide state, so two
+#: threads in ``torch.func.jvp`` at once corrupt each other's, and neither compiling nor
+#: running a ``torch.compile``d program is safe beside another thread doing either (the
+#: device workers, the compile threads that probe and estimate, the background compile
+#: thread). Reverse-only programs would not need it for the first reason, but do for
+#: the second, which is why it is one lock and not one for forward mode.
 RUN_LOCK = threading.RLock()
 #: What the background compiles came to: served compiled, or kept eager (failed or disagreed)
 _OUTCOMES = {"compiled": 0, "kept_eager": 0}
