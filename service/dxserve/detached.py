@@ -674,10 +674,18 @@ def _cursor_from(text: str) -> tuple[float, str]:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         created, job_id = json.loads(raw)
-        if not isinstance(created, int | float) or not isinstance(job_id, str):
+        # a page's last job as it was made: a finite time and an id of the store's form
+        # (an overflowing number or a lone surrogate would reach the store otherwise)
+        if (
+            not isinstance(created, int | float) or isinstance(created, bool)
+            or not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id)
+        ):
             raise ValueError(text)
-        return float(created), job_id
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+        stamp = float(created)
+        if not math.isfinite(stamp):
+            raise ValueError(text)
+        return stamp, job_id
+    except (ValueError, TypeError, OverflowError, binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidArgumentError(
             "after must be the 'next' of the previous GET /jobs page", field="after"
         ) from exc

@@ -140,8 +140,12 @@ class Registry:
         max_loaded_bytes: int = 0,
         sync_interval: float = 0.25,
         resources: Mapping[str, Any] | None = None,
+        suggest: bool = True,
     ) -> None:
         self.store = store
+        #: Name close matches in an unknown function's 404 (off where the names are
+        #: private: the caller may not be one who may list them).
+        self.suggest = suggest
         #: What this server's kinds are bound to (``FunctionKind.bind``): its export gate
         self.resources = dict(resources or {})
         self._bound: dict[str, Any] = {}
@@ -267,8 +271,10 @@ class Registry:
                     f"function must be a registered name (a string), got {type(name).__name__}",
                     field=field_name,
                 )
-            with self._lock:
-                close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.75)
+            close: list[str] = []
+            if self.suggest:
+                with self._lock:
+                    close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.75)
             guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise UnknownFunctionError(
                 f"no function named {name!r}; {guess}GET /functions lists them", field=field_name

@@ -134,6 +134,7 @@ class Service:
             self.store, settings.max_functions, max_loaded=settings.max_loaded_functions,
             max_loaded_bytes=settings.max_loaded_bytes, sync_interval=settings.store_sync_interval,
             resources={"export_gate": self.export_gate},
+            suggest=not settings.private_metadata,
         )
         with float64_scope():  # stored exports may carry float64 signatures
             #: module -> the names of the functions it registered (``--functions``)

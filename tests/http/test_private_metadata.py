@@ -25,8 +25,10 @@ def test_private_metadata_needs_the_token(make_server: Any) -> None:
             ok = http.get(path, headers={"authorization": f"Bearer {TOKEN}"})
             assert ok.status_code == 200, (path, ok.text)
         assert "rosenbrock" in {
-            f["name"] for f in http.get(
-                "/functions", headers={"authorization": f"Bearer {TOKEN}"}).json()["functions"]
+            f["name"]
+            for f in http.get("/functions", headers={"authorization": f"Bearer {TOKEN}"}).json()[
+                "functions"
+            ]
         }
         for path in OPEN:
             assert http.get(path).status_code == 200, path
@@ -48,3 +50,27 @@ def test_metadata_is_open_by_default(server: Any) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for path in PRIVATE:
             assert http.get(path).status_code == 200, path
+
+
+def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
+    """An unknown function's 404 suggests no close names when they are private: the
+    caller may be one who may not list them (with or without a token)."""
+    srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for token in (None, "nope", TOKEN):
+            headers = {"authorization": f"Bearer {token}"} if token else {}
+            for route in ("/gradient", "/jobs/gradient", "/prepare/gradient"):
+                r = http.post(
+                    route, json={"function": "rosenbrok", "x": [1.0, 2.0]}, headers=headers
+                )
+                # jobs may need a token here (401 without a valid one)
+                assert r.status_code in (401, 404), (route, r.text)
+                assert r.headers["content-type"] == "application/problem+json"
+                assert "rosenbrock" not in r.text and "did you mean" not in r.text, r.text
+
+
+def test_open_metadata_still_suggests_close_names(server: Any) -> None:
+    r = httpx.post(
+        f"{server.url}/gradient", json={"function": "rosenbrok", "x": [1.0, 2.0]}, timeout=30
+    )
+    assert r.status_code == 404 and "'rosenbrock'" in r.json()["detail"], r.text
