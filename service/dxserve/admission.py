@@ -44,6 +44,8 @@ class Budget:
         self.refused = 0
         #: large results being computed now
         self.large = 0
+        #: answers being written now (``http.sending``: started, not yet taken in full)
+        self.sending = 0
         #: told the bytes each time some are given back (the service's memory trimmer)
         self.on_give: Callable[[int], None] | None = None
         self._lock = threading.Lock()
@@ -56,10 +58,16 @@ class Budget:
     def is_large(self, result_bytes: int) -> bool:
         return result_bytes >= self.large_result_bytes
 
-    def _change(self, delta: int, what: str) -> None:
+    def hold_written(self, delta: int) -> None:
+        """Hold (``delta`` > 0) or give back bytes of answers being written, never
+        refused: they exist already, and counting them refuses the requests after them."""
+        if delta:
+            self._change(delta, "answer", refuse=False)
+
+    def _change(self, delta: int, what: str, refuse: bool = True) -> None:
         with self._lock:
             used = self.used + delta
-            if delta > 0 and used > self.limit and self.used:
+            if refuse and delta > 0 and used > self.limit and self.used:
                 self.refused += 1
                 raise OverloadedError(
                     f"{self.used:,} bytes are held by requests in flight; this {what} needs "

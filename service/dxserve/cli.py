@@ -282,20 +282,31 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
     """uvicorn's options that bound connections, from ``settings``: its own where it has
     them, and the protocol of ``http.protocol`` (through uvicorn's ``http=`` option) for
     read and write timeouts, the header size and a hard connection cap."""
-    from .http.protocol import UNPROTECTED, ConnectionLimits, bounded_protocol
+    from .http.protocol import (
+        H11_UNPROTECTED,
+        UNPROTECTED,
+        ConnectionLimits,
+        bounded_h11_protocol,
+        bounded_protocol,
+    )
 
     _raise_open_files(settings.max_connections + 256, log)
     limits = ConnectionLimits(
         settings.header_timeout, settings.body_timeout, settings.max_header_bytes,
         settings.max_connections, settings.write_timeout,
     )
-    protocol = bounded_protocol(limits) if settings.http == "httptools" else None
+    if settings.http == "h11":
+        protocol = bounded_h11_protocol(limits)
+        if protocol is not None:
+            log.warning("connections: DXSERVE_HTTP=h11: %s", H11_UNPROTECTED)
+    else:
+        protocol = bounded_protocol(limits)
     if protocol is None:
         why = "DXSERVE_HTTP=h11" if settings.http == "h11" else (
             "httptools is missing or this uvicorn is not one http/protocol.py supports"
         )
         log.warning("connections: %s: %s", why, UNPROTECTED)
-    else:
+    elif settings.http != "h11":
         log.info("connections: %s, idle keep-alive %d s",
                  limits.describe(), settings.keep_alive_timeout)
     return {

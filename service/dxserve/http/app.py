@@ -39,6 +39,7 @@ from . import jobs, problems, routes, schemas
 from .metrics import Metrics
 from .operators import OperatorEndpoint, PrepareEndpoint
 from .records import RequestRecords
+from .sending import SendPath
 
 _PROBLEMS = {
     400: "Malformed body", 401: "Missing or invalid bearer token (DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE)",
@@ -88,6 +89,8 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     app.add_middleware(
         RequestRecords, metrics=metrics, log_requests=service.settings.log_format == "json"
     )
+    # added last, so outermost of ours: every answer of every route is sent through it
+    app.add_middleware(SendPath, budget=service.budget)
     memo = WireMemo()  # this app's validated requests: repeats skip validation
     for name in _by_use():
         app.router.add_route(

@@ -34,12 +34,12 @@ from dxcontract import codec
 from dxcontract.errors import DxError
 from dxcontract.operators import OPERATORS
 
-from ..admission import Ticket
 from ..detached import Detached, stored_error
 from ..pipeline import WireMemo
 from ..service import Service
 from .operators import admit, bearer_token, read_body, request_head
 from .problems import problem_document
+from .sending import cover
 from .streaming import EVENT_STREAM, HEARTBEAT, event
 
 
@@ -104,22 +104,6 @@ async def get_job(job_id: str, request: Request) -> Response:
     return JSONResponse(with_status(await detached_of(request).status(job_id, token_of(request))))
 
 
-class HeldResponse(Response):
-    """An answer whose bytes stay held in the in-flight budget until it is sent (or the
-    client has gone)."""
-
-    def __init__(self, answer: Any, ticket: Ticket) -> None:
-        super().__init__(b"".join(answer.parts), answer.status, answer.headers,
-                         media_type=answer.media_type)
-        self.ticket = ticket
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.ticket.release()
-
-
 async def get_job_result(job_id: str, request: Request) -> Response:
     """The job's answer, in the encoding asked for (`Accept`) as its operator's answer
     would be; 409 with `Retry-After` until it has ended. A failed job answers with its
@@ -133,7 +117,10 @@ async def get_job_result(job_id: str, request: Request) -> Response:
     except BaseException:
         ticket.release()
         raise
-    return HeldResponse(answer, ticket)
+    # held until the client has taken the answer, or is cut off (see ``sending``)
+    cover(request.scope, ticket)
+    return Response(b"".join(answer.parts), answer.status, answer.headers,
+                    media_type=answer.media_type)
 
 
 async def delete_job(job_id: str, request: Request) -> Response:
@@ -152,12 +139,14 @@ async def job_events(job_id: str, request: Request) -> Response:
     await detached.status(job_id, token)  # 404 before the stream starts
     arrays = "b64" if "arrays=b64" in (request.headers.get("accept") or "").lower() else "lists"
     return StreamingResponse(
-        _events(detached, job_id, token, arrays), media_type=EVENT_STREAM,
+        _events(detached, job_id, token, arrays, request.scope), media_type=EVENT_STREAM,
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 
-async def _events(detached: Detached, job_id: str, token: str | None, arrays: str) -> Any:
+async def _events(
+    detached: Detached, job_id: str, token: str | None, arrays: str, scope: Scope
+) -> Any:
     last = time.monotonic()
     try:
         async for name, value in detached.events(job_id, token):
@@ -169,18 +158,27 @@ async def _events(detached: Detached, job_id: str, token: str | None, arrays: st
                 yield b": keep-alive\n\n"
                 last = now
             elif name == "ended":
-                yield await _outcome(detached, job_id, token, arrays)
+                yield await _outcome(detached, job_id, token, arrays, scope)
                 return
     except DxError as exc:  # removed meanwhile
         yield event("error", codec.dumps(problem_document(exc)))
 
 
-async def _outcome(detached: Detached, job_id: str, token: str | None, arrays: str) -> bytes:
-    with detached.service.budget.ticket() as ticket:  # held while it is made
-        try:
-            answer = await detached.result(
-                job_id, token, f"{codec.JSON_TYPE}; arrays={arrays}", ticket
-            )
-        except DxError as exc:
-            return event("error", codec.dumps(problem_document(exc)))
-        return event("result", b"".join(answer.parts))
+async def _outcome(
+    detached: Detached, job_id: str, token: str | None, arrays: str, scope: Scope
+) -> bytes:
+    """The final event; the result's bytes stay held until the stream has been taken
+    in full (or its client is cut off): the send path releases the ticket."""
+    ticket = detached.service.budget.ticket()
+    try:
+        answer = await detached.result(
+            job_id, token, f"{codec.JSON_TYPE}; arrays={arrays}", ticket
+        )
+    except DxError as exc:
+        ticket.release()
+        return event("error", codec.dumps(problem_document(exc)))
+    except BaseException:
+        ticket.release()
+        raise
+    cover(scope, ticket)
+    return event("result", b"".join(answer.parts))

@@ -220,7 +220,12 @@ class _BudgetCollector:
             "dxserve_inflight_refused", "Requests refused (503) because the budget was full"
         )
         refused.add_metric([], budget.refused)
-        return [held, limit, peak, large, refused]
+        sending = GaugeMetricFamily(
+            "dxserve_answers_sending",
+            "Answers being written now (the metrics answer itself among them)",
+        )
+        sending.add_metric([], budget.sending)
+        return [held, limit, peak, large, refused, sending]
 
 
 class _JobCollector:

@@ -23,6 +23,7 @@ from ..admission import SMALL_BYTES
 from ..jobs import Job
 from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead, WireMemo
 from ..service import Service
+from .sending import cover
 from .streaming import DisconnectWatch, EventStream
 
 _HEAD_FIELDS = {
@@ -155,6 +156,7 @@ class OperatorEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         head = request_head(scope["headers"])
         call = await admit(scope, receive, self.service, self.op, head, self.memo)
+        cover(scope, call.ticket)  # the answer's bytes are the result's, reserved already
         with call.ticket:
             if wants_stream(head):
                 body = await read_body(scope, receive, call)

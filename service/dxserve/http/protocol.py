@@ -76,6 +76,15 @@ class ConnectionLimits:
         )
 
 
+#: What ``DXSERVE_HTTP=h11`` leaves off (the server logs it): h11 bounds heads and
+#: trailers itself (``h11_max_incomplete_event_size``), and ``CappedH11`` adds the write
+#: timeout and the connection cap.
+H11_UNPROTECTED = (
+    "header and body read timeouts are off (a client trickling its request holds a "
+    "connection until uvicorn's limit_concurrency); heads and trailers are bounded by "
+    "h11 to DXSERVE_MAX_HEADER_BYTES, unread answers are cut off after the write timeout"
+)
+
 #: What is off when ``bounded_protocol`` returns None (the server logs it).
 UNPROTECTED = (
     "header and body read timeouts, the exact header size limit, the connection cap and "
@@ -109,7 +118,64 @@ def supported_uvicorn(version: str) -> bool:
     return low <= found < high
 
 
-class BoundedConnection:
+class WriteBound:
+    """The write timeout and the connection cap, as a mixin over either of uvicorn's
+    protocols (httptools or h11): a client that takes nothing of its answer for
+    ``write_timeout`` seconds while the transport's buffer is full is disconnected, and
+    what waited for it (the answer, its budget) is freed."""
+
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+
+    def connection_made(self, transport: Any) -> None:
+        self._write_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_write_timer()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        timer = getattr(self, "_write_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._write_timer = None
+
+    def _stalled(self) -> None:
+        self._write_timer = None
+        log.info(
+            "closing %s: it took nothing of its answer for %g s",
+            self.client, self.limits.write_timeout,
+        )
+        self.transport.abort()  # close() would wait for the client to read
+
+
+class CappedH11(WriteBound):
+    """uvicorn's h11 protocol with the write timeout and the connection cap. h11 itself
+    bounds a request's head and a chunked body's trailers to
+    ``h11_max_incomplete_event_size`` (set to ``DXSERVE_MAX_HEADER_BYTES``: 400, closed);
+    read timeouts are not added (see ``H11_UNPROTECTED``)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            error = OverloadedError(
+                f"the server holds its limit of {self.limits.max_connections} open "
+                "connections; retry shortly", retry_after=1,
+            )
+            transport.write(raw_problem(503, "Service Unavailable", error, "retry-after: 1"))
+            transport.close()
+
+
+class BoundedConnection(WriteBound):
     """The limits and fast paths of this module, as a mixin over uvicorn's
     ``HttpToolsProtocol`` (the class that follows it in the bases supplies the parsing,
     the cycle and the flow control). ``limits`` is read per connection:
@@ -121,7 +187,6 @@ class BoundedConnection:
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
-        self._write_timer: asyncio.TimerHandle | None = None
         self._phase = _HEAD
         self._deadline = self.loop.time() + self.limits.header_timeout
         self._begin_head(by_parser=False)
@@ -137,7 +202,6 @@ class BoundedConnection:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self._stop_write_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -147,7 +211,37 @@ class BoundedConnection:
             self._begin()
         if self._phase == _HEAD and self._count_raw(data):
             return
+        if self._phase != _BODY:
+            super().data_received(data)
+            return
+        before = self._body_bytes
         super().data_received(data)
+        if self._phase == _BODY:  # the body goes on: count what was not body
+            self._count_framing(len(data), self._body_bytes - before)
+
+    # --- a chunked body's framing and trailers ------------------------------------
+    # The parser takes trailer lines after the last chunk (and extensions on chunk
+    # lines) without bound, keeping each line whole in memory. Bytes of a body that are
+    # not body count against the header limit, less the body bytes beside them: chunk
+    # lines cost a few bytes per chunk of data, trailers and extensions cost in full.
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def _count_framing(self, received: int, body: int) -> None:
+        self._framing = max(0, self._framing + received - 2 * body)
+        if self._framing > self.limits.max_header_bytes and not self.transport.is_closing():
+            error = MalformedRequestError(
+                f"chunked body framing or trailers exceed {self.limits.max_header_bytes} "
+                "bytes (DXSERVE_MAX_HEADER_BYTES)", field="trailers",
+            )
+            cycle = self.cycle
+            self._disarm()
+            self._phase = _APP
+            self._disconnect_cycle()
+            if cycle is None or not cycle.response_started:
+                self.transport.write(raw_problem(431, "Request Header Fields Too Large", error))
+            self.transport.close()
 
     # --- the head's size ------------------------------------------------------------
     # A head that starts where a read starts is counted from the raw bytes, exactly.
@@ -155,6 +249,8 @@ class BoundedConnection:
     # the parser reports (request line and header lines as sent with ": "), and its
     # later reads from the raw bytes as well, so neither can grow past the limit.
     def _begin_head(self, by_parser: bool) -> None:
+        self._body_bytes = 0  # the body's bytes so far (its framing not counted)
+        self._framing = 0  # bytes of the body's framing and trailers, less body bytes
         self._head_bytes = 0  # raw bytes of the head so far
         self._parsed_bytes = 0  # bytes the parser has reported (by_parser only)
         self._tail = b""  # the last bytes of the head: a CRLF CRLF may span reads
@@ -237,30 +333,6 @@ class BoundedConnection:
         if self._refusing is not None and not self.transport.is_closing():
             self._refuse(431, "Request Header Fields Too Large", self._refusing)
 
-    # --- writes -----------------------------------------------------------------
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
-
-    def resume_writing(self) -> None:
-        self._stop_write_timer()
-        super().resume_writing()
-
-    def _stop_write_timer(self) -> None:
-        timer = getattr(self, "_write_timer", None)
-        if timer is not None:
-            timer.cancel()
-            self._write_timer = None
-
-    def _stalled(self) -> None:
-        self._write_timer = None
-        log.info(
-            "closing %s: it took nothing of its answer for %g s",
-            self.client, self.limits.write_timeout,
-        )
-        self.transport.abort()  # close() would wait for the client to read
-
     # --- read timers ----------------------------------------------------------------
     def _begin(self, by_parser: bool = False) -> None:
         self._phase = _HEAD
@@ -333,6 +405,20 @@ def bounded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
     return type(
         "BoundedHttpToolsProtocol", (BoundedConnection, HttpToolsProtocol), {"limits": limits}
     )
+
+
+def bounded_h11_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol] | None:
+    """uvicorn's h11 protocol with the write timeout and connection cap of ``limits``
+    (``CappedH11``); None where it cannot be built (a uvicorn outside
+    ``UVICORN_VERSIONS``)."""
+    try:
+        import uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+    except ImportError:
+        return None
+    if not supported_uvicorn(uvicorn.__version__):
+        return None
+    return type("BoundedH11Protocol", (CappedH11, H11Protocol), {"limits": limits})
 
 
 
