@@ -155,6 +155,12 @@ class WriteBound:
             "closing %s: it took nothing of its answer for %g s",
             self.client, self.limits.write_timeout,
         )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # before the abort: closing the transport may resume writing at once (uvloop
+            # does), and the answer's next write must find its client gone
+            cycle.disconnected = True
+            cycle.message_event.set()
         self.transport.abort()  # close() would wait for the client to read
 
 
@@ -214,9 +220,11 @@ class BoundedConnection(WriteBound):
         if self._phase != _BODY:
             super().data_received(data)
             return
-        before = self._body_bytes
+        before, head = self._body_bytes, self._head_start
         super().data_received(data)
-        if self._phase == _BODY:  # the body goes on: count what was not body
+        # the same body goes on (no request ended and began in this read): count what
+        # was not body
+        if self._phase == _BODY and self._head_start is head:
             self._count_framing(len(data), self._body_bytes - before)
 
     # --- a chunked body's framing and trailers ------------------------------------
@@ -249,6 +257,7 @@ class BoundedConnection(WriteBound):
     # the parser reports (request line and header lines as sent with ": "), and its
     # later reads from the raw bytes as well, so neither can grow past the limit.
     def _begin_head(self, by_parser: bool) -> None:
+        self._head_start = object()  # a new token for each request's head
         self._body_bytes = 0  # the body's bytes so far (its framing not counted)
         self._framing = 0  # bytes of the body's framing and trailers, less body bytes
         self._head_bytes = 0  # raw bytes of the head so far
@@ -451,7 +460,8 @@ class _HeadWithBody:
             return
         held = self._held
         if held is None:
-            self._transport.write(data)
+            if not self._transport.is_closing():  # uvloop raises on a closed transport
+                self._transport.write(data)
             return
         if len(data):
             held.append(data)
