@@ -263,6 +263,13 @@ class TooManyJobsError(DxError):
     slug, title = "too-many-jobs", "Job limit reached"
 
 
+class TooManyStreamsError(DxError):
+    """As many event streams follow the job, or are open for the caller, as the server
+    allows (``limit`` names which); retry after ``retry_after`` seconds."""
+
+    slug, title = "too-many-streams", "Stream limit reached"
+
+
 def _subclasses(cls: type[DxError]) -> list[type[DxError]]:
     out = []
     for sub in cls.__subclasses__():

@@ -46,6 +46,8 @@ class Budget:
         self.large = 0
         #: answers being written now (``http.sending``: started, not yet taken in full)
         self.sending = 0
+        #: answers begun through the send path, ever
+        self.answers = 0
         #: told the bytes each time some are given back (the service's memory trimmer)
         self.on_give: Callable[[int], None] | None = None
         self._lock = threading.Lock()

@@ -6,7 +6,7 @@ server process.
     doc = await detached.submit(call, req, body)      # validated, stored, answered 202
     doc = await detached.status(job_id, token)        # status, progress, timings, error
     answer = await detached.result(job_id, token, accept)   # 409 until it has ended
-    async for name, value in detached.events(job_id, token): ...
+    async for name, value in await detached.follow(job_id, token): ...
     removed, doc = await detached.cancel(job_id, token)
 
 A door (the HTTP app) parses and encodes; everything else is here: who owns a job,
@@ -60,6 +60,7 @@ from dxcontract.errors import (
 from dxcontract.operators import OPERATORS
 
 from .admission import Ticket
+from .job_watch import JobWatches, Watch
 from .jobs import Job, JobCancelled
 from .pipeline import Answer, OperatorCall, OperatorRequest, RequestHead
 from .service import Service
@@ -223,7 +224,8 @@ class Detached:
         self.restored = 0
         self._tasks: dict[str, asyncio.Task] = {}
         self._jobs: dict[str, _StoredJob] = {}
-        self._watchers: dict[str, set[asyncio.Event]] = {}
+        #: the shared watches of followed jobs (made with the first stream)
+        self._job_watches: JobWatches | None = None
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -365,14 +367,31 @@ class Detached:
         )
         return Answer(media, [body], len(body), headers)
 
-    async def events(self, job_id: Any, token: str | None) -> AsyncIterator[tuple[str, Any]]:
+    async def follow(self, job_id: Any, token: str | None) -> AsyncIterator[tuple[str, Any]]:
+        """``events`` of the caller's job, its stream counted now: 404 and 429
+        (``TooManyStreamsError``) are raised here, before anything is sent."""
+        rec = await self._mine(job_id, token)
+        owner = self.owner(token)
+        watch = self._streams().open(rec, owner)
+        return self.events(rec, watch, owner)
+
+    def _streams(self) -> JobWatches:
+        if self._job_watches is None:
+            store = self._available()
+            self._job_watches = JobWatches(
+                store.get, self.settings.job_poll_interval,
+                self.settings.max_streams_per_job, self.settings.max_streams_per_owner,
+            )
+        return self._job_watches
+
+    async def events(
+        self, rec: JobRecord, watch: Watch, owner: str
+    ) -> AsyncIterator[tuple[str, Any]]:
         """The job's events until it ends: ``("progress", {"done", "total", "unit"})`` as
         it moves, ``("quiet", None)`` when a poll found nothing new, then ``("ended",
-        record)``. Leaving early changes nothing of the job."""
-        rec = await self._mine(job_id, token)
-        store = self._available()
-        wake = asyncio.Event()
-        self._watchers.setdefault(rec.id, set()).add(wake)
+        record)``. Leaving early changes nothing of the job. Every stream of a job
+        shares one ``Watch``: one store read per interval, whatever their number."""
+        seen_version = watch.version
         try:
             last = (-1, None)  # (done, total) last told: progress only ever moves forward
             local, seen = None, 0  # this process's run of the job, and its reports told
@@ -396,21 +415,16 @@ class Detached:
                         yield "progress", {"done": rec.done, "total": rec.total, "unit": rec.unit}
                     yield "ended", rec
                     return
-                try:
-                    await asyncio.wait_for(wake.wait(), self.settings.job_poll_interval)
-                except TimeoutError:
+                if not await watch.wait(seen_version, self.settings.job_poll_interval):
                     yield "quiet", None
-                wake.clear()
-                fresh = await asyncio.to_thread(store.get, rec.id)
+                    continue
+                seen_version = watch.version
+                fresh = watch.rec
                 if fresh is None:  # removed meanwhile
                     raise UnknownJobError(f"job {rec.id} was removed", field="id")
                 rec = fresh
         finally:
-            watchers = self._watchers.get(rec.id)
-            if watchers is not None:
-                watchers.discard(wake)
-                if not watchers:
-                    self._watchers.pop(rec.id, None)
+            self._streams().close(watch, owner)
 
     async def cancel(self, job_id: Any, token: str | None) -> tuple[bool, dict[str, Any] | None]:
         """Cancel the caller's job, or remove it once it has ended: ``(removed, status
@@ -485,6 +499,13 @@ class Detached:
         }
         return doc
 
+    def stream_counts(self) -> tuple[int, int, int]:
+        """``(streams open, jobs they follow, store reads made for them)`` here."""
+        watches = self._job_watches
+        if watches is None:
+            return 0, 0, 0
+        return watches.streams(), watches.watched(), watches.reads
+
     def counts(self) -> dict[str, int]:
         """Jobs in the store by status (every status named, 0 when none)."""
         found = self.store.counts() if self.store is not None else {}
@@ -556,8 +577,8 @@ class Detached:
         self._notify(job_id)
 
     def _notify(self, job_id: str) -> None:
-        for wake in self._watchers.get(job_id, ()):
-            wake.set()
+        if self._job_watches is not None:
+            self._job_watches.notify(job_id)
 
     async def _run(self, rec: JobRecord) -> None:
         store = self.store

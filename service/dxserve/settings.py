@@ -183,6 +183,12 @@ class Settings(BaseSettings):
     #: Seconds between a process's looks at the store for queued jobs (and for the
     #: progress of jobs that other processes run, on ``GET /jobs/{id}/events``).
     job_poll_interval: float = Field(default=0.5, gt=0)
+    #: ``GET /jobs/{id}/events`` streams open at once on one job, in this process (429
+    #: ``too-many-streams`` past it). All of a job's streams share one store read.
+    max_streams_per_job: int = Field(default=512, ge=1)
+    #: Job event streams one owner (token; all anonymous callers are one) may have open
+    #: at once, in this process (429 ``too-many-streams`` past it).
+    max_streams_per_owner: int = Field(default=1024, ge=1)
     #: Bytes of device memory one chunk of a chunked Jacobian or Hessian may need by
     #: XLA's estimate: larger ones run in chunks sized to fit (see ``chunking``); a
     #: single basis vector over it is refused (422). Default 512 MiB.

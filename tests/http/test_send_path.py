@@ -239,6 +239,7 @@ def _unread_route(srv: _InProcessServer, request: bytes, large: bool, key: Any) 
     s.setblocking(False)
     batch = request * max(1, 16384 // len(request))
     pending = memoryview(batch)
+    answers_before = budget.answers
     held_seen = waiting_seen = passed = False
     sent = 0
     ended = "deadline"
@@ -258,7 +259,7 @@ def _unread_route(srv: _InProcessServer, request: bytes, large: bool, key: Any) 
             except OSError as exc:  # cut off already: what it waited for was seen, or not
                 ended = f"{type(exc).__name__} after {sent} bytes"
                 break
-            passed = passed or budget.sending > 0
+            passed = passed or budget.answers > answers_before
             waiting_seen = blocked and budget.sending > 0
             held_seen = held_seen or budget.used > 0
             if waiting_seen and (held_seen or not large):

@@ -64,6 +64,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     metrics = Metrics(
         service.cache, service.batcher, service.workers, service.cancelled, service.budget,
         jobs=detached.counts if detached.store is not None else None,
+        streams=detached.stream_counts if detached.store is not None else None,
     )
 
     @asynccontextmanager

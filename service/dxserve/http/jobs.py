@@ -136,20 +136,20 @@ async def job_events(job_id: str, request: Request) -> Response:
     """Server-Sent Events of a job: progress, then its result or error (see the module).
     Closing the stream does not cancel the job."""
     detached, token = detached_of(request), token_of(request)
-    await detached.status(job_id, token)  # 404 before the stream starts
+    events = await detached.follow(job_id, token)  # 404 and 429 before the stream starts
     arrays = "b64" if "arrays=b64" in (request.headers.get("accept") or "").lower() else "lists"
     return StreamingResponse(
-        _events(detached, job_id, token, arrays, request.scope), media_type=EVENT_STREAM,
+        _events(detached, events, job_id, token, arrays, request.scope), media_type=EVENT_STREAM,
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 
 async def _events(
-    detached: Detached, job_id: str, token: str | None, arrays: str, scope: Scope
+    detached: Detached, events: Any, job_id: str, token: str | None, arrays: str, scope: Scope
 ) -> Any:
     last = time.monotonic()
     try:
-        async for name, value in detached.events(job_id, token):
+        async for name, value in events:
             now = time.monotonic()
             if name == "progress":
                 yield event("progress", json.dumps(value, separators=(",", ":")).encode())

@@ -23,6 +23,7 @@ class Metrics:
         self, cache: PrepCache, batcher: Batcher | None = None, workers: Workers | None = None,
         cancelled: dict[str, int] | None = None, budget: Budget | None = None,
         jobs: Callable[[], dict[str, int]] | None = None,
+        streams: Callable[[], tuple[int, int, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         # process_* (CPU, memory, open files, start time; Linux) and python_info, on this
@@ -43,6 +44,8 @@ class Metrics:
             self.registry.register(_BudgetCollector(budget))
         if jobs is not None:
             self.registry.register(_JobCollector(jobs))
+        if streams is not None:
+            self.registry.register(_StreamCollector(streams))
 
     def record(self, route: str, status: int, seconds: float) -> None:
         """Count and time one answered request (errors counted by status too)."""
@@ -246,3 +249,23 @@ class _JobCollector:
         for status, n in counts.items():
             family.add_metric([status], n)
         return [family]
+
+
+class _StreamCollector:
+    """Job event streams open in this process, the jobs they follow, and the store
+    reads their shared watches made (one per followed job per poll interval)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self.counts = counts
+
+    def collect(self):
+        streams, watched, reads = self.counts()
+        open_ = GaugeMetricFamily("dxserve_job_streams", "Job event streams open now")
+        open_.add_metric([], streams)
+        jobs = GaugeMetricFamily("dxserve_job_streams_jobs", "Jobs those streams follow")
+        jobs.add_metric([], watched)
+        done = CounterMetricFamily(
+            "dxserve_job_stream_reads", "Store reads made for job streams (shared per job)"
+        )
+        done.add_metric([], reads)
+        return [open_, jobs, done]

@@ -57,6 +57,7 @@ class Sending:
             if not self.open:
                 self.open = True
                 self.budget.sending += 1
+                self.budget.answers += 1
             await self._send(message)
             return
         if kind != "http.response.body":
