@@ -281,7 +281,10 @@ def _add_job_routes(app: FastAPI) -> None:
         "/jobs/{job_id}/events", tags=["jobs"], operation_id="get_job_events",
         response_class=Response,
         responses={200: {"description": "Server-Sent Events", "content": _JOB_EVENTS},
-                   **_job_problems(401, 404, 422, 503)},
+                   **_job_problems(401, 404, 422, 503),
+                   429: {"model": schemas.Problem, "description": (
+                       "Too many streams on this job or of this owner "
+                       "(DXSERVE_MAX_STREAMS_PER_JOB, DXSERVE_MAX_STREAMS_PER_OWNER; Retry-After)")}},
     )(jobs.job_events)
 
 
