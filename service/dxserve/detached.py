@@ -535,6 +535,8 @@ class Detached:
         running = list(self._tasks.values())
         if running:
             await asyncio.wait(running, timeout=10)
+        if self._job_watches is not None:
+            self._job_watches.stop()
 
     async def _claiming(self) -> None:
         settings, store = self.settings, self.store

@@ -78,13 +78,19 @@ class JobWatches:
             raise TooManyStreamsError(
                 f"{watch.watchers} streams follow job {rec.id} already, the most one job may "
                 f"have (DXSERVE_MAX_STREAMS_PER_JOB={self.per_job}); retry shortly, or poll "
-                "GET /jobs/{id}", field="id", limit="max_streams_per_job", retry_after=5,
+                "GET /jobs/{id}",
+                field="id",
+                limit="max_streams_per_job",
+                retry_after=5,
             )
         if self._owners.get(owner, 0) >= self.per_owner:
             raise TooManyStreamsError(
                 f"you have {self._owners[owner]} job streams open, the most one owner may "
                 f"(DXSERVE_MAX_STREAMS_PER_OWNER={self.per_owner}); close some, or retry "
-                "shortly", field="id", limit="max_streams_per_owner", retry_after=5,
+                "shortly",
+                field="id",
+                limit="max_streams_per_owner",
+                retry_after=5,
             )
         if watch is None:
             watch = self._watches[rec.id] = Watch(rec.id, owner, rec)
@@ -103,6 +109,12 @@ class JobWatches:
             self._owners.pop(owner, None)
         if watch.watchers <= 0 and self._watches.get(watch.job_id) is watch:
             del self._watches[watch.job_id]
+            if watch._task is not None:
+                watch._task.cancel()
+
+    def stop(self) -> None:
+        """The server stops: no watch reads the store any more."""
+        for watch in self._watches.values():
             if watch._task is not None:
                 watch._task.cancel()
 
@@ -133,8 +145,9 @@ class JobWatches:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the store busy: the next interval tries again
-                log.warning("job %s: its watch could not read the store", watch.job_id,
-                            exc_info=True)
+                log.warning(
+                    "job %s: its watch could not read the store", watch.job_id, exc_info=True
+                )
                 continue
             if poked or fresh is None or _moved(watch.rec, fresh):
                 watch.publish(fresh)
@@ -148,5 +161,8 @@ def _moved(old: Any, new: Any) -> bool:
     if old is None:
         return True
     return (old.status, old.done, old.total, old.ended) != (
-        new.status, new.done, new.total, new.ended
+        new.status,
+        new.done,
+        new.total,
+        new.ended,
     )

@@ -25,18 +25,26 @@ PER_JOB, PER_OWNER = 300, 340
 POLL = 0.2
 RSS_GROWTH = 256 * 2**20
 #: a Hessian job of many chunks: running for the whole test (cancelled at its end)
-LONG = {"function": "heavy_sines", "backend": {"type": "jax-forward", "batch_size": 20},
-        "x": np.linspace(0.1, 1.3, 3000).tolist()}
+LONG = {
+    "function": "heavy_sines",
+    "backend": {"type": "jax-forward", "batch_size": 20},
+    "x": np.linspace(0.1, 1.3, 3000).tolist(),
+}
 
 
 @pytest.fixture(scope="module")
 def streams_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("streams"), env={
-        "DXSERVE_WARM_UP": "false", "DXSERVE_JOB_RUNNERS": "1",
-        "DXSERVE_JOB_POLL_INTERVAL": str(POLL),
-        "DXSERVE_MAX_STREAMS_PER_JOB": str(PER_JOB),
-        "DXSERVE_MAX_STREAMS_PER_OWNER": str(PER_OWNER),
-    }, modules=("dxserve.examples", "tests.slow_functions"))
+    srv = start_server(
+        tmp_path_factory.mktemp("streams"),
+        env={
+            "DXSERVE_WARM_UP": "false",
+            "DXSERVE_JOB_RUNNERS": "1",
+            "DXSERVE_JOB_POLL_INTERVAL": str(POLL),
+            "DXSERVE_MAX_STREAMS_PER_JOB": str(PER_JOB),
+            "DXSERVE_MAX_STREAMS_PER_OWNER": str(PER_OWNER),
+        },
+        modules=("dxserve.examples", "tests.slow_functions"),
+    )
     try:
         yield srv
     finally:
@@ -51,8 +59,10 @@ def _metric(text: str, name: str) -> float:
 
 def _open_stream(port: int, job_id: str) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(f"GET /jobs/{job_id}/events HTTP/1.1\r\nhost: x\r\n"
-              "accept: text/event-stream\r\n\r\n".encode())
+    s.sendall(
+        f"GET /jobs/{job_id}/events HTTP/1.1\r\nhost: x\r\n"
+        "accept: text/event-stream\r\n\r\n".encode()
+    )
     return s
 
 
@@ -123,7 +133,9 @@ def test_many_watchers_share_one_poll_and_the_caps_answer_429(
             t0 = time.monotonic()
             stop.wait(2.0)
             took = time.monotonic() - t0
-            reads = _metric(http.get("/metrics").text, "dxserve_job_stream_reads_total") - reads_before
+            reads = (
+                _metric(http.get("/metrics").text, "dxserve_job_stream_reads_total") - reads_before
+            )
             assert reads <= 2 * (took / POLL + 4), reads
             # and the jobs themselves go on: progress reached a stream
             got = streams[0].recv(65536)

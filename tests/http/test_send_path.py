@@ -111,8 +111,12 @@ class _InProcessServer:
         from dxserve.settings import Settings
 
         settings = Settings(
-            functions=["dxserve.examples"], store=str(tmp / "store"), compilation_cache="",
-            warm_up=False, write_timeout=WRITE_TIMEOUT, job_poll_interval=0.2,
+            functions=["dxserve.examples"],
+            store=str(tmp / "store"),
+            compilation_cache="",
+            warm_up=False,
+            write_timeout=WRITE_TIMEOUT,
+            job_poll_interval=0.2,
             max_inflight_bytes=256 * 2**20,
         )
         self.app = create_app(settings)
@@ -128,8 +132,9 @@ class _InProcessServer:
         self.url = f"http://127.0.0.1:{self.port}"
         options = connection_options(settings, logging.getLogger("test-send-path"))
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="critical", **options))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         _wait(lambda: self.server.started, "uvicorn did not start", 60)
 
@@ -190,8 +195,11 @@ def test_every_route_is_sent_through_the_send_path(in_process: _InProcessServer)
     spare_job = _finished_job(srv.url, {"function": "rosenbrock", "x": SMALL_X}, "gradient")
     params = {"operator": "gradient", "name": "rosenbrock", "job_id": big_job}
     #: the routes whose answer here is large: its bytes must be seen held while unread
-    large = {("GET", "/jobs/{job_id}/result"), ("GET", "/jobs/{job_id}/events"),
-             ("POST", "/hessian")}
+    large = {
+        ("GET", "/jobs/{job_id}/result"),
+        ("GET", "/jobs/{job_id}/events"),
+        ("POST", "/hessian"),
+    }
     baseline = memory_of_self()
     checked = []
     with _liveness(srv.url) as failures:
@@ -210,8 +218,11 @@ def test_every_route_is_sent_through_the_send_path(in_process: _InProcessServer)
                 body = None
                 if method == "POST":  # an operator's own example, or any JSON
                     op = OPERATORS.get(path.rsplit("/", 1)[-1])
-                    body = big if key in large else (
-                        json.dumps(dict(op.example)).encode() if op is not None else small)
+                    body = (
+                        big
+                        if key in large
+                        else (json.dumps(dict(op.example)).encode() if op is not None else small)
+                    )
                 accept = "text/event-stream" if path.endswith("/events") else "*/*"
                 began = time.monotonic()
                 _unread_route(srv, _request(method, path, body, accept), key in large, key)
@@ -271,13 +282,17 @@ def _unread_route(srv: _InProcessServer, request: bytes, large: bool, key: Any) 
         if large:
             assert held_seen, f"{key}: an unread large answer is not held in the budget"
         if waiting_seen:  # the write timeout cuts the client off: nothing stays held
-            _wait(lambda: budget.sending == 0 and budget.used == 0,
-                  f"{key}: still {budget.sending} answers waiting, {budget.used} bytes held")
+            _wait(
+                lambda: budget.sending == 0 and budget.used == 0,
+                f"{key}: still {budget.sending} answers waiting, {budget.used} bytes held",
+            )
     finally:
         s.close()
     # and whatever was still queued on the connection goes with it
-    _wait(lambda: budget.sending == 0 and budget.used == 0,
-          f"{key}: still {budget.sending} answers waiting, {budget.used} bytes held")
+    _wait(
+        lambda: budget.sending == 0 and budget.used == 0,
+        f"{key}: still {budget.sending} answers waiting, {budget.used} bytes held",
+    )
 
 
 # ---------------------------------------------------------------- unread job answers
@@ -291,13 +306,20 @@ CLIENTS = 12
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
-def job_server(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
-    srv = start_server(tmp_path_factory.mktemp(f"unread-jobs-{request.param}"), env={
-        "DXSERVE_MAX_INFLIGHT_BYTES": str(BUDGET), "DXSERVE_WRITE_TIMEOUT": "3",
-        "DXSERVE_HTTP": request.param, "DXSERVE_WARM_UP": "false",
-        "DXSERVE_JOB_POLL_INTERVAL": "0.2",
-    }, modules=("dxserve.examples",))
+def job_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, str]]:
+    srv = start_server(
+        tmp_path_factory.mktemp(f"unread-jobs-{request.param}"),
+        env={
+            "DXSERVE_MAX_INFLIGHT_BYTES": str(BUDGET),
+            "DXSERVE_WRITE_TIMEOUT": "3",
+            "DXSERVE_HTTP": request.param,
+            "DXSERVE_WARM_UP": "false",
+            "DXSERVE_JOB_POLL_INTERVAL": "0.2",
+        },
+        modules=("dxserve.examples",),
+    )
     try:
         job_id = _finished_job(srv.url, {"function": "rosenbrock", "x": [0.5] * N})
         yield srv, job_id

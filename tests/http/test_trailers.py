@@ -27,16 +27,24 @@ RSS_GROWTH = 64 * 2**20
 OFFERED = 16 * 2**20
 LINE = b"x-trailer: " + b"a" * 1000 + b"\r\n"
 BODY = json.dumps({"function": "rosenbrock", "x": [1.0, 2.0, 3.0]}).encode()
-HEAD = (b"POST /gradient HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"transfer-encoding: chunked\r\n\r\n")
+HEAD = (
+    b"POST /gradient HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
-def trailer_server(request: pytest.FixtureRequest,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp(f"trailers-{request.param}"), env={
-        "DXSERVE_MAX_HEADER_BYTES": str(LIMIT), "DXSERVE_HTTP": request.param,
-    }, modules=("dxserve.examples",))
+def trailer_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    srv = start_server(
+        tmp_path_factory.mktemp(f"trailers-{request.param}"),
+        env={
+            "DXSERVE_MAX_HEADER_BYTES": str(LIMIT),
+            "DXSERVE_HTTP": request.param,
+        },
+        modules=("dxserve.examples",),
+    )
     try:
         yield srv
     finally:
@@ -91,8 +99,10 @@ def test_endless_trailers_are_refused_and_cost_nothing(trailer_server: ServerPro
     results: list[tuple[int, bytes]] = []
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    attackers = [threading.Thread(target=lambda: results.append(_endless_trailers(srv.port)))
-                 for _ in range(3)]
+    attackers = [
+        threading.Thread(target=lambda: results.append(_endless_trailers(srv.port)))
+        for _ in range(3)
+    ]
     for t in attackers:
         t.start()
     for t in attackers:
@@ -115,8 +125,7 @@ def test_endless_trailers_are_refused_and_cost_nothing(trailer_server: ServerPro
 @pytest.mark.protocol
 def test_a_chunked_body_with_short_trailers_is_served(trailer_server: Any) -> None:
     half = len(BODY) // 2
-    data = (HEAD + _chunk(BODY[:half]) + _chunk(BODY[half:]) + b"0\r\n"
-            + b"x-checksum: abc\r\n\r\n")
+    data = HEAD + _chunk(BODY[:half]) + _chunk(BODY[half:]) + b"0\r\n" + b"x-checksum: abc\r\n\r\n"
     with socket.create_connection(("127.0.0.1", trailer_server.port), timeout=30) as s:
         s.sendall(data)
         answer = b""
