@@ -45,6 +45,7 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.SparsityDetectionError: 422,
     E.TooManyFunctionsError: 429,
     E.TooManyJobsError: 429,
+    E.TooManyStreamsError: 429,
     E.InternalError: 500,
     E.OverloadedError: 503,
     E.DeadlineExceededError: 504,
