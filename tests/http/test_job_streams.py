@@ -128,15 +128,14 @@ def test_many_watchers_share_one_poll_and_the_caps_answer_429(
             over = http.get(f"/jobs/{queued}/events", headers={"accept": "text/event-stream"})
             assert over.status_code == 429, over.text
             assert "DXSERVE_MAX_STREAMS_PER_OWNER" in over.json()["detail"]
-            # the reads are per job and interval, not per stream: a second's worth for
-            # 340 streams on 2 jobs is about 2 / POLL, far below one per stream
-            t0 = time.monotonic()
+            # the reads are per job (each interval, and each chunk the running job
+            # reports), not per stream: one read per stream per interval would be
+            # 340 / POLL a second
             stop.wait(2.0)
-            took = time.monotonic() - t0
             reads = (
                 _metric(http.get("/metrics").text, "dxserve_job_stream_reads_total") - reads_before
             )
-            assert reads <= 2 * (took / POLL + 4), reads
+            assert reads < PER_OWNER / 2, reads
             # and the jobs themselves go on: progress reached a stream
             got = streams[0].recv(65536)
             assert b"event: progress" in got or b": keep-alive" in got, got[-300:]
