@@ -303,6 +303,8 @@ BUDGET = 64 * 2**20
 SLACK = 400 * 2**20
 N = 1000  # a Hessian job of 8 MB binary, ~20 MB of JSON
 CLIENTS = 12
+#: long enough for every client's answer (or refusal) to reach it before any is cut off
+JOB_WRITE_TIMEOUT = 10
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
@@ -313,7 +315,7 @@ def job_server(
         tmp_path_factory.mktemp(f"unread-jobs-{request.param}"),
         env={
             "DXSERVE_MAX_INFLIGHT_BYTES": str(BUDGET),
-            "DXSERVE_WRITE_TIMEOUT": "3",
+            "DXSERVE_WRITE_TIMEOUT": str(JOB_WRITE_TIMEOUT),
             "DXSERVE_HTTP": request.param,
             "DXSERVE_WARM_UP": "false",
             "DXSERVE_JOB_POLL_INTERVAL": "0.2",
@@ -338,25 +340,29 @@ def test_unread_job_answers_stay_in_the_budget(job_server: Any, route: str) -> N
     refused_before = _metric(before, "dxserve_inflight_refused_total")
     baseline = memory_of(srv.proc.pid)["VmRSS"]
     clients: list[socket.socket] = []
-    held_seen = 0.0
     with _liveness(srv.url) as failures, httpx.Client(base_url=srv.url, timeout=30) as http:
         for _ in range(CLIENTS):  # ask, never read
             clients.append(_unread_client(srv.port, request))
-        # each answer is refused (503 while the budget is full) or held until its client
-        # is cut off after the write timeout: then the budget empties, nobody reading
+        # every client has its answer begun, or its refusal: peeked, not read
+        _wait(lambda: all(_outcome_of(s, route) for s in clients), "answers did not begin")
+        answered = [s for s in clients if _outcome_of(s, route) == "answered"]
+        text = http.get("/metrics").text
+        held_seen = _metric(text, "dxserve_inflight_bytes")
+        # nobody has read: each answer begun is still held in the budget, whole
+        assert answered and held_seen >= len(answered) * 8 * N * N, (len(answered), held_seen)
+        assert _metric(text, "dxserve_answers_sending") >= len(answered)
+        # the write timeout cuts the clients off: the budget empties, nobody reading
         deadline = time.monotonic() + 240
         while True:
             text = http.get("/metrics").text
             held = _metric(text, "dxserve_inflight_bytes")
-            held_seen = max(held_seen, held)
-            if held == 0 and _metric(text, "dxserve_answers_sending") == 0 and held_seen:
+            if held == 0 and _metric(text, "dxserve_answers_sending") == 0:
                 break
             assert time.monotonic() < deadline, text[-1500:]
             time.sleep(0.2)
     assert failures == [], failures[:5]
     refused = _metric(text, "dxserve_inflight_refused_total") - refused_before
     peak = _metric(text, "dxserve_inflight_peak_bytes")
-    assert held_seen >= 8 * N * N  # at least one whole answer held while unread
     assert peak <= BUDGET, peak
     # 12 answers of ~20 MB do not fit 64 MiB at once: most are refused, none escapes
     assert refused >= CLIENTS // 2, refused
@@ -367,3 +373,19 @@ def test_unread_job_answers_stay_in_the_budget(job_server: Any, route: str) -> N
         r = http.get(f"/jobs/{job_id}/result", headers={"accept": "application/json"})
         assert r.status_code == 200
         assert r.json()["hessian"][0][:2] == [1200 * 0.25 - 400 * 0.5 + 2, -200.0]
+
+
+def _outcome_of(s: socket.socket, route: str) -> str | None:
+    """What a client that reads nothing has been sent so far, peeked: "answered" (its
+    answer began), "refused" (503), or None (nothing yet)."""
+    try:
+        data = s.recv(4096, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    if route == "result":
+        if not data.startswith(b"HTTP/1.1 "):
+            return None
+        return "refused" if data.startswith(b"HTTP/1.1 503") else "answered"
+    if b"event: result" in data:
+        return "answered"
+    return "refused" if b"event: error" in data else None
