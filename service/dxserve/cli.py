@@ -124,10 +124,18 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     log = logging.getLogger("dxserve")
     log.info("access: %s", app.state.service.access_mode())
     options = _uvicorn_options(settings, log)
-    if worker is None:
-        uvicorn.run(app, **options)
-    else:
-        _run_worker(app, options, settings, worker, log)
+    try:
+        if worker is None:
+            uvicorn.run(app, **options)
+        else:
+            _run_worker(app, options, settings, worker, log)
+    finally:  # (uvicorn raises the SIGTERM or SIGINT it caught again once it has stopped)
+        computing = app.state.service.workers.computing
+        if computing:
+            # XLA cannot stop them, and the interpreter's exit could wait for them
+            log.warning("shutdown: leaving %d computation(s) that did not end", computing)
+            logging.shutdown()
+            os._exit(0)
     return 0
 
 

@@ -75,6 +75,8 @@ class GateConfig:
     memory_bytes: int = 4 << 30
     #: Wall-clock seconds a check may take; also its CPU-time limit.
     timeout: float = 60.0
+    #: "refuse": exports with loops of no static trip count are refused; "allow".
+    unbounded_loops: str = "refuse"
 
     @classmethod
     def from_settings(cls, settings: Any) -> GateConfig:
@@ -83,6 +85,7 @@ class GateConfig:
             enabled=bool(getattr(settings, "export_gate", True)),
             memory_bytes=int(getattr(settings, "export_gate_memory_bytes", cls.memory_bytes)),
             timeout=float(getattr(settings, "export_gate_timeout", cls.timeout)),
+            unbounded_loops=str(getattr(settings, "export_unbounded_loops", cls.unbounded_loops)),
         )
 
 
@@ -205,7 +208,8 @@ def check(
         raise _bad(str(e)) from None
     hexdigest = _digest(content)
     platform = _platform()
-    header = {"platform": platform, "timeout": cfg.timeout, "memory": cfg.memory_bytes}
+    header = {"platform": platform, "timeout": cfg.timeout, "memory": cfg.memory_bytes,
+              "unbounded_loops": cfg.unbounded_loops}
     if _fault:
         header["fault"] = _fault
     started = time.monotonic()
@@ -517,12 +521,14 @@ def _child_check(header: dict[str, Any], bundle: bytes) -> dict[str, Any]:
 
     from dxcontract.errors import DxError
 
-    from .exported import exercise, load_exported
+    from .exported import exercise, load_exported, refuse_unbounded_loops
 
     platform = str(header["platform"])
     try:
         with jax.enable_x64(True):  # float64 exports are checked as they will run
             loaded = load_exported(bundle, platform=platform)
+            if header.get("unbounded_loops", "refuse") != "allow":
+                refuse_unbounded_loops(loaded)  # before running it: it might not end
             ran = exercise(loaded) if "cpu" in loaded.platforms else []
     except InvalidExportError as e:
         return {"status": "refused", "detail": e.detail}

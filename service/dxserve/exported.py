@@ -61,6 +61,7 @@ from dxcontract.errors import (
 from dxcontract.platforms import export_platform
 
 from .arity import wrong_count
+from .loops import unbounded_loops
 
 __all__ = [
     "ALLOWED_CUSTOM_CALL_TARGETS",
@@ -532,6 +533,8 @@ class LoadedExport:
     nbytes: int = 0
     artifacts: Any = dataclasses.field(default=None, repr=False, compare=False)
     """The deserialized exports (``_Artifacts``): their avals give example shapes."""
+    unbounded_loops: int = 0
+    """Loops of its artifacts with no static trip count (see ``loops``)."""
 
 
 def _bad(detail: str) -> InvalidExportError:
@@ -607,21 +610,28 @@ def load_exported(
     modes = bundle_modes(manifest)  # checked by split_bundle
     exps: dict[str, Any] = {}
     targets: set[str] = set()
+    loops = 0
     for art in artifacts_for(modes):
         exps[art] = _deserialize(art, blobs[art], manifest)
-        targets |= _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
+        found, unbounded = _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
+        targets |= found
+        loops += unbounded
     _check_signatures(exps, m)
 
     h = _Artifacts(exps, m.nx, m.nc, m.ny, m.name, modes)
     h.constraints = _constraints(manifest)
+    fn = _make_fn(h)
+    #: the service never runs such a function on its event loop (see ``worker``)
+    fn.dx_unbounded_loops = loops  # type: ignore[attr-defined]
     return LoadedExport(
-        fn=_make_fn(h),
+        fn=fn,
         signature=manifest,
         platforms=m.platforms,
         modes=modes,
         custom_call_targets=frozenset(targets),
         nbytes=len(bundle),
         artifacts=h,
+        unbounded_loops=loops,
     )
 
 
@@ -697,10 +707,11 @@ def _deserialize(art: str, blob: bytes, manifest: dict[str, Any]) -> Any:
 
 def _check_artifact(
     art: str, exp: Any, platforms: tuple[str, ...], allowed_custom_calls: frozenset[str] | set[str]
-) -> set[str]:
+) -> tuple[set[str], int]:
     """Refuse what ``exp`` may not do here (other platforms, several devices, effects,
     disabled checks, custom calls not in ``allowed_custom_calls``, host or collective
-    ops); returns its custom-call targets."""
+    ops); returns its custom-call targets and how many loops it has with no static
+    trip count."""
     if tuple(exp.platforms) != platforms:
         raise _bad(f"artifact {art!r} is lowered for {exp.platforms}, manifest says {platforms}")
     if exp.nr_devices != 1:
@@ -712,6 +723,7 @@ def _check_artifact(
     try:
         text = exp.mlir_module()
         found = custom_call_targets(text)
+        unbounded = unbounded_loops(text)
     except Exception as e:
         raise _bad(f"artifact {art!r}: cannot inspect the module: {str(e)[:300]}") from None
     bad = sorted(found - set(allowed_custom_calls))
@@ -720,7 +732,19 @@ def _check_artifact(
     for op in _FORBIDDEN_OPS:
         if re.search(re.escape(op) + r"\b", text):
             raise _bad(f"artifact {art!r} uses {op}, which is not allowed")
-    return found
+    return found, unbounded
+
+
+def refuse_unbounded_loops(loaded: LoadedExport) -> None:
+    """``InvalidExportError`` when ``loaded`` has a loop with no static trip count."""
+    if loaded.unbounded_loops:
+        raise _bad(
+            f"the export has {loaded.unbounded_loops} loop(s) whose trip count depends on "
+            "its data (a lax.while_loop, or a fori_loop with a traced bound); nothing could "
+            "stop one that never ends, so this server refuses them. Export loops with bounds "
+            "known when exporting (lax.fori_loop with int bounds, lax.scan), or ask the "
+            "operator to set DXSERVE_EXPORT_UNBOUNDED_LOOPS=allow"
+        )
 
 
 def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:

@@ -413,6 +413,8 @@ class Service:
             ready = await self._compile(op, found, worker, limit_s)
         ticket.reserve_result(ready.result_bytes)
         left = deadline - loop.time()
+        # a loop with no static bound may never end: only a worker thread can be abandoned
+        inline = not getattr(found.function, "dx_unbounded_loops", 0)
         if (
             found.prep is not None and workers.batching
             and (job is None or not job.streams) and not ready.chunked(op.name)
@@ -428,7 +430,8 @@ class Service:
                 ]
 
             return await workers.run_grouped(
-                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left
+                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left,
+                inline=inline,
             )
         chunked = ready.chunked(op.name)
         if chunked and job is None:  # its own, so short jobs run between its chunks
@@ -449,7 +452,7 @@ class Service:
             return results
 
         return await workers.run(
-            compute, key, left, worker=worker, progress=job if chunked else None
+            compute, key, left, worker=worker, progress=job if chunked else None, inline=inline
         )
 
     async def _compile(
@@ -575,6 +578,7 @@ class Service:
             "jax_version": jax.__version__,
             "functions": len(self.registry),
             "queued": self.workers.pending,
+            "stuck": self.workers.stuck,
             "compiling": self.compiler.pending,
         }
 

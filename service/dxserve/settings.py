@@ -251,6 +251,10 @@ class Settings(BaseSettings):
     export_gate_memory_bytes: int = Field(default=4 << 30, ge=64 << 20)
     #: Wall-clock and CPU-time seconds one export check may take.
     export_gate_timeout: float = Field(default=60.0, gt=0)
+    #: Uploads with loops whose trip count depends on data (``lax.while_loop``, a
+    #: ``fori_loop`` with a traced bound): "refuse" (422 at upload) or "allow" (they run
+    #: in process; one past its deadline is abandoned, see ``worker``).
+    export_unbounded_loops: Literal["refuse", "allow"] = "refuse"
 
     @field_validator("torch_compile", mode="before")
     @classmethod

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +50,8 @@ _PROBLEMS = {
     503: "Overloaded (Retry-After)", 504: "Timed out",
 }
 OPENAPI_URL, DOCS_URL, REDOC_URL = "/openapi.json", "/docs", "/redoc"
+#: Seconds closing the service may take at shutdown, after uvicorn's graceful shutdown.
+CLOSE_GRACE = 15.0
 TITLE = "dxserve"
 SUMMARY = "Differentiation as a service: DifferentiationInterface-style derivatives over JAX"
 
@@ -71,8 +76,16 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
             await asyncio.to_thread(int)
         detached.start()  # jobs left queued or running by a stopped process resume now
         yield
-        await detached.stop()
-        service.close()
+        # Closing waits for threads, and one may compute something that never ends: past
+        # CLOSE_GRACE seconds the process exits without them.
+        guard = threading.Timer(CLOSE_GRACE, _exit_now)
+        guard.daemon = True
+        guard.start()
+        try:
+            await detached.stop()
+            service.close()
+        finally:
+            guard.cancel()
 
     # The documents are routes of our own, after the operators (see the module).
     telemetry = service.settings.opentelemetry
@@ -463,3 +476,13 @@ def _document_wire_media(spec: dict) -> None:
     for unused in ("HTTPValidationError", "ValidationError"):
         if f"#/components/schemas/{unused}" not in text:
             components.pop(unused, None)
+
+
+def _exit_now() -> None:
+    """End the process at once (closing took longer than ``CLOSE_GRACE``)."""
+    logging.getLogger("dxserve").error(
+        "shutdown: closing took over %g s (a computation that does not end?); exiting now",
+        CLOSE_GRACE,
+    )
+    logging.shutdown()
+    os._exit(0)
