@@ -214,6 +214,12 @@ class TooManyFunctionsError(DxError):
     slug, title = "too-many-functions", "Function limit reached"
 
 
+class TooManyDetectionsError(DxError):
+    """The caller has as many sparsity detections waiting as one caller may (``limit``)."""
+
+    slug, title = "too-many-detections", "Detection limit reached"
+
+
 class OverloadedError(DxError):
     slug, title = "overloaded", "Server overloaded, retry later"
 

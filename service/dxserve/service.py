@@ -31,6 +31,7 @@ from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
+    OverloadedError,
     UnauthorizedError,
     UnknownPreparationError,
 )
@@ -55,7 +56,7 @@ from .request_batching import Batcher
 from .request_shapes import ShapeLimits
 from .settings import Settings
 from .signature import Signature
-from .sparse_sandbox import ChildDetector
+from .sparse_sandbox import ChildDetector, DetectionNeeded
 from .stores import open_store
 from .worker import DeviceWorker, Workers
 
@@ -67,6 +68,9 @@ _log = logging.getLogger("dxserve.service")
 EXAMPLES = "dxserve.examples"
 #: Stored functions named one by one in the start-up log; the rest are counted.
 _LISTED = 20
+#: Patterns one compilation may ask the detection lane for (a Hessian's sparse
+#: second-order backends may need two); past it the call is refused with 503.
+_DETECTIONS_PER_COMPILE = 4
 
 class PrepHandles:
     """Handles returned by ``Service.prepare``: an LRU of at most ``maxsize`` preps and,
@@ -182,6 +186,8 @@ class Service:
                 settings.max_request_memory_bytes or None,
             ),
             settings.sparse_detection_memory_bytes, self.registry.origin, self.registry.content,
+            settings.sparse_detection_per_caller, settings.sparse_detection_queue,
+            settings.compute_nice,
         )
         #: per-request bounds on XLA's estimate of each compiled operator (see budget.py)
         self.limits = ComputeLimits(
@@ -473,7 +479,22 @@ class Service:
 
         # a prep handle's own prep is compiled apart from the cache's, its twin
         owner = None if found.prep is None else id(found.prep)
-        return await self.compiler.run((found.key, device, owner), compile_it, limit_s)
+        return await self._compiled((found.key, device, owner), compile_it, limit_s)
+
+    async def _compiled(self, key: Hashable, compile_it: Callable[[], Prep], limit_s: float) -> Prep:
+        """``compile_it()`` on a compile thread (``compiler.run``); a sparsity pattern it
+        needs is detected in the detector's own lane first, never on the compile thread
+        (see ``sparse_sandbox``). ``limit_s``: the whole wait, 504 past it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        info = observe.CURRENT.get()
+        caller = info.caller if info is not None else None
+        for _ in range(_DETECTIONS_PER_COMPILE):
+            try:
+                return await self.compiler.run(key, compile_it, deadline - loop.time(), limit_s)
+            except DetectionNeeded as need:
+                await self.detector.detect(need, caller, deadline - loop.time(), limit_s)
+        raise OverloadedError("the sparsity pattern was detected but not kept; retry", retry_after=1)
 
     async def prepare(
         self,
@@ -511,7 +532,7 @@ class Service:
             return prep
 
         # each /prepare makes its own prep (and handle): nothing to share
-        prep = await self.compiler.run(object(), compile_it, timeout)
+        prep = await self._compiled(object(), compile_it, timeout)
         if info is not None:
             info.call_end = time.perf_counter()
         return {
@@ -580,6 +601,7 @@ class Service:
             "queued": self.workers.pending,
             "stuck": self.workers.stuck,
             "compiling": self.compiler.pending,
+            "detecting": self.detector.pending,
         }
 
     def close(self) -> None:

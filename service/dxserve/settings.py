@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     #: add to its own (RLIMIT_AS); detection holds ~150-700 bytes per nonzero (and per
     #: element of each intermediate), so 2 GiB finds patterns of a few million nonzeros.
     sparse_detection_memory_bytes: int = Field(default=2 << 30, ge=64 << 20)
+    #: Sparsity detections one caller (client address) may have waiting or running in
+    #: the detection lane; 429 past it.
+    sparse_detection_per_caller: int = Field(default=4, ge=1)
+    #: Sparsity detections waiting in the detection lane, all callers; 503 past it.
+    sparse_detection_queue: int = Field(default=64, ge=1)
     #: Most nonzeros of a sparsity pattern, given or detected (422 ``budget-exceeded``
     #: above; 0: no limit). A prep holds ~200 bytes per nonzero (index arrays on the host
     #: and the device, the compiled gather's constants), so one at 2^22 holds ~0.8 GB:
