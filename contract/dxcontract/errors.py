@@ -214,10 +214,11 @@ class TooManyFunctionsError(DxError):
     slug, title = "too-many-functions", "Function limit reached"
 
 
-class TooManyDetectionsError(DxError):
-    """The caller has as many sparsity detections waiting as one caller may (``limit``)."""
+class TooManyQueuedError(DxError):
+    """The caller has as many compilations (or sparsity detections) waiting or running
+    as one caller may (``limit`` names the setting)."""
 
-    slug, title = "too-many-detections", "Detection limit reached"
+    slug, title = "too-many-queued", "Too many of your requests are waiting"
 
 
 class OverloadedError(DxError):

@@ -174,7 +174,8 @@ class Service:
         )
         #: compile threads: first calls and /prepare compile there, off the device workers
         self.compiler = Compiler(
-            settings.compile_threads, settings.compile_queue, settings.compute_nice
+            settings.compile_threads, settings.compile_queue, settings.compute_nice,
+            settings.compile_queue_per_caller,
         )
         #: most tangents, pytree leaves and depth per request (422 past them)
         self.shapes = ShapeLimits(settings.max_tangents, settings.max_leaves, settings.max_depth)
@@ -491,7 +492,9 @@ class Service:
         caller = info.caller if info is not None else None
         for _ in range(_DETECTIONS_PER_COMPILE):
             try:
-                return await self.compiler.run(key, compile_it, deadline - loop.time(), limit_s)
+                return await self.compiler.run(
+                    key, compile_it, deadline - loop.time(), limit_s, caller
+                )
             except DetectionNeeded as need:
                 await self.detector.detect(need, caller, deadline - loop.time(), limit_s)
         raise OverloadedError("the sparsity pattern was detected but not kept; retry", retry_after=1)

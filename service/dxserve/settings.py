@@ -162,6 +162,9 @@ class Settings(BaseSettings):
     compile_threads: int = Field(default=2, ge=1, le=64)
     #: Compilations waiting for a compile thread before 503 + Retry-After.
     compile_queue: int = Field(default=64, ge=1)
+    #: Compilations one caller (client address) may have waiting or running; 429 past
+    #: it, so one client's flood of new shapes cannot fill the queue for everyone.
+    compile_queue_per_caller: int = Field(default=16, ge=1)
     #: Seconds a computation may take before 504.
     request_timeout: float = 300.0
     #: Seconds a computation streamed with ``Accept: text/event-stream`` may take (its

@@ -47,7 +47,6 @@ from dxcontract.errors import (
     DxError,
     OverloadedError,
     SparsityDetectionError,
-    TooManyDetectionsError,
 )
 from dxcontract.keys import KeyArray, dtype_name, impl_of, is_key_dtype
 from dxcontract.lru import LRU
@@ -101,9 +100,10 @@ class ChildDetector:
         self.origin_of, self.content_of = origin_of, content_of
         self.per_caller = per_caller
         #: the detection lane: one thread (the sandbox runs one child at a time)
-        self.lane = Compiler(1, queue_size, nice)
+        self.lane = Compiler(
+            1, queue_size, nice, per_caller, "sparsity detections", "sparse_detection_per_caller"
+        )
         self._made: LRU[str, Analysis] = LRU(self.MADE)
-        self._callers: dict[str, int] = {}  # caller -> detections waiting or running
         paths = [os.getcwd() if p == "" else p for p in sys.path if isinstance(p, str)]
         self.sandbox = Sandbox(
             f"{__name__}:child_job", prepare=f"{__name__}:warm_up",
@@ -123,24 +123,10 @@ class ChildDetector:
         self, need: DetectionNeeded, caller: str | None, timeout: float, limit: float
     ) -> None:
         """Make ``need``'s analysis in the lane (shared with others waiting for the same);
-        ``TooManyDetectionsError`` when ``caller`` has ``per_caller`` waiting already,
+        ``TooManyQueuedError`` when ``caller`` has ``per_caller`` waiting already,
         ``OverloadedError`` when the lane is full, ``DeadlineExceededError`` after
         ``timeout`` seconds (``limit``: the request's whole limit, for the message)."""
-        who = caller or "-"
-        if self._callers.get(who, 0) >= self.per_caller:  # the event loop: no lock needed
-            raise TooManyDetectionsError(
-                f"{self.per_caller} sparsity detections of yours are waiting or running "
-                "(DXSERVE_SPARSE_DETECTION_PER_CALLER); retry when they are done, or pass "
-                "the pattern as Sparse(dense, sparsity=...)",
-                field="backend", limit="sparse_detection_per_caller",
-            )
-        self._callers[who] = self._callers.get(who, 0) + 1
-        try:
-            await self.lane.run(need.key, lambda: self._make(need), timeout, limit)
-        finally:
-            left = self._callers.pop(who) - 1
-            if left:
-                self._callers[who] = left
+        await self.lane.run(need.key, lambda: self._make(need), timeout, limit, caller)
 
     def _make(self, need: DetectionNeeded) -> Analysis:
         """In the lane's thread: run the child, keep its analysis for the compilation."""

@@ -44,7 +44,7 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.RequestShapeError: 422,
     E.SparsityDetectionError: 422,
     E.TooManyFunctionsError: 429,
-    E.TooManyDetectionsError: 429,
+    E.TooManyQueuedError: 429,
     E.TooManyJobsError: 429,
     E.InternalError: 500,
     E.OverloadedError: 503,
