@@ -50,8 +50,6 @@ _PROBLEMS = {
     503: "Overloaded (Retry-After)", 504: "Timed out",
 }
 OPENAPI_URL, DOCS_URL, REDOC_URL = "/openapi.json", "/docs", "/redoc"
-#: Seconds closing the service may take at shutdown, after uvicorn's graceful shutdown.
-CLOSE_GRACE = 15.0
 TITLE = "dxserve"
 SUMMARY = "Differentiation as a service: DifferentiationInterface-style derivatives over JAX"
 
@@ -76,16 +74,20 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
             await asyncio.to_thread(int)
         detached.start()  # jobs left queued or running by a stopped process resume now
         yield
-        # Closing waits for threads, and one may compute something that never ends: past
-        # CLOSE_GRACE seconds the process exits without them.
-        guard = threading.Timer(CLOSE_GRACE, _exit_now)
-        guard.daemon = True
-        guard.start()
+        # Closing waits for threads, and one may compute something that never ends: in
+        # the server process (``dxserve serve`` sets ``close_grace``), past that many
+        # seconds the process exits without them.
+        grace = getattr(app.state, "close_grace", None)
+        guard = threading.Timer(grace, _exit_now, (grace,)) if grace else None
+        if guard is not None:
+            guard.daemon = True
+            guard.start()
         try:
             await detached.stop()
             service.close()
         finally:
-            guard.cancel()
+            if guard is not None:
+                guard.cancel()
 
     # The documents are routes of our own, after the operators (see the module).
     telemetry = service.settings.opentelemetry
@@ -478,11 +480,11 @@ def _document_wire_media(spec: dict) -> None:
             components.pop(unused, None)
 
 
-def _exit_now() -> None:
-    """End the process at once (closing took longer than ``CLOSE_GRACE``)."""
+def _exit_now(grace: float) -> None:
+    """End the process at once (closing took longer than ``grace`` seconds)."""
     logging.getLogger("dxserve").error(
         "shutdown: closing took over %g s (a computation that does not end?); exiting now",
-        CLOSE_GRACE,
+        grace,
     )
     logging.shutdown()
     os._exit(0)
