@@ -68,8 +68,8 @@ _log = logging.getLogger("dxserve.service")
 EXAMPLES = "dxserve.examples"
 #: Stored functions named one by one in the start-up log; the rest are counted.
 _LISTED = 20
-#: Patterns one compilation may ask the detection lane for (a Hessian's sparse
-#: second-order backends may need two); past it the call is refused with 503.
+#: Patterns one compilation may ask the detection lane for (one: more rounds only when
+#: an analysis was dropped before its compilation took it); past it, 503.
 _DETECTIONS_PER_COMPILE = 4
 
 class PrepHandles:

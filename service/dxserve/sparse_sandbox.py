@@ -86,8 +86,9 @@ class ChildDetector:
     function's content bytes (None once replaced).
     """
 
-    #: analyses made in the lane and not yet taken by their compilation
-    MADE = 32
+    #: analyses made in the lane and not yet taken by the compilation that asked for
+    #: them (each is taken once); a pattern holds ~64 bytes per nonzero here
+    MADE, MADE_BYTES = 64, 512 << 20
 
     def __init__(
         self, budget: DetectionBudget, memory_bytes: int,
@@ -103,7 +104,8 @@ class ChildDetector:
         self.lane = Compiler(
             1, queue_size, nice, per_caller, "sparsity detections", "sparse_detection_per_caller"
         )
-        self._made: LRU[str, Analysis] = LRU(self.MADE)
+        self._made: LRU[str, Analysis] = LRU(self.MADE, self.MADE_BYTES, _analysis_bytes)
+        self._big: tuple[str, Analysis] | None = None  # one larger than MADE_BYTES alone
         paths = [os.getcwd() if p == "" else p for p in sys.path if isinstance(p, str)]
         self.sandbox = Sandbox(
             f"{__name__}:child_job", prepare=f"{__name__}:warm_up",
@@ -135,7 +137,8 @@ class ChildDetector:
         reply = _check(outcome, self)
         pattern, coloring = decode(reply, outcome.payload, need.job, self.budget)
         found = Analysis(pattern, coloring, time.perf_counter() - started)
-        self._made.put(need.key, found)
+        if not self._made.put(need.key, found):
+            self._big = (need.key, found)
         return found
 
     def analyse(self, job: PatternJob, f: Callable, x: Any, contexts: tuple) -> Analysis:
@@ -175,7 +178,10 @@ class ChildDetector:
         digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
         digest.update(payload)
         key = digest.hexdigest()
-        found = self._made.get(key)
+        found = self._made.pop(key)
+        big = self._big
+        if found is None and big is not None and big[0] == key:
+            found, self._big = big[1], None
         if found is None:  # made in the lane, never here (see the module)
             raise DetectionNeeded(key, header, payload, job)
         return found
@@ -187,6 +193,10 @@ class ChildDetector:
         reply = (1 << 40) if nnz is None else 4 * (7 * nnz + m + n) + (1 << 16)
         seconds = self.budget.seconds if self.budget.seconds is not None else 3600.0
         return Limits(self.memory_bytes, seconds, reply)
+
+
+def _analysis_bytes(found: Analysis) -> int:
+    return 64 * int(found.pattern.nnz) + 4096
 
 
 def _budget_json(budget: DetectionBudget) -> dict[str, Any]:
