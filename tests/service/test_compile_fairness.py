@@ -31,8 +31,9 @@ def test_a_flood_of_shapes_from_one_caller_leaves_room_for_another(tmp_path) -> 
     def flood_one(n: int) -> None:
         x = np.linspace(-1.0, 1.0, n).tolist()
         try:
-            r = httpx.post(srv.url + "/gradient", json={"function": "rosenbrock", "x": x},
-                           timeout=300)
+            r = httpx.post(
+                srv.url + "/gradient", json={"function": "rosenbrock", "x": x}, timeout=300
+            )
             got = (r.status_code, r.json().get("limit"))
         except httpx.HTTPError as e:
             got = (repr(e), None)
@@ -40,8 +41,9 @@ def test_a_flood_of_shapes_from_one_caller_leaves_room_for_another(tmp_path) -> 
             answers.append(got)
 
     try:
-        threads = [threading.Thread(target=flood_one, args=(100 + n,), daemon=True)
-                   for n in range(FLOOD)]
+        threads = [
+            threading.Thread(target=flood_one, args=(100 + n,), daemon=True) for n in range(FLOOD)
+        ]
         for t in threads:
             t.start()
         with httpx.Client(timeout=5) as http:  # the flood holds its share of the queue

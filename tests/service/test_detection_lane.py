@@ -46,8 +46,11 @@ def _flood(url: str, sizes: list[int], done: list, lock: threading.Lock) -> list
     def one(n: int) -> None:
         x = sf.example_x(n).tolist()
         try:
-            r = httpx.post(url + "/sparsity", timeout=300,
-                           json={"function": "sp_tridiagonal", "backend": "sparse", "x": x})
+            r = httpx.post(
+                url + "/sparsity",
+                timeout=300,
+                json={"function": "sp_tridiagonal", "backend": "sparse", "x": x},
+            )
             status, limit = r.status_code, r.json().get("limit")
         except httpx.HTTPError as e:
             status, limit = repr(e), None
@@ -79,8 +82,9 @@ def test_a_victims_first_gradient_does_not_wait_for_queued_detections(srv: Serve
         # the detections are queued in their lane (one runs, the others wait there)
         _wait_for(srv.url, lambda r: r["detecting"] >= 3)
         x = np.linspace(-1.0, 1.5, 7)  # a shape nobody compiled: a compile thread is needed
-        r = httpx.post(srv.url + "/gradient", json={"function": "rosenbrock", "x": x.tolist()},
-                       timeout=300)
+        r = httpx.post(
+            srv.url + "/gradient", json={"function": "rosenbrock", "x": x.tolist()}, timeout=300
+        )
         with lock:
             done.append(("victim", 7, r.status_code))
             finished_before = sum(1 for d in done if d[0] == "sparsity")
@@ -108,9 +112,15 @@ def test_a_caller_past_its_detection_cap_gets_429(tmp_path_factory) -> None:
         assert 429 in statuses and 200 in statuses, statuses
         assert set(statuses) <= {200, 429}, statuses
         assert {d[3] for d in done if d[2] == 429} == {"sparse_detection_per_caller"}, done
-        r = httpx.post(server.url + "/sparsity", timeout=300, json={
-            "function": "sp_tridiagonal", "backend": "sparse", "x": sf.example_x(1500).tolist()})
+        r = httpx.post(
+            server.url + "/sparsity",
+            timeout=300,
+            json={
+                "function": "sp_tridiagonal",
+                "backend": "sparse",
+                "x": sf.example_x(1500).tolist(),
+            },
+        )
         assert r.status_code == 200, r.text  # the cap counts what waits, not what was done
     finally:
         stop_server(server)
-
