@@ -68,3 +68,36 @@ def test_a_flood_of_shapes_from_one_caller_leaves_room_for_another(tmp_path) -> 
         probe.stop()
         stop_server(srv)
     assert probe.ok > 0 and not probe.failed, probe.failed
+
+
+def test_the_compile_share_counts_what_waits_or_runs_and_is_given_back() -> None:
+    import asyncio
+
+    import pytest
+
+    from dxcontract.errors import TooManyQueuedError
+    from dxserve.compiling import Compiler
+
+    compiler = Compiler(threads=1, queue_size=8, per_caller=2)
+    gate = threading.Event()
+
+    async def main() -> None:
+        run = compiler.run
+        first = asyncio.ensure_future(run("k1", lambda: gate.wait(60) and 1, 60, caller="a"))
+        second = asyncio.ensure_future(run("k2", lambda: 2, 60, caller="a"))
+        await asyncio.sleep(0)
+        with pytest.raises(TooManyQueuedError) as refused:
+            await run("k3", lambda: 3, 60, caller="a")
+        assert refused.value.extra["limit"] == "compile_queue_per_caller"
+        joined = asyncio.ensure_future(run("k2", lambda: 99, 60, caller="a"))  # shares k2
+        other = asyncio.ensure_future(run("k4", lambda: 4, 60, caller="b"))  # its own share
+        await asyncio.sleep(0)
+        gate.set()
+        assert [await first, await second, await joined, await other] == [1, 2, 2, 4]
+        assert await run("k5", lambda: 5, 60, caller="a") == 5  # its share was given back
+
+    try:
+        asyncio.run(main())
+    finally:
+        compiler.close()
+    assert compiler._by_caller == {}
