@@ -422,6 +422,13 @@ class Service:
         left = deadline - loop.time()
         # a loop with no static bound may never end: only a worker thread can be abandoned
         inline = not getattr(found.function, "dx_unbounded_loops", 0)
+        if not inline and workers.stuck >= self.settings.max_stuck_computations:
+            raise OverloadedError(
+                f"{workers.stuck} computations past their deadline still hold a core "
+                "(DXSERVE_MAX_STUCK_COMPUTATIONS); functions whose loops have no static "
+                "bound are refused until one ends",
+                retry_after=60,
+            )
         if (
             found.prep is not None and workers.batching
             and (job is None or not job.streams) and not ready.chunked(op.name)

@@ -263,6 +263,10 @@ class Settings(BaseSettings):
     #: ``fori_loop`` with a traced bound): "refuse" (422 at upload) or "allow" (they run
     #: in process; one past its deadline is abandoned, see ``worker``).
     export_unbounded_loops: Literal["refuse", "allow"] = "refuse"
+    #: Computations abandoned past their deadline (``worker``) that may still run, each
+    #: holding a core; at it, calls of functions with unbounded loops get 503 until one
+    #: ends (with ``export_unbounded_loops=allow``, the only way to make more).
+    max_stuck_computations: int = Field(default=2, ge=1)
 
     @field_validator("torch_compile", mode="before")
     @classmethod

@@ -5,8 +5,9 @@ example input (0.5), so the gate passes it, and spins for ever on ``x[0] > 1``. 
 default such uploads are refused (422 naming ``export``). With
 ``DXSERVE_EXPORT_UNBOUNDED_LOOPS=allow`` the spinning call is answered 504 at its
 deadline, the worker thread running it is abandoned and replaced, 100 Rosenbrock
-gradients are answered right afterwards, and SIGTERM ends the process, also while a
-spin is still in flight. ``/health`` is probed all along with a 1 s timeout; every probe
+gradients are answered right afterwards, a second spin waits (503) while the first
+holds its core (``DXSERVE_MAX_STUCK_COMPUTATIONS=1``), and SIGTERM ends the process,
+also while a spin is still in flight. ``/health`` is probed all along with a 1 s timeout; every probe
 must answer. (A spinning thread holds one core until the server exits.)
 """
 
@@ -110,7 +111,11 @@ def test_unbounded_loops_are_refused_at_upload_by_default(tmp_path):
 
 
 def test_a_spinning_upload_is_abandoned_and_the_server_goes_on(tmp_path):
-    env = {"DXSERVE_EXPORT_UNBOUNDED_LOOPS": "allow", "DXSERVE_REQUEST_TIMEOUT": "4"}
+    env = {
+        "DXSERVE_EXPORT_UNBOUNDED_LOOPS": "allow",
+        "DXSERVE_REQUEST_TIMEOUT": "4",
+        "DXSERVE_MAX_STUCK_COMPUTATIONS": "1",
+    }
     srv = start_server(tmp_path / "allow", env=env, modules=("dxserve.examples",))
     probe = HealthProbe(srv.url)
     try:
@@ -127,9 +132,9 @@ def test_a_spinning_upload_is_abandoned_and_the_server_goes_on(tmp_path):
                 got = client.gradient("rosenbrock", "auto", x)
                 np.testing.assert_allclose(got, rosenbrock_gradient(x), rtol=1e-10)
             assert http.get("/ready").json()["stuck"] == 1  # abandoned, still spinning
-            # the spinning function itself still answers where it ends
-            got = client.gradient("spin", "auto", np.array([0.5, 0.2, 0.1]))
-            np.testing.assert_allclose(got, np.ones(3), rtol=1e-10)
+            # no second core for it: functions with unbounded loops wait for that one
+            r = http.post("/gradient", json={"function": "spin", "x": [3.0, 0.0, 0.0]})
+            assert r.status_code == 503 and "DXSERVE_MAX_STUCK_COMPUTATIONS" in r.text, r.text
         probe.stop()
         assert probe.ok > 0 and not probe.failed, probe.failed
         assert wait_exit(srv.proc) in STOPPED, srv.output()[-3000:]
