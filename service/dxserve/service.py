@@ -503,7 +503,9 @@ class Service:
         ready = found.prep
         if ready is None or not ready.warm(op.name, self.workers.device_of(worker)):
             ready = await self._compile(op, found, worker, self.settings.request_timeout)
-        return int(ready.result_bytes)
+        nbytes = int(ready.result_bytes)
+        # a sparse result counts its stored numbers; each is sent with its row and column
+        return nbytes * 3 if "sparsity" in ready.report else nbytes
 
     async def prepare(
         self,

@@ -309,3 +309,30 @@ def test_half_written_files_are_removed_when_a_directory_store_opens(tmp_path: P
         assert jobs.chunks("job-00001") == {"k.0": b"c" * 16} and jobs.body("job-00001") == b"body"
     finally:
         store.close()
+
+
+def test_a_result_past_its_reservation_is_stored_only_where_there_is_room(opened) -> None:
+    """The runner's last check before it writes a result (``Detached._past_limits``): a
+    result larger than what its job reserved is refused when the store has no room left
+    for it, so the store stays under its limit even when an estimate was short."""
+    from types import SimpleNamespace
+
+    from dxserve.detached import Detached
+    from dxserve.settings import Settings
+
+    _, jobs = opened
+    service = SimpleNamespace(settings=Settings(job_store_bytes=1000), store=None)
+    detached = Detached(service, store=jobs)
+    jobs.create(_record("job-00001", reserved_bytes=300), b"b" * 10, max_active=None,
+                max_bytes=1000)
+    jobs.create(_record("job-00002", owner="t:b", reserved_bytes=500), b"b" * 10,
+                max_active=None, max_bytes=1000)
+    rec = jobs.claim("A", LEASE, T0)
+    assert rec.id == "job-00001"
+    assert detached._past_limits(rec, 300) is None  # within its reservation
+    assert detached._past_limits(rec, 480) is None  # past it, but there is room
+    full = detached._past_limits(rec, 600)  # 510 held by the other job: no room
+    assert full is not None and full.extra["limit"] == "job_store_bytes"
+    if jobs.max_blob_bytes is not None:
+        big = detached._past_limits(rec, jobs.max_blob_bytes + 1)
+        assert big is not None and big.extra["limit"] == "store_blob_bytes"
