@@ -48,13 +48,14 @@ from dxcontract import codec
 from dxcontract.encodings import ENCODINGS, costs_of
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.errors import (
+    DeadlineExceededError,
     DxError,
     InternalError,
     InvalidArgumentError,
     JobCancelledError,
     JobNotFinishedError,
-    MalformedRequestError,
     OverloadedError,
+    StorageFullError,
     UnauthorizedError,
     UnknownFunctionError,
     UnknownJobError,
@@ -316,9 +317,9 @@ class Detached:
                 field="prep",
             )
         entry = await asyncio.to_thread(self.service.registry.lookup, req.function)  # 404 now
+        call.ticket.hold_body(2 * memoryview(body).nbytes)  # 503 before anything is compiled
         pinned = await asyncio.to_thread(self._pin, entry)
         expected = await self._expected_bytes(call, req)
-        call.ticket.hold_body(2 * memoryview(body).nbytes)
         settings = self.settings
         rec = JobRecord(
             id=secrets.token_urlsafe(16), owner=owner, operator=call.op.name,
@@ -329,7 +330,6 @@ class Detached:
             b64=response_encoding(head.content_type, None, body) == "b64",
             reserved_bytes=expected, digest=pinned[0] if pinned else None,
         )
-        del req  # its inputs: the body is what is stored
         await asyncio.to_thread(
             store.create, rec, body, max_active=settings.max_jobs_per_token,
             max_bytes=settings.job_store_bytes or None, pin=pinned[1] if pinned else None,
@@ -351,7 +351,12 @@ class Detached:
                 call.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 batch_axis=req.batch_axis, has_aux=req.has_aux,
             )
-        except (InvalidArgumentError, MalformedRequestError):
+        except (OverloadedError, DeadlineExceededError):
+            raise  # busy now: retry the submission
+        except DxError:
+            return 0
+        except Exception:  # noqa: BLE001 - the run will meet it too, and store it as its error
+            log.exception("job of %s: its result could not be estimated", req.function)
             return 0
         return nbytes + _RESULT_FRAMING
 
@@ -698,7 +703,6 @@ class Detached:
             call = OperatorCall(self.service, OPERATORS[rec.operator], head, authorized=True)
             with call.ticket:
                 req = await call.decode(body)
-                del body
                 try:
                     results = await call.run(req, job, timeout=self.settings.job_timeout,
                                              entry=entry)
@@ -745,10 +749,19 @@ class Detached:
                             len(result), past)
                 status, result, header, error = "failed", None, None, past
         fields = error_fields(error) if error is not None else None
-        done = await asyncio.to_thread(
-            store.finish, rec.id, self.runner, status, time.time(), result=result,
-            result_header=header, error=fields,
-        )
+        try:
+            done = await asyncio.to_thread(
+                store.finish, rec.id, self.runner, status, time.time(), result=result,
+                result_header=header, error=fields,
+            )
+        except StorageFullError as exc:  # the disk is full: the job ends failed, not stuck
+            if result is None:
+                raise
+            log.warning("job %s: its result is not stored: %s", rec.id, exc)
+            status = "failed"
+            done = await asyncio.to_thread(
+                store.finish, rec.id, self.runner, status, time.time(), error=error_fields(exc)
+            )
         if done is None:
             log.warning("job %s: ended here as %s, but another runner holds it now",
                         rec.id, status)
