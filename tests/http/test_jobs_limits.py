@@ -11,7 +11,7 @@ job. A job computes the function version it was submitted with, even when the na
 replaced while it waits. A directory store's half-written files are gone after a
 restart. Tests wait on job events and server state, never on the clock; the largest
 server here compiles a 11,584-column Jacobian and allocates nothing of its result
-(peak RSS about 1.5 GB).
+(peak RSS about 0.35 GB).
 """
 
 from __future__ import annotations
@@ -60,6 +60,14 @@ def busy_runner(url: str, token: str | None) -> dict:
     return job
 
 
+def peak_rss(pid: int) -> int:
+    """The most resident memory process ``pid`` has had, in bytes (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 def listed(url: str, token: str | None) -> list[dict]:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     found, after = [], None
@@ -86,7 +94,9 @@ def test_a_result_past_the_stores_largest_value_is_refused_at_submission(tmp_pat
         assert doc["limit"] == "store_blob_bytes" and doc["needed"] >= n * n * 8
         assert doc["maximum"] < 10**9 and "directory store" in doc["detail"]
         assert listed(srv.url, None) == []
-        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{srv.url}/health", timeout=1).status_code == 200
+        # nothing of the result was ever allocated (it would take 1.07 GB)
+        assert srv.proc.poll() is None and peak_rss(srv.proc.pid) < 800 * 2**20
     finally:
         stop_server(srv)
 
@@ -168,6 +178,7 @@ def test_a_job_body_counts_against_the_inflight_budget_while_it_is_stored(
                 except TimeoutError:
                     pass
             assert _inflight(url) >= 2_500_000
+            assert httpx.get(f"{url}/health", timeout=1).status_code == 200
             r = httpx.post(
                 f"{url}/jobs/gradient",
                 content=body,
