@@ -350,6 +350,7 @@ class Service:
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
+        entry: Any = None,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
@@ -368,13 +369,15 @@ class Service:
         result is reserved in it before the computation runs (503 when the budget is
         full) and stays held until the caller releases the ticket, once the answer is
         written. Without one, the call holds its own until it returns.
+        ``entry``: the registry entry to run instead of ``function``'s current one (a
+        detached job's function as it was when the job was submitted).
         """
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
-        entry = self.registry.loaded(function) or await self._load(function)
+        entry = entry or self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
             op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
@@ -505,6 +508,38 @@ class Service:
             except DetectionNeeded as need:
                 await self.detector.detect(need, caller, deadline - loop.time(), limit_s)
         raise OverloadedError("the sparsity pattern was detected but not kept; retry", retry_after=1)
+
+    async def result_bytes(
+        self,
+        operator: str,
+        function: str,
+        backend: Backend | str | dict,
+        x: Any,
+        tangents: Sequence | None = None,
+        contexts: Sequence = (),
+        *,
+        batch_axis: int | None = None,
+        has_aux: bool = False,
+    ) -> int:
+        """The bytes ``call`` with these arguments would return (its prep's estimate:
+        output shapes times dtypes), compiled as ``call`` compiles (a compile thread,
+        the prep cache), nothing run; the errors ``call`` would raise before running."""
+        op = OPERATORS[operator]
+        backend = backend_from_json(backend)
+        self.shapes.check(x, tangents, contexts)
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        entry = self.registry.loaded(function) or await self._load(function)
+        found = lookup(
+            op.name, entry.fn, backend, x, tangents, contexts, None, self.cache, None,
+            batch_axis, has_aux,
+        )
+        worker = self.workers.pick()
+        ready = found.prep
+        if ready is None or not ready.warm(op.name, self.workers.device_of(worker)):
+            ready = await self._compile(op, found, worker, self.settings.request_timeout)
+        nbytes = int(ready.result_bytes)
+        # a sparse result counts its stored numbers; each is sent with its row and column
+        return nbytes * 3 if "sparsity" in ready.report else nbytes
 
     async def prepare(
         self,

@@ -171,11 +171,12 @@ class Settings(BaseSettings):
     #: caller sees progress, and it stops at a chunk boundary when the time is up).
     stream_timeout: float = Field(default=3600.0, gt=0)
     # Detached jobs (``POST /jobs/{operator}``; see ``detached``):
-    #: Jobs one token may have queued and running at once (429 ``too-many-jobs`` past it).
+    #: Jobs one token may have queued and running at once (429 ``too-many-jobs`` past it);
+    #: without tokens configured, every bearer token is the one anonymous owner.
     max_jobs_per_token: int = Field(default=16, ge=1)
-    #: Bytes of job inputs, checkpoints and results the store may hold: a submission
-    #: once they reach it is refused (507 ``insufficient-storage``); a job accepted below
-    #: it always keeps its result (0: no limit).
+    #: Bytes of job inputs, checkpoints and results the store may hold or have reserved:
+    #: a job reserves its expected result when it is submitted, and a submission past
+    #: the limit is refused (507 ``insufficient-storage``) before it runs (0: no limit).
     job_store_bytes: int = Field(default=1 << 30, ge=0)
     #: Seconds an ended job (its record and result) is kept after it ended; then it is
     #: removed (404).

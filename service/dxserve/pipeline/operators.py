@@ -134,15 +134,17 @@ class OperatorCall:
 
     # --- the computation ------------------------------------------------------------
     async def run(
-        self, req: OperatorRequest, job: Job | None = None, *, timeout: float | None = None
+        self, req: OperatorRequest, job: Job | None = None, *, timeout: float | None = None,
+        entry: Any = None,
     ) -> dict[str, Any] | None:
         """``{result name: value}`` from the ``Service``; None if ``job`` was cancelled
-        (its client went away). ``timeout``: seconds before 504 (the service's default)."""
+        (its client went away). ``timeout``: seconds before 504 (the service's default).
+        ``entry``: the function's version to run (a registry entry; None: the current)."""
         try:
             return await self.service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
-                has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket,
+                has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket, entry=entry,
             )
         except JobCancelled:
             return None
