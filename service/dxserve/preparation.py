@@ -50,7 +50,7 @@ from dxcontract.errors import (
 from dxcontract.lru import LRU
 from dxcontract.operators import AUX, OPERATORS, result_names, returned
 
-from . import packing
+from . import holomorphic, packing
 from .arity import check_contexts
 from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
@@ -111,6 +111,8 @@ class Inputs:
     y: Tree  # ShapeDtypeStruct pytree of f(x, *contexts)
     #: the function's framework (its pytrees: what the checks walk)
     framework: Framework = field(default_factory=get_framework)
+    #: the caller declared f holomorphic (``holomorphic.declared``)
+    holomorphic: bool = False
 
 
 Builder = Callable[[Callable, Engine, "Engine | None", Inputs], Callable]
@@ -634,7 +636,7 @@ def _prepare_with(
     if inner is not None:
         inner.use(fw)
     spec = FAMILIES[family]
-    inputs = Inputs(px, pt, contexts, y, fw)
+    inputs = Inputs(px, pt, contexts, y, fw, holomorphic.is_declared(f))
     spec.check(inputs)
     refuse_low_precision(resolved, fw.leaves(px), traced=traced)
     engine.prepare(family, output, inputs, limits)  # e.g. sparsity detection and colouring
