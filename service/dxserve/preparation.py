@@ -84,8 +84,14 @@ def as_tree(value: Any) -> Tree:
     """
     if type(value) is np.ndarray:
         return value  # (the fast path; any other array falls through unchanged)
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: as_tree(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(as_tree(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple keeps its type
+        return type(value)(*(as_tree(v) for v in value))
+    if isinstance(value, dict):  # an OrderedDict, a defaultdict: JAX's nodes, kept as they are
+        return _custom_node(value)
     if isinstance(value, tuple):
         return tuple(as_tree(v) for v in value)
     if isinstance(value, np.generic):
@@ -97,7 +103,23 @@ def as_tree(value: Any) -> Tree:
     if isinstance(value, (int, float, list)):
         return np.asarray(value, dtype=np.float64)
     host = host_array(value)  # a torch tensor: its data, on the host, of its dtype
-    return value if host is None else host
+    if host is not None:
+        return host
+    if hasattr(value, "dtype"):  # a JAX (or other) array
+        return value
+    return _custom_node(value)
+
+
+def _custom_node(value: Any) -> Tree:
+    """A node JAX's ``tree_util`` knows (a registered dataclass: ``flax.struct``, an
+    ``equinox.Module``, ...) with its children normalized; its type is kept. Anything
+    else (an array, an unknown object) is returned as it is."""
+    import jax
+
+    children, node = jax.tree_util.tree_flatten(value, is_leaf=lambda v: v is not value)
+    if node.num_nodes == 1:  # a leaf: no node to keep
+        return value
+    return jax.tree_util.tree_unflatten(node, [as_tree(c) for c in children])
 
 
 # --- operator families -----------------------------------------------------

@@ -611,6 +611,8 @@ def _host(tree: Any) -> Any:
     encoder never waits on the device.
     """
     if isinstance(tree, tuple):
+        if hasattr(tree, "_fields"):  # a NamedTuple node of a pytree result: its type kept
+            return type(tree)(*(_host(t) for t in tree))
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
