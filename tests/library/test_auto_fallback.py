@@ -85,16 +85,17 @@ def test_pushforward_and_derivative_keep_forward_mode():
     )
 
 
-def test_pullback_auto_falls_back_to_finite_differences():
-    # forward mode reaches a pullback by transposing its JVP: a loop does not transpose
+def test_pullback_auto_falls_back_to_forward_mode():
+    # forward mode cannot transpose its JVP through a loop, so it takes the pullback from
+    # the pushforwards of x's basis (J^T c), as DifferentiationInterface does: exact
     f = fresh(cbrt_sum)
     chosen, reason = dxserve.resolve("auto", "pullback", f, X, explain=True)
-    assert chosen == FiniteDifferences()
-    assert reason.startswith(f"reverse mode and forward mode do not trace: ValueError: {WHILE}")
-    assert reason.endswith("; using finite-differences")
+    assert chosen == JaxForward()
+    assert reason.startswith(f"reverse mode does not trace: ValueError: {WHILE}")
+    assert reason.endswith("; using jax-forward")
     (vjp,) = dxserve.pullback(f, "auto", X, (np.asarray(2.0),))
-    close(vjp, 2.0 * cbrt_derivative(X), 1e-7)  # central differences: ~1e-10 here
-    close(vjp, dxserve.pullback(f, FiniteDifferences(), X, (np.asarray(2.0),))[0], 1e-15)
+    close(vjp, 2.0 * cbrt_derivative(X), 1e-12)
+    close(vjp, dxserve.pullback(f, JaxForward(), X, (np.asarray(2.0),))[0], 1e-15)
 
 
 def test_resolve_and_the_prep_report_say_what_was_chosen_and_why():
@@ -190,8 +191,8 @@ def test_a_prep_reused_does_not_probe_again():
     [
         ("gradient", "jax-reverse", (), "jax-reverse cannot compute gradient", "'jax-forward'"),
         ("hessian", "jax-reverse", (), "jax-reverse (as {", '"outer":"jax-forward","inner":"jax-forward"}'),
-        ("pullback", "jax-forward", ((np.asarray(1.0),),), "jax-forward cannot compute pullback",
-         "'finite-differences'"),
+        ("pullback", "jax-reverse", ((np.asarray(1.0),),), "jax-reverse cannot compute pullback",
+         "'jax-forward'"),
     ],
 )  # fmt: skip
 def test_explicit_backends_still_fail_naming_themselves_and_what_works(

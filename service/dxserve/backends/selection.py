@@ -109,7 +109,17 @@ def candidates(
     ladder (``auto_candidates``), or the one that ``resolve_backend`` gives."""
     if isinstance(backend, Auto) and family != "sparsity":
         return auto_candidates(family, traced=traced, n=n, m=m, framework=framework)
-    return (resolve_backend(backend, family, traced=traced, n=n, m=m, framework=framework),)
+    resolved = resolve_backend(backend, family, traced=traced, n=n, m=m, framework=framework)
+    modes = native_modes(framework)
+    if (
+        OPERATORS[family].order == 2 and not isinstance(backend, SecondOrder)
+        and _direction(backend) == "forward" and len(modes) == 2
+    ):
+        # forward mode asked for a second order: forward-over-reverse, and where reverse
+        # mode does not trace the function, its gradient from basis pushforwards
+        # (forward-over-forward), as DifferentiationInterface's forward backends do
+        return resolved, SecondOrder(resolved.outer, modes["forward"]())
+    return (resolved,)
 
 
 def auto_rule(
