@@ -123,6 +123,10 @@ def _is_fd(backend: Any) -> bool:
     )
 
 
+def _declared(holomorphic: bool) -> dict[str, bool]:
+    return {"holomorphic": True} if holomorphic else {}
+
+
 def _checks(case: dict[str, Any], fc: Callable) -> Iterator[tuple[str, str, Any, Callable, Any]]:
     """(operator, backend name, backend, call(operator function, backend), JAX reference)."""
     x, t, w, c = case["x"], case["t"], case["w"], case["contexts"]
@@ -142,8 +146,7 @@ def _checks(case: dict[str, Any], fc: Callable) -> Iterator[tuple[str, str, Any,
     else:
         for name, b in FIRST.items():
             # complex x: a holomorphic composition, declared so as jax.jacfwd needs it
-            declared = {"holomorphic": True} if holo else {}
-            yield ("jacobian", name, b, lambda op, b: op(b, x, *c, **declared),
+            yield ("jacobian", name, b, lambda op, b: op(b, x, *c, **_declared(holo)),
                    jax.jacfwd(f, holomorphic=holo)(x))
             yield "pushforward", name, b, lambda op, b: op(b, x, (t,), *c)[0], jax.jvp(f, (x,), (t,))[1]
             yield "pullback", name, b, lambda op, b: op(b, x, (w,), *c)[0], jax.vjp(f, x)[1](w)[0]
