@@ -11,6 +11,8 @@ against the analytic derivatives of ∛x and against the explicit forward backen
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -111,7 +113,9 @@ def test_resolve_and_the_prep_report_say_what_was_chosen_and_why():
 
     chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
     assert chosen == FOF
-    assert reason.startswith(f"forward-over-reverse does not trace: ValueError: {WHILE}")
+    assert reason.startswith(
+        f"forward-over-reverse and reverse-over-reverse do not trace: ValueError: {WHILE}"
+    )
     assert reason.endswith("; using forward-over-forward")
     assert dxserve.prepare_hessian(f, "auto", X).report == {"reason": reason}
 
@@ -147,7 +151,11 @@ def test_a_function_no_mode_traces_falls_back_to_finite_differences():
 
     chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
     assert chosen == SecondOrder(FiniteDifferences(), FiniteDifferences())
-    assert reason.startswith("forward-over-reverse and forward-over-forward do not trace")
+    assert reason.startswith(
+        "forward-over-reverse and reverse-over-reverse and forward-over-forward and "
+        "reverse-over-forward and finite differences over reverse mode and finite "
+        "differences over forward mode do not trace"
+    )
     assert reason.endswith("; using finite differences over finite differences")
     H = dxserve.hessian(f, "auto", X)
     close(np.diag(H), cbrt_second_derivative(X), 1e-4)  # differences of differences
@@ -204,3 +212,45 @@ def test_explicit_backends_still_fail_naming_themselves_and_what_works(
     assert err.field == "backend"
     assert err.detail.startswith(asked), err.detail
     assert WHILE in err.detail and use in err.detail and "'auto'" in err.detail
+
+
+def _cube_grad_on_host(x):
+    x = np.asarray(x)
+    return (3 * x**2).astype(x.dtype)
+
+
+@jax.custom_vjp
+def cube_sum_host_gradient(x):
+    """sum(x^3), whose gradient 3x^2 comes from numpy (a callback): no JAX mode
+    differentiates the gradient, and forward mode refuses the custom_vjp."""
+    return jnp.sum(x**3)
+
+
+def _fwd(x):
+    return jnp.sum(x**3), x
+
+
+def _bwd(x, ct):
+    grad = jax.pure_callback(
+        _cube_grad_on_host, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
+    )
+    return (ct * grad,)
+
+
+cube_sum_host_gradient.defvjp(_fwd, _bwd)
+
+
+def test_second_order_auto_prefers_differences_of_an_exact_gradient():
+    """No pair of JAX's modes reaches second order here; reverse mode's gradient is
+    exact, so auto takes finite differences of it, not differences of differences."""
+    f = fresh(cube_sum_host_gradient)
+    chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
+    assert chosen == SecondOrder(FiniteDifferences(), JaxReverse())
+    assert reason.endswith("; using finite differences over reverse mode"), reason
+    H = dxserve.hessian(f, "auto", X)
+    close(H, np.diag(6 * X), 1e-7)
+    t = np.array([1.0, -2.0, 0.5])
+    (hv,) = dxserve.hvp(f, "auto", X, (t,))
+    close(hv, 6 * X * t, 1e-7)
+    fd_fd = dxserve.hvp(f, SecondOrder(FiniteDifferences(), FiniteDifferences()), X, (t,))[0]
+    assert np.abs(hv - 6 * X * t).max() <= np.abs(fd_fd - 6 * X * t).max()
