@@ -240,3 +240,14 @@ def test_holomorphic_field_is_checked(srv: ServerProcess) -> None:
             "function": function, "x": z, "holomorphic": value}, timeout=60)
         assert r.status_code == 422, r.text
         assert r.json()["field"] == "holomorphic"
+
+
+def test_a_declared_jacobian_as_a_detached_job(srv: ServerProcess) -> None:
+    with Client(srv.url) as client:
+        job = client.submit.jacobian("z2_sin", "auto", Z, holomorphic=True)
+        np.testing.assert_allclose(job.result(timeout=60, progress=False), jax.jacfwd(z2_sin, holomorphic=True)(Z),
+                                   rtol=1e-10)
+        refused = client.submit.jacobian("z_conj_z2", "auto", Z)
+        with pytest.raises(UnsupportedOperatorError) as info:
+            refused.result(timeout=60, progress=False)
+        assert info.value.field == "holomorphic"

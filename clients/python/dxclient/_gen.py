@@ -157,6 +157,9 @@ def _submit_method(op: OperatorSpec) -> str:
     aux_arg = ", has_aux" if op.aux else ""
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
+    if op.family in HOLOMORPHIC_FAMILIES:
+        aux_param += " holomorphic: bool = False,"
+        aux_arg += ", holomorphic=holomorphic"
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,

@@ -523,43 +523,43 @@ class SubmitMethods:
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``derivative`` as a detached job; ``job.result()``: f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_and_derivative`` as a detached job; ``job.result()``: (f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``second_derivative`` as a detached job; ``job.result()``: f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_derivative_and_second_derivative`` as a detached job; ``job.result()``: (f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
@@ -583,43 +583,43 @@ class SubmitMethods:
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``jacobian`` as a detached job; ``job.result()``: ∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_and_jacobian`` as a detached job; ``job.result()``: (f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``hessian`` as a detached job; ``job.result()``: ∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_gradient_and_hessian`` as a detached job; ``job.result()``: (f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
