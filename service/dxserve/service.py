@@ -47,6 +47,7 @@ from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .compiling import Compiler
 from .export_gate import ExportGate, GateConfig
+from .holomorphic import maybe as declare
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
@@ -351,6 +352,7 @@ class Service:
         timeout: float | None = None,
         ticket: Ticket | None = None,
         entry: Any = None,
+        holomorphic: bool = False,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
@@ -371,6 +373,8 @@ class Service:
         written. Without one, the call holds its own until it returns.
         ``entry``: the registry entry to run instead of ``function``'s current one (a
         detached job's function as it was when the job was submitted).
+        ``holomorphic``: the caller declares the function holomorphic (Jacobians of
+        complex x, as JAX's ``holomorphic=True``).
         """
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
@@ -380,12 +384,12 @@ class Service:
         entry = entry or self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
-            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
-            batch_axis, has_aux,
+            op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts, ready_prep,
+            self.cache, signature, batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -552,6 +556,7 @@ class Service:
         *,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        holomorphic: bool = False,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
@@ -570,8 +575,8 @@ class Service:
         def compile_it() -> Prep:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
-                    op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
-                    batch_axis, has_aux,
+                    op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts,
+                    None, limit, limits, batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
             return prep
@@ -677,6 +682,8 @@ def _host(tree: Any) -> Any:
     encoder never waits on the device.
     """
     if isinstance(tree, tuple):
+        if hasattr(tree, "_fields"):  # a NamedTuple node of a pytree result: its type kept
+            return type(tree)(*(_host(t) for t in tree))
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
@@ -707,11 +714,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
+        holomorphic: bool = False,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux,
+            has_aux=has_aux, holomorphic=holomorphic,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 

@@ -60,6 +60,7 @@ from .backends.sparse_detection import (
     encode,
 )
 from .compiling import Compiler
+from .holomorphic import undeclared
 from .origins import Origin, rebuild
 from .sandbox import Limits, Outcome, Sandbox
 
@@ -154,7 +155,8 @@ class ChildDetector:
             header["given"] = int(job.given[0].size)
             parts += [np.ascontiguousarray(a, dtype="<i4").tobytes() for a in job.given]
         else:
-            origin = self.origin_of(f)
+            # declared holomorphic or not, it is the same function (and pattern)
+            origin = self.origin_of(undeclared(f))
             if origin is None:
                 raise SparsityDetectionError(
                     "this function cannot be rebuilt in the bounded process that detects "

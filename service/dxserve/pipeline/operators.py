@@ -145,6 +145,7 @@ class OperatorCall:
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
                 has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket, entry=entry,
+                holomorphic=req.holomorphic,
             )
         except JobCancelled:
             return None
@@ -153,7 +154,7 @@ class OperatorCall:
         """``POST /prepare/{op}``'s answer: a handle to pass as ``prep``."""
         return await self.service.prepare(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
-            batch_axis=req.batch_axis, has_aux=req.has_aux,
+            batch_axis=req.batch_axis, has_aux=req.has_aux, holomorphic=req.holomorphic,
         )
 
     # --- the answer -------------------------------------------------------------------
