@@ -24,3 +24,9 @@ def z2_sin(z):
 @dxserve.function(description="Σ exp(i x): complex-valued, of real x", example=(np.zeros(3),))
 def phase_sum(x):
     return jnp.sum(jnp.exp(1j * x))
+
+
+@dxserve.function(description="z conj(z)^2, elementwise: complex-valued, not holomorphic",
+                  example=(EXAMPLE,))
+def z_conj_z2(z):
+    return z * jnp.conj(z) ** 2

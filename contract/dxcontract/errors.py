@@ -214,6 +214,13 @@ class TooManyFunctionsError(DxError):
     slug, title = "too-many-functions", "Function limit reached"
 
 
+class TooManyQueuedError(DxError):
+    """The caller has as many compilations (or sparsity detections) waiting or running
+    as one caller may (``limit`` names the setting)."""
+
+    slug, title = "too-many-queued", "Too many of your requests are waiting"
+
+
 class OverloadedError(DxError):
     slug, title = "overloaded", "Server overloaded, retry later"
 

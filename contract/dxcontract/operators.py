@@ -179,6 +179,14 @@ OPERATORS: dict[str, OperatorSpec] = {
 #: Every result name that holds one array per tangent.
 BATCH_RESULTS: frozenset[str] = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
 
+#: The families whose result is a Jacobian matrix (of f, or of its gradient or derivative):
+#: of complex x they answer only for a function declared holomorphic (``holomorphic=True``,
+#: as JAX's ``jacfwd`` and ``hessian`` take it), the one case a complex matrix is the
+#: pushforward.
+HOLOMORPHIC_FAMILIES: frozenset[str] = frozenset(
+    ("jacobian", "derivative", "hessian", "second_derivative")
+)
+
 #: The result that holds a ``has_aux`` function's auxiliary output (after ``results``).
 AUX = "aux"
 

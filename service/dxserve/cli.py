@@ -103,6 +103,11 @@ def _add_ray_parser(sub: Any) -> None:
     ray.add_argument("--compilation-cache", help="JAX compilation cache dir ('' disables)")
 
 
+#: Seconds closing the service may take at shutdown, after uvicorn's graceful shutdown
+#: (requests in flight get 10 s): past it the process exits without waiting.
+CLOSE_GRACE = 15.0
+
+
 def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     """``dxserve serve``: the server until it stops (or, with ``--workers`` N, the
     supervisor of N worker processes); returns the exit status."""
@@ -123,11 +128,20 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
         return 2
     log = logging.getLogger("dxserve")
     log.info("access: %s", app.state.service.access_mode())
+    app.state.close_grace = CLOSE_GRACE  # this process exits even if closing hangs
     options = _uvicorn_options(settings, log)
-    if worker is None:
-        uvicorn.run(app, **options)
-    else:
-        _run_worker(app, options, settings, worker, log)
+    try:
+        if worker is None:
+            uvicorn.run(app, **options)
+        else:
+            _run_worker(app, options, settings, worker, log)
+    finally:  # (uvicorn raises the SIGTERM or SIGINT it caught again once it has stopped)
+        computing = app.state.service.workers.computing
+        if computing:
+            # XLA cannot stop them, and the interpreter's exit could wait for them
+            log.warning("shutdown: leaving %d computation(s) that did not end", computing)
+            logging.shutdown()
+            os._exit(0)
     return 0
 
 

@@ -16,6 +16,10 @@ its own, and the device worker is given only compiled executables to run.
 * **Bounded.** At most ``threads`` compile at once and ``queue_size`` wait; past
   that, 503 + ``Retry-After``. A queued compilation whose every requester has gone
   (deadline, disconnect) is dropped without running.
+* **Fair.** One caller (``run``'s ``caller``: the client's address) may have at most
+  ``per_caller`` compilations of its own waiting or running; past that, 429
+  ``too-many-queued`` naming ``setting``: a flood of new shapes from one client fills
+  its own share, not the queue every other client needs.
 
 The threads run ``nice`` steps below the event loop, as the device workers do
 (see ``threads``), so ``/health`` and warm requests are answered while XLA compiles.
@@ -30,7 +34,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dxcontract.errors import DeadlineExceededError, OverloadedError
+from dxcontract.errors import DeadlineExceededError, OverloadedError, TooManyQueuedError
 
 from . import threads
 
@@ -44,14 +48,21 @@ class _Task:
     #: futures of the requests waiting for it, with their loops
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
     started: bool = False
+    caller: str | None = None  # who queued it: counted against its share until it ends
 
 
 class Compiler:
     """A pool of ``threads`` compile threads with a queue of ``queue_size`` (see module)."""
 
-    def __init__(self, threads: int = 2, queue_size: int = 64, nice: int = 0) -> None:
+    def __init__(
+        self, threads: int = 2, queue_size: int = 64, nice: int = 0,
+        per_caller: int | None = None, what: str = "compilations",
+        setting: str = "compile_queue_per_caller",
+    ) -> None:
         self.queue_size = queue_size
         self.nice = nice
+        self.per_caller, self.what, self.setting = per_caller, what, setting
+        self._by_caller: dict[str, int] = {}  # caller -> its tasks waiting or running
         self._queue: deque[_Task] = deque()
         self._tasks: dict[Hashable, _Task] = {}  # queued or running, by key
         self._cond = threading.Condition()
@@ -72,12 +83,14 @@ class Compiler:
         return len(self._tasks)
 
     async def run(
-        self, key: Hashable, fn: Callable[[], T], timeout: float, limit: float | None = None
+        self, key: Hashable, fn: Callable[[], T], timeout: float, limit: float | None = None,
+        caller: str | None = None,
     ) -> T:
         """``fn()`` on a compile thread, shared with requests of the same ``key`` in
         flight; ``DeadlineExceededError`` after ``timeout`` seconds (``fn`` goes on;
         ``limit``: the request's whole time limit, for the message), ``OverloadedError``
-        when ``queue_size`` compilations wait already."""
+        when ``queue_size`` compilations wait already, ``TooManyQueuedError`` when
+        ``caller`` has ``per_caller`` of its own waiting or running."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         with self._cond:
@@ -88,7 +101,16 @@ class Compiler:
                     raise OverloadedError(
                         f"{queued} compilations are waiting; retry shortly", retry_after=1
                     )
-                task = self._tasks[key] = _Task(key, fn)
+                mine = self._by_caller.get(caller, 0) if caller is not None else 0
+                if self.per_caller is not None and mine >= self.per_caller:
+                    raise TooManyQueuedError(
+                        f"{mine} {self.what} of yours are waiting or running "
+                        f"(DXSERVE_{self.setting.upper()}); retry when they are done",
+                        limit=self.setting,
+                    )
+                task = self._tasks[key] = _Task(key, fn, caller=caller)
+                if caller is not None:
+                    self._by_caller[caller] = mine + 1
                 self._queue.append(task)
                 self._cond.notify()
             task.waiters.append((loop, future))
@@ -108,6 +130,7 @@ class Compiler:
             if not task.waiters and not task.started and self._tasks.get(task.key) is task:
                 self._queue.remove(task)  # nobody wants it any more: never run
                 del self._tasks[task.key]
+                self._uncount(task)
 
     # --- the compile threads ------------------------------------------------------
     def _serve(self) -> None:
@@ -128,6 +151,7 @@ class Compiler:
             with self._cond:
                 self.running -= 1
                 self.compiled += 1
+                self._uncount(task)
                 if self._tasks.get(task.key) is task:
                     del self._tasks[task.key]
                 waiters = list(task.waiters)
@@ -136,6 +160,13 @@ class Compiler:
                     loop.call_soon_threadsafe(_settle, future, *outcome)
                 except RuntimeError:  # that loop has closed: nobody is waiting any more
                     pass
+
+    def _uncount(self, task: _Task) -> None:
+        """``task`` ended or was dropped: off its caller's share (lock held)."""
+        if task.caller is not None:
+            left = self._by_caller.pop(task.caller, 1) - 1
+            if left > 0:
+                self._by_caller[task.caller] = left
 
     def close(self, timeout: float = 5.0) -> None:
         """Drop what is queued and stop the threads (a running compilation is given

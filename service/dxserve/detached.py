@@ -48,13 +48,16 @@ from dxcontract import codec
 from dxcontract.encodings import ENCODINGS, costs_of
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.errors import (
+    DeadlineExceededError,
     DxError,
     InternalError,
     InvalidArgumentError,
     JobCancelledError,
     JobNotFinishedError,
     OverloadedError,
+    StorageFullError,
     UnauthorizedError,
+    UnknownFunctionError,
     UnknownJobError,
 )
 from dxcontract.operators import OPERATORS
@@ -63,8 +66,18 @@ from .admission import Ticket
 from .job_watch import JobWatches, Watch
 from .jobs import Job, JobCancelled
 from .pipeline import Answer, OperatorCall, OperatorRequest, RequestHead
+from .precision import float64_scope
 from .service import Service
-from .stores.jobs import ID_PATTERN, JobRecord, JobStore, open_jobs
+from .store import StoredFunction, content_digest
+from .stores.jobs import (
+    ID_PATTERN,
+    JobRecord,
+    JobStore,
+    counted,
+    jobs_full,
+    open_jobs,
+    result_too_big,
+)
 
 log = logging.getLogger("dxserve.jobs")
 
@@ -73,6 +86,8 @@ MAX_PAGE = 100
 #: What a JSON request carrying base64 arrays looks like to negotiation (its answer
 #: mirrors it), kept instead of the request body.
 _B64_PROBE = b'"__ndarray__":"'
+#: Bytes reserved for a result beyond its arrays: the binary encoding's header.
+_RESULT_FRAMING = 64 * 1024
 #: Seconds a runner waits after the server was too busy to take a job (503) before
 #: claiming again.
 _BUSY_BACKOFF = 1.0
@@ -237,7 +252,11 @@ class Detached:
     # --- who asks ---------------------------------------------------------------------
     def owner(self, token: str | None) -> str:
         """The owner a caller's bearer token stands for ("" for none); 401 for a token
-        that is not one of those configured (when tokens are)."""
+        that is not one of those configured (when tokens are). Without tokens configured
+        every token is the anonymous owner: an invented token is nobody in particular,
+        and must not open a quota of jobs of its own."""
+        if token is not None and not self._tokens:
+            token = None
         if token is None:
             if self.settings.require_token_for_compute:
                 self.service.authorize(None, "compute")
@@ -285,7 +304,11 @@ class Detached:
         self, call: OperatorCall, req: OperatorRequest, body: Any
     ) -> dict[str, Any]:
         """Store a validated request as a queued job; its status document. 429 past the
-        token's jobs, 507 once the jobs' stored bytes reach their limit."""
+        token's jobs; 507 past the bytes the jobs may hold, counting what this one
+        reserves: its body, its function's version and its expected result (its
+        operator compiled now, as its run would compile it: shapes times dtypes).
+        ``call``'s ticket holds the body and the store's copy of it while it is written
+        (503 past the in-flight budget)."""
         store = self._available()
         head = call.head
         owner = self.owner(head.token)
@@ -295,8 +318,10 @@ class Detached:
                 "send the request without 'prep' (the job compiles what it needs)",
                 field="prep",
             )
-        await asyncio.to_thread(self.service.registry.lookup, req.function)  # 404 now
-        body = bytes(body)
+        entry = await asyncio.to_thread(self.service.registry.lookup, req.function)  # 404 now
+        call.ticket.hold_body(2 * memoryview(body).nbytes)  # 503 before anything is compiled
+        pinned = await asyncio.to_thread(self._pin, entry)
+        expected = await self._expected_bytes(call, req)
         settings = self.settings
         rec = JobRecord(
             id=secrets.token_urlsafe(16), owner=owner, operator=call.op.name,
@@ -305,10 +330,11 @@ class Detached:
             content_type=head.content_type, header_length=head.header_length,
             encoding=call.encoding,
             b64=response_encoding(head.content_type, None, body) == "b64",
+            reserved_bytes=expected, digest=pinned[0] if pinned else None,
         )
         await asyncio.to_thread(
             store.create, rec, body, max_active=settings.max_jobs_per_token,
-            max_bytes=settings.job_store_bytes or None,
+            max_bytes=settings.job_store_bytes or None, pin=pinned[1] if pinned else None,
         )
         log.info("job %s: %s of %s queued", rec.id, rec.operator, rec.function,
                  extra={"event": "job", "job": rec.id, "status": "queued",
@@ -317,6 +343,68 @@ class Detached:
         if self._wake is not None:
             self._wake.set()
         return self.describe(rec)
+
+    async def _expected_bytes(self, call: OperatorCall, req: OperatorRequest) -> int:
+        """The bytes the job's result is expected to take (and its checkpoints, pieces of
+        it), from its operator's prep; 0 for a request whose prep fails on its inputs
+        (the job fails when it runs, with the plain call's error, and stores nothing)."""
+        try:
+            nbytes = await self.service.result_bytes(
+                call.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
+                batch_axis=req.batch_axis, has_aux=req.has_aux,
+            )
+        except (OverloadedError, DeadlineExceededError):
+            raise  # busy now: retry the submission
+        except DxError:
+            return 0
+        except Exception:  # noqa: BLE001 - the run will meet it too, and store it as its error
+            log.exception("job of %s: its result could not be estimated", req.function)
+            return 0
+        return nbytes + _RESULT_FRAMING
+
+    def _pin(self, entry: Any) -> tuple[str, bytes] | None:
+        """``(digest, record)`` of the stored function ``entry`` names, as the job keeps
+        it (``_unpin``); None for a function that is not stored (a module's)."""
+        if entry.digest is None or self.service.registry.store is None:
+            return None
+        stored = self.service.registry.store.get(entry.name)
+        if stored is None:
+            return None
+        head = json.dumps({"name": stored.name, "kind": stored.kind, "digest": stored.digest,
+                           "metadata": stored.metadata, "created": stored.created})
+        return stored.digest, head.encode() + b"\n" + stored.content
+
+    async def _version(self, rec: JobRecord) -> Any:
+        """The registry entry of the function version ``rec`` was submitted with, or
+        None when that is the current one (the registry serves it)."""
+        registry = self.service.registry
+        try:
+            current = await asyncio.to_thread(registry.lookup, rec.function)
+        except UnknownFunctionError:
+            current = None
+        if current is not None and current.digest == rec.digest:
+            return None
+        data = await asyncio.to_thread(self._available().pinned, rec.id)
+        if data is None:
+            raise UnknownFunctionError(
+                f"the version of {rec.function!r} this job was submitted with "
+                f"({rec.digest}) is no longer stored: submit the job again", field="function",
+            )
+        return await asyncio.to_thread(_unpin, registry, data)
+
+    def _past_limits(self, rec: JobRecord, size: int) -> DxError | None:
+        """Why a result of ``size`` bytes cannot be stored for ``rec`` (None: it can): past
+        the store's largest value, or past its reservation with no room left for it."""
+        store = self._available()
+        if store.max_blob_bytes is not None and size > store.max_blob_bytes:
+            return result_too_big(size, store.max_blob_bytes)
+        limit = self.settings.job_store_bytes
+        if limit and size > rec.reserved_bytes:
+            now = store.get(rec.id)
+            others = store.stored_bytes() - (counted(now) if now is not None else 0)
+            if others + size > limit:
+                return jobs_full(others, limit, size, size)
+        return None
 
     async def status(self, job_id: Any, token: str | None) -> dict[str, Any]:
         """The caller's job: status, progress, timings, and its error if it failed."""
@@ -634,11 +722,13 @@ class Detached:
             return
         head = RequestHead(rec.content_type, None, rec.header_length, len(body), None)
         try:
+            entry = await self._version(rec) if rec.digest is not None else None
             call = OperatorCall(self.service, OPERATORS[rec.operator], head, authorized=True)
             with call.ticket:
                 req = await call.decode(body)
                 try:
-                    results = await call.run(req, job, timeout=self.settings.job_timeout)
+                    results = await call.run(req, job, timeout=self.settings.job_timeout,
+                                             entry=entry)
                 finally:  # the last chunk's write, before the job's end is written
                     await asyncio.to_thread(job.drain)
                 if results is not None and not job.cancelled:
@@ -675,17 +765,44 @@ class Detached:
     ) -> None:
         store = self.store
         assert store is not None
+        if result is not None:
+            past = await asyncio.to_thread(self._past_limits, rec, len(result))
+            if past is not None:
+                log.warning("job %s: its result of %d bytes is not stored: %s", rec.id,
+                            len(result), past)
+                status, result, header, error = "failed", None, None, past
         fields = error_fields(error) if error is not None else None
-        done = await asyncio.to_thread(
-            store.finish, rec.id, self.runner, status, time.time(), result=result,
-            result_header=header, error=fields,
-        )
+        try:
+            done = await asyncio.to_thread(
+                store.finish, rec.id, self.runner, status, time.time(), result=result,
+                result_header=header, error=fields,
+            )
+        except StorageFullError as exc:  # the disk is full: the job ends failed, not stuck
+            if result is None:
+                raise
+            log.warning("job %s: its result is not stored: %s", rec.id, exc)
+            status = "failed"
+            done = await asyncio.to_thread(
+                store.finish, rec.id, self.runner, status, time.time(), error=error_fields(exc)
+            )
         if done is None:
             log.warning("job %s: ended here as %s, but another runner holds it now",
                         rec.id, status)
             return
         log.info("job %s: %s", rec.id, status,
                  extra={"event": "job", "job": rec.id, "status": status})
+
+
+def _unpin(registry: Any, data: bytes) -> Any:
+    """The registry entry built from a job's pinned function (``Detached._pin``)."""
+    head, _, content = data.partition(b"\n")
+    doc = json.loads(head)
+    if content_digest(content) != doc["digest"]:
+        raise InternalError(f"the stored copy of {doc['name']!r} fails its hash check")
+    record = StoredFunction(doc["name"], doc["kind"], doc["digest"], content, doc["metadata"],
+                            doc["created"])
+    with float64_scope():  # as at registration: exports may carry float64 signatures
+        return registry.version(record)
 
 
 def _cursor_of(rec: JobRecord) -> str:

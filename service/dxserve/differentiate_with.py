@@ -79,10 +79,46 @@ class DifferentiateWith:
         # (finite differences are not linear in the tangent as JAX sees them) go through
         # the linear maps, their transposes the backend's paired operators
         inline = traced and _jax_modes(resolved) and _jax_modes(second)
+        backend = self.backend
+        if (
+            inline and (_forward(resolved) or _forward(second))
+            and not _reverses(self.f, concrete_zeros(framework, x),
+                              concrete_zeros(framework, contexts))
+        ):
+            # forward mode forced on a piece JAX cannot reverse-differentiate (a
+            # lax.while_loop). Its gradient is forward mode's (basis pushforwards), so
+            # its second order forward-over-forward; and JAX cannot transpose the JVP
+            # expressions of a vector piece, whose pullbacks then come from the
+            # backend's own operator (J^T c from basis pushforwards), outside the trace
+            if isinstance(backend, JaxForward):
+                backend = SecondOrder(backend, JaxForward())
+            inline = scalar
         caller = BackendCaller(
-            self.f, self.backend, framework, repr(self), traces=inline, value_traces=traced
+            self.f, backend, framework, repr(self), traces=inline, value_traces=traced
         )
         return framework.substitute("value", caller, x, None, contexts, y)[0]
+
+
+def _forward(backend: Backend) -> bool:
+    """Is any engine of the concrete ``backend`` JAX's forward mode?"""
+    if isinstance(backend, SecondOrder):
+        return _forward(backend.outer) or _forward(backend.inner)
+    return isinstance(backend, JaxForward)
+
+
+def _reverses(f: Callable, x: Any, contexts: tuple) -> bool:
+    """Does JAX's reverse mode trace ``f`` at (abstract) ``x``?"""
+    import jax
+
+    def pulled(u: Any) -> Any:
+        y, vjp = jax.vjp(lambda v: f(v, *contexts), u)
+        return vjp(jax.tree_util.tree_map(jax.numpy.zeros_like, y))
+
+    try:
+        jax.eval_shape(pulled, x)
+    except Exception:  # noqa: BLE001 - any refusal: reverse mode does not trace it
+        return False
+    return True
 
 
 def _jax_modes(backend: Backend) -> bool:

@@ -51,6 +51,7 @@ from jax import export as jex
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from dxcontract import dtypes
 from dxcontract.bundle import MODES, artifacts_for, bundle_modes, split_bundle
 from dxcontract.errors import (
     DtypeMismatchError,
@@ -58,9 +59,11 @@ from dxcontract.errors import (
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
+from dxcontract.keys import dtype_name as key_dtype_name
 from dxcontract.platforms import export_platform
 
 from .arity import wrong_count
+from .loops import unbounded_loops
 
 __all__ = [
     "ALLOWED_CUSTOM_CALL_TARGETS",
@@ -162,6 +165,11 @@ class _Artifacts:
         self.nx, self.nc, self.ny = nx, nc, ny
         self.name = name
         self.primal = exps["primal"]
+        #: the output leaves the derivative maps cover: the floating-point ones (integer
+        #: outputs, a has_aux function's counts, are carried along, not differentiated)
+        self.live = [
+            i for i, a in enumerate(self.primal.out_avals) if dtypes.is_inexact(a.dtype)
+        ]
         self.poly = any(jex.is_symbolic_dim(d) for a in self.primal.in_avals for d in a.shape)
         self._y_cache: dict[Any, list[jax.core.ShapedArray]] = {}
         self.constraints: list[Any] = []  # parsed symbolic constraints (from the manifest)
@@ -173,7 +181,7 @@ class _Artifacts:
         """Output avals of the primal for these (x, contexts) avals."""
         if not self.poly:
             return [jax.core.ShapedArray(a.shape, a.dtype) for a in self.primal.out_avals]
-        key = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in xc_avals)
+        key = tuple((tuple(a.shape), _dtype(a.dtype)) for a in xc_avals)
         hit = self._y_cache.get(key)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(s, d) for s, d in key]
@@ -211,7 +219,7 @@ def _split(args: Any, kind: str, h: _Artifacts):
     pos = h.nx
     groups = []
     for what in _LINEAR[kind]:
-        n = h.nx if what == "x" else h.ny
+        n = h.nx if what == "x" else len(h.live)
         groups.append(args[pos : pos + n])
         pos += n
     cs = args[pos:]
@@ -246,6 +254,8 @@ def _abstract_eval(*avals, kind: str, h: _Artifacts):
         base = h.y_avals([*xs, *cs])
     if kind == "primal":
         return base
+    if _OUT[kind] == "y":
+        base = [base[i] for i in h.live]
     k = groups[0][0].shape[0]
     return [jax.core.ShapedArray((k, *a.shape), a.dtype) for a in base]
 
@@ -302,7 +312,11 @@ def _jvp_rule(primals, tangents, *, kind: str, h: _Artifacts):
     if kind == "primal":
         if dx_live:
             t = [jnp.expand_dims(v, 0) for v in _inst(dxs)]
-            acc = [v[0] for v in _bind("jvp", h, xs, [t], cs)]
+            pushed = iter(v[0] for v in _bind("jvp", h, xs, [t], cs))
+            acc = [  # an integer output's tangent: a symbolic zero (float0)
+                next(pushed) if i in h.live else ad.Zero(jax.typeof(o).to_tangent_aval())
+                for i, o in enumerate(out)
+            ]
     elif kind in ("jvp", "vjp"):
         (g,), (dg,) = groups, dgroups
         k = g[0].shape[0]
@@ -463,10 +477,10 @@ def _checked_leaf(i: int, v: Any, a: Any, where: str, dims: dict[str, int]) -> A
         v = jnp.asarray(v, dtype=a.dtype)
     elif not isinstance(v, jax.Array | jax.core.Tracer):
         v = np.asarray(v)
-    if np.dtype(v.dtype) != np.dtype(a.dtype):
+    if _dtype(v.dtype) != _dtype(a.dtype):
         raise DtypeMismatchError(
-            f"leaf {i} has dtype {np.dtype(v.dtype).name}, the export expects "
-            f"{np.dtype(a.dtype).name}",
+            f"leaf {i} has dtype {_dtype_name(v.dtype)}, the export expects "
+            f"{_dtype_name(a.dtype)}",
             field=where,
         )
     shape = tuple(np.shape(v))
@@ -532,6 +546,8 @@ class LoadedExport:
     nbytes: int = 0
     artifacts: Any = dataclasses.field(default=None, repr=False, compare=False)
     """The deserialized exports (``_Artifacts``): their avals give example shapes."""
+    unbounded_loops: int = 0
+    """Loops of its artifacts with no static trip count (see ``loops``)."""
 
 
 def _bad(detail: str) -> InvalidExportError:
@@ -568,7 +584,32 @@ def _is_leaf(v: Any) -> bool:
 
 
 def _aval_key(a: Any) -> tuple[tuple[str, ...], str]:
-    return (tuple(str(d) for d in a.shape), np.dtype(a.dtype).name)
+    return (tuple(str(d) for d in a.shape), _dtype_name(a.dtype))
+
+
+def _is_key(dtype: Any) -> bool:
+    """Is ``dtype`` a typed PRNG key's (``key<fry>``), which numpy cannot read?"""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _dtype(dtype: Any) -> Any:
+    """A dtype to compare and hash: numpy's, or a typed key's own."""
+    return dtype if _is_key(dtype) else np.dtype(dtype)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """numpy's name, or a typed key's wire dtype (``"key<threefry2x32>"``), as manifests
+    write them."""
+    return key_dtype_name(dtype) if _is_key(dtype) else np.dtype(dtype).name
+
+
+def _example_leaf(shape: tuple, dtype: Any) -> Any:
+    """A leaf of an example call: 0.5 for floating point, 0 for integers, key 0 for keys."""
+    if _is_key(dtype):
+        impl = dtype._impl  # the key's implementation (JAX keeps it on the dtype)
+        words = np.zeros((*shape, *impl.key_shape), np.uint32)
+        return jax.random.wrap_key_data(words, impl=impl)
+    return np.full(shape, 0.5 if dtypes.is_inexact(dtype) else 0, dtype=dtype)
 
 
 @functools.cache
@@ -607,21 +648,28 @@ def load_exported(
     modes = bundle_modes(manifest)  # checked by split_bundle
     exps: dict[str, Any] = {}
     targets: set[str] = set()
+    loops = 0
     for art in artifacts_for(modes):
         exps[art] = _deserialize(art, blobs[art], manifest)
-        targets |= _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
+        found, unbounded = _check_artifact(art, exps[art], m.platforms, allowed_custom_calls)
+        targets |= found
+        loops += unbounded
     _check_signatures(exps, m)
 
     h = _Artifacts(exps, m.nx, m.nc, m.ny, m.name, modes)
     h.constraints = _constraints(manifest)
+    fn = _make_fn(h)
+    #: the service never runs such a function on its event loop (see ``worker``)
+    fn.dx_unbounded_loops = loops  # type: ignore[attr-defined]
     return LoadedExport(
-        fn=_make_fn(h),
+        fn=fn,
         signature=manifest,
         platforms=m.platforms,
         modes=modes,
         custom_call_targets=frozenset(targets),
         nbytes=len(bundle),
         artifacts=h,
+        unbounded_loops=loops,
     )
 
 
@@ -697,10 +745,11 @@ def _deserialize(art: str, blob: bytes, manifest: dict[str, Any]) -> Any:
 
 def _check_artifact(
     art: str, exp: Any, platforms: tuple[str, ...], allowed_custom_calls: frozenset[str] | set[str]
-) -> set[str]:
+) -> tuple[set[str], int]:
     """Refuse what ``exp`` may not do here (other platforms, several devices, effects,
     disabled checks, custom calls not in ``allowed_custom_calls``, host or collective
-    ops); returns its custom-call targets."""
+    ops); returns its custom-call targets and how many loops it has with no static
+    trip count."""
     if tuple(exp.platforms) != platforms:
         raise _bad(f"artifact {art!r} is lowered for {exp.platforms}, manifest says {platforms}")
     if exp.nr_devices != 1:
@@ -712,6 +761,7 @@ def _check_artifact(
     try:
         text = exp.mlir_module()
         found = custom_call_targets(text)
+        unbounded = unbounded_loops(text)
     except Exception as e:
         raise _bad(f"artifact {art!r}: cannot inspect the module: {str(e)[:300]}") from None
     bad = sorted(found - set(allowed_custom_calls))
@@ -720,7 +770,19 @@ def _check_artifact(
     for op in _FORBIDDEN_OPS:
         if re.search(re.escape(op) + r"\b", text):
             raise _bad(f"artifact {art!r} uses {op}, which is not allowed")
-    return found
+    return found, unbounded
+
+
+def refuse_unbounded_loops(loaded: LoadedExport) -> None:
+    """``InvalidExportError`` when ``loaded`` has a loop with no static trip count."""
+    if loaded.unbounded_loops:
+        raise _bad(
+            f"the export has {loaded.unbounded_loops} loop(s) whose trip count depends on "
+            "its data (a lax.while_loop, or a fori_loop with a traced bound); nothing could "
+            "stop one that never ends, so this server refuses them. Export loops with bounds "
+            "known when exporting (lax.fori_loop with int bounds, lax.scan), or ask the "
+            "operator to set DXSERVE_EXPORT_UNBOUNDED_LOOPS=allow"
+        )
 
 
 def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:
@@ -735,11 +797,12 @@ def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:
     def kb(keys):
         return [((m.batch_dim, *s), d) for s, d in keys]
 
+    yd = [k for k in yk if dtypes.is_inexact(k[1])]  # what the derivative maps cover
     expect = {
-        "jvp": (xk + kb(xk) + ck, kb(yk)),
-        "vjp": (xk + kb(yk) + ck, kb(xk)),
-        "jvp_jvp": (xk + kb(xk) + kb(xk) + ck, kb(yk)),
-        "jvp_vjp": (xk + kb(xk) + kb(yk) + ck, kb(xk)),
+        "jvp": (xk + kb(xk) + ck, kb(yd)),
+        "vjp": (xk + kb(yd) + ck, kb(xk)),
+        "jvp_jvp": (xk + kb(xk) + kb(xk) + ck, kb(yd)),
+        "jvp_vjp": (xk + kb(xk) + kb(yd) + ck, kb(xk)),
     }
     for art, (ins, outs) in expect.items():
         e = exps.get(art)
@@ -747,9 +810,11 @@ def _check_signatures(exps: dict[str, Any], m: _Manifest) -> None:
             continue
         if [_aval_key(a) for a in e.in_avals] != ins or [_aval_key(a) for a in e.out_avals] != outs:
             raise _bad(f"artifact {art!r} does not have the signature its role requires")
-    for _, d in xk + yk:
-        if not np.issubdtype(np.dtype(d), np.floating):
-            raise _bad(f"x and outputs must be real floating point, found {d}")
+    for _, d in xk:
+        if not dtypes.is_inexact(d):
+            raise _bad(f"x must be floating point (real, complex or bfloat16), found {d}")
+    if not yd:
+        raise _bad("no output is floating point (real, complex or bfloat16)")
     if not jax.config.jax_enable_x64 and any(d in _x64_dtypes() for _, d in xk + ck + yk):
         raise _bad("the export uses 64-bit dtypes but this server runs without jax_enable_x64")
 
@@ -811,10 +876,7 @@ def example_args(loaded: LoadedExport) -> tuple[Any, tuple[Any, ...]] | None:
         shapes = [tuple(_eval_dim(d, env) for d in a.shape) for a in avals]
         if any(s is None or s < 0 for shape in shapes for s in shape):
             continue
-        leaves = [
-            np.full(s, 0.5 if np.issubdtype(a.dtype, np.inexact) else 0, dtype=a.dtype)
-            for s, a in zip(shapes, avals, strict=True)
-        ]
+        leaves = [_example_leaf(s, a.dtype) for s, a in zip(shapes, avals, strict=True)]
         (x, *contexts), _ = jax.tree_util.tree_unflatten(h.primal.in_tree, leaves)
         try:
             jax.eval_shape(loaded.fn, x, *contexts)

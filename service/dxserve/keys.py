@@ -44,6 +44,9 @@ def to_jax(tree: Tree) -> Tree:
     if kind is tuple or kind is list:
         items = [to_jax(v) for v in tree]
         return tree if all(a is b for a, b in zip(items, tree, strict=True)) else kind(items)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple keeps its type
+        items = [to_jax(v) for v in tree]
+        return tree if all(a is b for a, b in zip(items, tree, strict=True)) else kind(*items)
     return tree
 
 
@@ -74,5 +77,7 @@ def to_wire(tree: Tree) -> Tree:
         return {k: to_wire(v) for k, v in tree.items()}
     if isinstance(tree, tuple | list):
         items = [to_wire(v) for v in tree]
+        if hasattr(tree, "_fields"):  # a NamedTuple keeps its type (and field names)
+            return type(tree)(*items)
         return items if isinstance(tree, list) else tuple(items)
     return tree

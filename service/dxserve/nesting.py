@@ -31,6 +31,7 @@ from dxcontract.errors import DxError, FunctionEvaluationError, UnsupportedOpera
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS, result_names, returned
 
+from . import holomorphic
 from .backends import engines_for, refuse_low_precision, resolve_backend
 from .backends.real_parts import has_complex
 from .frameworks import Framework, framework_of
@@ -104,7 +105,7 @@ def traced_call(
         resolved, traced=traced, complex_numbers=has_complex(framework, px, y)
     )
     spec = FAMILIES[family]
-    inputs = Inputs(px, pt, contexts, y, framework)
+    inputs = Inputs(px, pt, contexts, y, framework, holomorphic.is_declared(f))
     spec.check(inputs)
     if not (traced and engine.traces and (inner is None or inner.traces)):
         if has_aux:

@@ -24,10 +24,11 @@ _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) 
 class RequestInfo:
     """One request's facts, filled in as it goes (``perf_counter`` seconds)."""
 
-    __slots__ = ("id", "function", "operator", "call_start", "call_end", "compute")
+    __slots__ = ("id", "function", "operator", "call_start", "call_end", "compute", "caller")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, caller: str | None = None) -> None:
         self.id = request_id
+        self.caller = caller  # the client's address: per-caller caps count it
         self.function: str | None = None
         self.operator: str | None = None
         self.call_start = 0.0  # service call entered (0: none happened)

@@ -50,7 +50,7 @@ from dxcontract.errors import (
 from dxcontract.lru import LRU
 from dxcontract.operators import AUX, OPERATORS, result_names, returned
 
-from . import packing
+from . import holomorphic, packing
 from .arity import check_contexts
 from .backends import engines_for, refuse_low_precision
 from .backends.engine import Engine
@@ -84,8 +84,14 @@ def as_tree(value: Any) -> Tree:
     """
     if type(value) is np.ndarray:
         return value  # (the fast path; any other array falls through unchanged)
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: as_tree(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(as_tree(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple keeps its type
+        return type(value)(*(as_tree(v) for v in value))
+    if isinstance(value, dict):  # an OrderedDict, a defaultdict: JAX's nodes, kept as they are
+        return _custom_node(value)
     if isinstance(value, tuple):
         return tuple(as_tree(v) for v in value)
     if isinstance(value, np.generic):
@@ -97,7 +103,23 @@ def as_tree(value: Any) -> Tree:
     if isinstance(value, (int, float, list)):
         return np.asarray(value, dtype=np.float64)
     host = host_array(value)  # a torch tensor: its data, on the host, of its dtype
-    return value if host is None else host
+    if host is not None:
+        return host
+    if hasattr(value, "dtype"):  # a JAX (or other) array
+        return value
+    return _custom_node(value)
+
+
+def _custom_node(value: Any) -> Tree:
+    """A node JAX's ``tree_util`` knows (a registered dataclass: ``flax.struct``, an
+    ``equinox.Module``, ...) with its children normalized; its type is kept. Anything
+    else (an array, an unknown object) is returned as it is."""
+    import jax
+
+    children, node = jax.tree_util.tree_flatten(value, is_leaf=lambda v: v is not value)
+    if node.num_nodes == 1:  # a leaf: no node to keep
+        return value
+    return jax.tree_util.tree_unflatten(node, [as_tree(c) for c in children])
 
 
 # --- operator families -----------------------------------------------------
@@ -111,6 +133,8 @@ class Inputs:
     y: Tree  # ShapeDtypeStruct pytree of f(x, *contexts)
     #: the function's framework (its pytrees: what the checks walk)
     framework: Framework = field(default_factory=get_framework)
+    #: the caller declared f holomorphic (``holomorphic.declared``)
+    holomorphic: bool = False
 
 
 Builder = Callable[[Callable, Engine, "Engine | None", Inputs], Callable]
@@ -634,7 +658,7 @@ def _prepare_with(
     if inner is not None:
         inner.use(fw)
     spec = FAMILIES[family]
-    inputs = Inputs(px, pt, contexts, y, fw)
+    inputs = Inputs(px, pt, contexts, y, fw, holomorphic.is_declared(f))
     spec.check(inputs)
     refuse_low_precision(resolved, fw.leaves(px), traced=traced)
     engine.prepare(family, output, inputs, limits)  # e.g. sparsity detection and colouring

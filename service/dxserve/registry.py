@@ -250,6 +250,12 @@ class Registry:
         entry = self.lookup(name, field_name)
         return entry if entry.fn is not None else self._load(entry, field_name)
 
+    def version(self, record: StoredFunction) -> Entry:
+        """An entry built from ``record``, a version of a stored function that need not be
+        the registered one (a detached job's, pinned when it was submitted); neither
+        registered nor kept here."""
+        return _build(record, self.kind(record.kind))
+
     def loaded(self, name: Any) -> Entry | None:
         """``get`` without building: the built entry, or None if it needs a build."""
         self.refresh()

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,14 +117,17 @@ class Sandbox:
     ``prepare``: "module:function" the fork server runs once before its first job;
     ``warm``: one each child runs before it is given its job, while the server is idle
     (things the fork server must not do, like starting JAX's backend); "" for none.
-    ``name`` goes into log lines.
+    ``name`` goes into log lines; ``env``: variables added to the fork server's minimal
+    environment.
     """
 
     def __init__(
         self, job: str, *, prepare: str = "", warm: str = "",
         paths: Sequence[str] | None = None, name: str = "sandbox",
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.job, self.prepare, self.warm, self.name = job, prepare, warm, name
+        self.env = dict(env or {})
         self.paths = list(paths) if paths is not None else _own_paths()
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -195,7 +198,7 @@ class Sandbox:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,  # the children's crash messages go to the server's log
-            env=_child_env(self._workdir.name),
+            env={**_child_env(self._workdir.name), **self.env},
             cwd=self._workdir.name,
             close_fds=True,
             start_new_session=True,  # a terminal's Ctrl-C does not reach it

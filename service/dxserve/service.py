@@ -31,6 +31,7 @@ from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
+    OverloadedError,
     UnauthorizedError,
     UnknownPreparationError,
 )
@@ -46,6 +47,7 @@ from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .compiling import Compiler
 from .export_gate import ExportGate, GateConfig
+from .holomorphic import maybe as declare
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
@@ -55,7 +57,7 @@ from .request_batching import Batcher
 from .request_shapes import ShapeLimits
 from .settings import Settings
 from .signature import Signature
-from .sparse_sandbox import ChildDetector
+from .sparse_sandbox import ChildDetector, DetectionNeeded
 from .stores import open_store
 from .worker import DeviceWorker, Workers
 
@@ -67,6 +69,9 @@ _log = logging.getLogger("dxserve.service")
 EXAMPLES = "dxserve.examples"
 #: Stored functions named one by one in the start-up log; the rest are counted.
 _LISTED = 20
+#: Patterns one compilation may ask the detection lane for (one: more rounds only when
+#: an analysis was dropped before its compilation took it); past it, 503.
+_DETECTIONS_PER_COMPILE = 4
 
 class PrepHandles:
     """Handles returned by ``Service.prepare``: an LRU of at most ``maxsize`` preps and,
@@ -171,7 +176,8 @@ class Service:
         )
         #: compile threads: first calls and /prepare compile there, off the device workers
         self.compiler = Compiler(
-            settings.compile_threads, settings.compile_queue, settings.compute_nice
+            settings.compile_threads, settings.compile_queue, settings.compute_nice,
+            settings.compile_queue_per_caller,
         )
         #: most tangents, pytree leaves and depth per request (422 past them)
         self.shapes = ShapeLimits(settings.max_tangents, settings.max_leaves, settings.max_depth)
@@ -183,6 +189,8 @@ class Service:
                 settings.max_request_memory_bytes or None,
             ),
             settings.sparse_detection_memory_bytes, self.registry.origin, self.registry.content,
+            settings.sparse_detection_per_caller, settings.sparse_detection_queue,
+            settings.compute_nice,
         )
         #: per-request bounds on XLA's estimate of each compiled operator (see budget.py)
         self.limits = ComputeLimits(
@@ -344,6 +352,8 @@ class Service:
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
+        entry: Any = None,
+        holomorphic: bool = False,
     ) -> dict[str, Any]:
         """Run ``operator`` on a registered function: ``{result name: numpy value}``.
 
@@ -362,21 +372,25 @@ class Service:
         result is reserved in it before the computation runs (503 when the budget is
         full) and stays held until the caller releases the ticket, once the answer is
         written. Without one, the call holds its own until it returns.
+        ``entry``: the registry entry to run instead of ``function``'s current one (a
+        detached job's function as it was when the job was submitted).
+        ``holomorphic``: the caller declares the function holomorphic (Jacobians of
+        complex x, as JAX's ``holomorphic=True``).
         """
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
-        entry = self.registry.loaded(function) or await self._load(function)
+        entry = entry or self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
         found = lookup(
-            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
-            batch_axis, has_aux,
+            op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts, ready_prep,
+            self.cache, signature, batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -414,6 +428,15 @@ class Service:
             ready = await self._compile(op, found, worker, limit_s)
         ticket.reserve_result(ready.result_bytes)
         left = deadline - loop.time()
+        # a loop with no static bound may never end: only a worker thread can be abandoned
+        inline = not getattr(found.function, "dx_unbounded_loops", 0)
+        if not inline and workers.stuck >= self.settings.max_stuck_computations:
+            raise OverloadedError(
+                f"{workers.stuck} computations past their deadline still hold a core "
+                "(DXSERVE_MAX_STUCK_COMPUTATIONS); functions whose loops have no static "
+                "bound are refused until one ends",
+                retry_after=60,
+            )
         if (
             found.prep is not None and workers.batching
             and (job is None or not job.streams) and not ready.chunked(op.name)
@@ -429,7 +452,8 @@ class Service:
                 ]
 
             return await workers.run_grouped(
-                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left
+                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left,
+                inline=inline,
             )
         chunked = ready.chunked(op.name)
         if chunked and job is None:  # its own, so short jobs run between its chunks
@@ -450,7 +474,7 @@ class Service:
             return results
 
         return await workers.run(
-            compute, key, left, worker=worker, progress=job if chunked else None
+            compute, key, left, worker=worker, progress=job if chunked else None, inline=inline
         )
 
     async def _compile(
@@ -471,7 +495,56 @@ class Service:
 
         # a prep handle's own prep is compiled apart from the cache's, its twin
         owner = None if found.prep is None else id(found.prep)
-        return await self.compiler.run((found.key, device, owner), compile_it, limit_s)
+        return await self._compiled((found.key, device, owner), compile_it, limit_s)
+
+    async def _compiled(self, key: Hashable, compile_it: Callable[[], Prep], limit_s: float) -> Prep:
+        """``compile_it()`` on a compile thread (``compiler.run``); a sparsity pattern it
+        needs is detected in the detector's own lane first, never on the compile thread
+        (see ``sparse_sandbox``). ``limit_s``: the whole wait, 504 past it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        info = observe.CURRENT.get()
+        caller = info.caller if info is not None else None
+        for _ in range(_DETECTIONS_PER_COMPILE):
+            try:
+                return await self.compiler.run(
+                    key, compile_it, deadline - loop.time(), limit_s, caller
+                )
+            except DetectionNeeded as need:
+                await self.detector.detect(need, caller, deadline - loop.time(), limit_s)
+        raise OverloadedError("the sparsity pattern was detected but not kept; retry", retry_after=1)
+
+    async def result_bytes(
+        self,
+        operator: str,
+        function: str,
+        backend: Backend | str | dict,
+        x: Any,
+        tangents: Sequence | None = None,
+        contexts: Sequence = (),
+        *,
+        batch_axis: int | None = None,
+        has_aux: bool = False,
+    ) -> int:
+        """The bytes ``call`` with these arguments would return (its prep's estimate:
+        output shapes times dtypes), compiled as ``call`` compiles (a compile thread,
+        the prep cache), nothing run; the errors ``call`` would raise before running."""
+        op = OPERATORS[operator]
+        backend = backend_from_json(backend)
+        self.shapes.check(x, tangents, contexts)
+        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        entry = self.registry.loaded(function) or await self._load(function)
+        found = lookup(
+            op.name, entry.fn, backend, x, tangents, contexts, None, self.cache, None,
+            batch_axis, has_aux,
+        )
+        worker = self.workers.pick()
+        ready = found.prep
+        if ready is None or not ready.warm(op.name, self.workers.device_of(worker)):
+            ready = await self._compile(op, found, worker, self.settings.request_timeout)
+        nbytes = int(ready.result_bytes)
+        # a sparse result counts its stored numbers; each is sent with its row and column
+        return nbytes * 3 if "sparsity" in ready.report else nbytes
 
     async def prepare(
         self,
@@ -484,6 +557,7 @@ class Service:
         *,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        holomorphic: bool = False,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
@@ -502,14 +576,14 @@ class Service:
         def compile_it() -> Prep:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
-                    op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
-                    batch_axis, has_aux,
+                    op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts,
+                    None, limit, limits, batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
             return prep
 
         # each /prepare makes its own prep (and handle): nothing to share
-        prep = await self.compiler.run(object(), compile_it, timeout)
+        prep = await self._compiled(object(), compile_it, timeout)
         if info is not None:
             info.call_end = time.perf_counter()
         return {
@@ -576,7 +650,9 @@ class Service:
             "jax_version": jax.__version__,
             "functions": len(self.registry),
             "queued": self.workers.pending,
+            "stuck": self.workers.stuck,
             "compiling": self.compiler.pending,
+            "detecting": self.detector.pending,
         }
 
     def close(self) -> None:
@@ -607,6 +683,8 @@ def _host(tree: Any) -> Any:
     encoder never waits on the device.
     """
     if isinstance(tree, tuple):
+        if hasattr(tree, "_fields"):  # a NamedTuple node of a pytree result: its type kept
+            return type(tree)(*(_host(t) for t in tree))
         return tuple(_host(t) for t in tree)
     if isinstance(tree, dict):
         return {k: _host(v) for k, v in tree.items()}
@@ -637,11 +715,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
+        holomorphic: bool = False,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux,
+            has_aux=has_aux, holomorphic=holomorphic,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 

@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     #: add to its own (RLIMIT_AS); detection holds ~150-700 bytes per nonzero (and per
     #: element of each intermediate), so 2 GiB finds patterns of a few million nonzeros.
     sparse_detection_memory_bytes: int = Field(default=2 << 30, ge=64 << 20)
+    #: Sparsity detections one caller (client address) may have waiting or running in
+    #: the detection lane; 429 past it.
+    sparse_detection_per_caller: int = Field(default=4, ge=1)
+    #: Sparsity detections waiting in the detection lane, all callers; 503 past it.
+    sparse_detection_queue: int = Field(default=64, ge=1)
     #: Most nonzeros of a sparsity pattern, given or detected (422 ``budget-exceeded``
     #: above; 0: no limit). A prep holds ~200 bytes per nonzero (index arrays on the host
     #: and the device, the compiled gather's constants), so one at 2^22 holds ~0.8 GB:
@@ -157,17 +162,21 @@ class Settings(BaseSettings):
     compile_threads: int = Field(default=2, ge=1, le=64)
     #: Compilations waiting for a compile thread before 503 + Retry-After.
     compile_queue: int = Field(default=64, ge=1)
+    #: Compilations one caller (client address) may have waiting or running; 429 past
+    #: it, so one client's flood of new shapes cannot fill the queue for everyone.
+    compile_queue_per_caller: int = Field(default=16, ge=1)
     #: Seconds a computation may take before 504.
     request_timeout: float = 300.0
     #: Seconds a computation streamed with ``Accept: text/event-stream`` may take (its
     #: caller sees progress, and it stops at a chunk boundary when the time is up).
     stream_timeout: float = Field(default=3600.0, gt=0)
     # Detached jobs (``POST /jobs/{operator}``; see ``detached``):
-    #: Jobs one token may have queued and running at once (429 ``too-many-jobs`` past it).
+    #: Jobs one token may have queued and running at once (429 ``too-many-jobs`` past it);
+    #: without tokens configured, every bearer token is the one anonymous owner.
     max_jobs_per_token: int = Field(default=16, ge=1)
-    #: Bytes of job inputs, checkpoints and results the store may hold: a submission
-    #: once they reach it is refused (507 ``insufficient-storage``); a job accepted below
-    #: it always keeps its result (0: no limit).
+    #: Bytes of job inputs, checkpoints and results the store may hold or have reserved:
+    #: a job reserves its expected result when it is submitted, and a submission past
+    #: the limit is refused (507 ``insufficient-storage``) before it runs (0: no limit).
     job_store_bytes: int = Field(default=1 << 30, ge=0)
     #: Seconds an ended job (its record and result) is kept after it ended; then it is
     #: removed (404).
@@ -257,6 +266,14 @@ class Settings(BaseSettings):
     export_gate_memory_bytes: int = Field(default=4 << 30, ge=64 << 20)
     #: Wall-clock and CPU-time seconds one export check may take.
     export_gate_timeout: float = Field(default=60.0, gt=0)
+    #: Uploads with loops whose trip count depends on data (``lax.while_loop``, a
+    #: ``fori_loop`` with a traced bound): "refuse" (422 at upload) or "allow" (they run
+    #: in process; one past its deadline is abandoned, see ``worker``).
+    export_unbounded_loops: Literal["refuse", "allow"] = "refuse"
+    #: Computations abandoned past their deadline (``worker``) that may still run, each
+    #: holding a core; at it, calls of functions with unbounded loops get 503 until one
+    #: ends (with ``export_unbounded_loops=allow``, the only way to make more).
+    max_stuck_computations: int = Field(default=2, ge=1)
 
     @field_validator("torch_compile", mode="before")
     @classmethod

@@ -15,6 +15,14 @@ descriptor's pattern as raw int32 arrays when only colouring is needed. It answe
 the pattern and colouring as raw int32 arrays (``sparse_detection.encode``), which the
 server checks before asdex's ``ColoredPattern`` is rebuilt from them.
 
+Detection has a lane of its own: it is never run on a compile thread. ``analyse``
+(called while a compile thread prepares the operator) answers at once from the
+analyses already made, or raises ``DetectionNeeded``; the service then queues the
+detection in this detector's lane (one thread: the child runs one job at a time, a
+queue of ``queue_size``, at most ``per_caller`` per caller, 429 past it, 503 past the
+queue) and compiles again once it is made. A compile thread never waits for a child, so
+a flood of detections cannot hold first calls of other shapes.
+
 Every way the child can fail is a 422 naming ``backend``, with the fix: over a budget
 (``BudgetExceededError``: ``max_nnz``, the colouring's time, its seed matrix), out of
 time, out of memory, crashed, or asdex unable to analyse the function
@@ -23,6 +31,8 @@ time, out of memory, crashed, or asdex unable to analyse the function
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -32,8 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from dxcontract.errors import BudgetExceededError, DxError, OverloadedError, SparsityDetectionError
+from dxcontract.errors import (
+    BudgetExceededError,
+    DxError,
+    OverloadedError,
+    SparsityDetectionError,
+)
 from dxcontract.keys import KeyArray, dtype_name, impl_of, is_key_dtype
+from dxcontract.lru import LRU
 
 from .backends.sparse_detection import (
     Analysis,
@@ -43,10 +59,22 @@ from .backends.sparse_detection import (
     decode,
     encode,
 )
+from .compiling import Compiler
+from .holomorphic import undeclared
 from .origins import Origin, rebuild
 from .sandbox import Limits, Outcome, Sandbox
 
-__all__ = ["ChildDetector"]
+__all__ = ["ChildDetector", "DetectionNeeded"]
+
+
+class DetectionNeeded(BaseException):  # noqa: N818 - a signal to the service, not an error
+    """Raised by ``ChildDetector.analyse`` on a compile thread: this analysis must be made
+    in the detection lane first (``ChildDetector.detect``), then the compile run again.
+    A ``BaseException``, so no backend's fallback mistakes it for a failure."""
+
+    def __init__(self, key: str, header: dict[str, Any], payload: bytes, job: PatternJob) -> None:
+        super().__init__(key)
+        self.key, self.header, self.payload, self.job = key, header, payload, job
 
 _FIX = "pass the pattern as Sparse(dense, sparsity=...), or use a dense backend"
 
@@ -59,14 +87,26 @@ class ChildDetector:
     function's content bytes (None once replaced).
     """
 
+    #: analyses made in the lane and not yet taken by the compilation that asked for
+    #: them (each is taken once); a pattern holds ~64 bytes per nonzero here
+    MADE, MADE_BYTES = 64, 512 << 20
+
     def __init__(
         self, budget: DetectionBudget, memory_bytes: int,
         origin_of: Callable[[Callable], Origin | None],
         content_of: Callable[[Origin], bytes | None],
+        per_caller: int = 4, queue_size: int = 64, nice: int = 0,
     ) -> None:
         self.budget = budget
         self.memory_bytes = memory_bytes
         self.origin_of, self.content_of = origin_of, content_of
+        self.per_caller = per_caller
+        #: the detection lane: one thread (the sandbox runs one child at a time)
+        self.lane = Compiler(
+            1, queue_size, nice, per_caller, "sparsity detections", "sparse_detection_per_caller"
+        )
+        self._made: LRU[str, Analysis] = LRU(self.MADE, self.MADE_BYTES, _analysis_bytes)
+        self._big: tuple[str, Analysis] | None = None  # one larger than MADE_BYTES alone
         paths = [os.getcwd() if p == "" else p for p in sys.path if isinstance(p, str)]
         self.sandbox = Sandbox(
             f"{__name__}:child_job", prepare=f"{__name__}:warm_up",
@@ -74,7 +114,33 @@ class ChildDetector:
         )
 
     def close(self) -> None:
+        self.lane.close()
         self.sandbox.stop()
+
+    @property
+    def pending(self) -> int:
+        """Detections waiting or running in the lane."""
+        return self.lane.pending
+
+    async def detect(
+        self, need: DetectionNeeded, caller: str | None, timeout: float, limit: float
+    ) -> None:
+        """Make ``need``'s analysis in the lane (shared with others waiting for the same);
+        ``TooManyQueuedError`` when ``caller`` has ``per_caller`` waiting already,
+        ``OverloadedError`` when the lane is full, ``DeadlineExceededError`` after
+        ``timeout`` seconds (``limit``: the request's whole limit, for the message)."""
+        await self.lane.run(need.key, lambda: self._make(need), timeout, limit, caller)
+
+    def _make(self, need: DetectionNeeded) -> Analysis:
+        """In the lane's thread: run the child, keep its analysis for the compilation."""
+        started = time.perf_counter()
+        outcome = self.sandbox.run(need.header, need.payload, self._limits(need.job))
+        reply = _check(outcome, self)
+        pattern, coloring = decode(reply, outcome.payload, need.job, self.budget)
+        found = Analysis(pattern, coloring, time.perf_counter() - started)
+        if not self._made.put(need.key, found):
+            self._big = (need.key, found)
+        return found
 
     def analyse(self, job: PatternJob, f: Callable, x: Any, contexts: tuple) -> Analysis:
         header: dict[str, Any] = {
@@ -89,7 +155,8 @@ class ChildDetector:
             header["given"] = int(job.given[0].size)
             parts += [np.ascontiguousarray(a, dtype="<i4").tobytes() for a in job.given]
         else:
-            origin = self.origin_of(f)
+            # declared holomorphic or not, it is the same function (and pattern)
+            origin = self.origin_of(undeclared(f))
             if origin is None:
                 raise SparsityDetectionError(
                     "this function cannot be rebuilt in the bounded process that detects "
@@ -109,11 +176,17 @@ class ChildDetector:
             header.update(function=origin.to_json(), x=_spec(x), contexts=_spec(list(contexts)),
                           content=len(content))
             parts.append(content)
-        started = time.perf_counter()
-        outcome = self.sandbox.run(header, b"".join(parts), self._limits(job))
-        reply = _check(outcome, self)
-        pattern, coloring = decode(reply, outcome.payload, job, self.budget)
-        return Analysis(pattern, coloring, time.perf_counter() - started)
+        payload = b"".join(parts)
+        digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+        digest.update(payload)
+        key = digest.hexdigest()
+        found = self._made.pop(key)
+        big = self._big
+        if found is None and big is not None and big[0] == key:
+            found, self._big = big[1], None
+        if found is None:  # made in the lane, never here (see the module)
+            raise DetectionNeeded(key, header, payload, job)
+        return found
 
     def _limits(self, job: PatternJob) -> Limits:
         nnz = self.budget.max_nnz
@@ -122,6 +195,10 @@ class ChildDetector:
         reply = (1 << 40) if nnz is None else 4 * (7 * nnz + m + n) + (1 << 16)
         seconds = self.budget.seconds if self.budget.seconds is not None else 3600.0
         return Limits(self.memory_bytes, seconds, reply)
+
+
+def _analysis_bytes(found: Analysis) -> int:
+    return 64 * int(found.pattern.nnz) + 4096
 
 
 def _budget_json(budget: DetectionBudget) -> dict[str, Any]:

@@ -4,7 +4,13 @@ Each worker runs jobs one at a time on its own thread (XLA keeps the device busy
 a second thread per device would only contend). The queue is bounded: a request
 that would wait behind ``queue_size`` others is refused with 503 and
 ``Retry-After``; one that runs past its deadline is answered 504 (a job that has
-not started by then is dropped; one already running finishes in the background).
+not started by then is dropped).
+
+A job still running at its deadline never holds its worker: XLA cannot interrupt an
+executable, so the worker *abandons* the thread running it and starts another on the
+same queue at once. The abandoned thread finishes that job on its own (its answer is
+dropped) and then exits; ``stuck`` counts those still running, which ``/health``
+reports and shutdown does not wait for.
 
 Request batching: a job may carry a ``group`` (same prep, operator and signature).
 When the worker takes such a job it also takes every queued job of the same group,
@@ -30,6 +36,7 @@ short ones keep arriving. Long jobs queued behind it wait their turn.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -47,6 +54,7 @@ from . import threads
 from .jobs import Job
 
 T = TypeVar("T")
+log = logging.getLogger("dxserve.worker")
 _NEVER = float("inf")  # the cost of a job never run
 
 #: ``run_group(items) -> one result or exception per item``
@@ -65,6 +73,7 @@ class _Job:
     expired: bool = field(default=False)  # set by the event loop at its deadline
     #: a chunked run's progress: it pauses between chunks for short jobs (None: short)
     progress: Job | None = None
+    worker: DeviceWorker | None = None  # where it is queued: told when it overruns
 
 
 class DeviceWorker:
@@ -88,8 +97,33 @@ class DeviceWorker:
         self.interleaved = 0  # short jobs run between the chunks of a long one
         self._pausing = False  # running short jobs between chunks (worker thread only)
         self._resumed = 0.0  # when the long job's current chunk started
-        self._thread = threading.Thread(target=self._serve, name=f"dx-{device}", daemon=True)
+        self._running: list[_Job] = []  # what the serving thread computes now
+        self.stuck = 0  # abandoned threads still computing a job past its deadline
+        self.abandoned = 0  # threads abandoned so far
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        """Start a new serving thread (the lock held, or before any job)."""
+        n = self.abandoned
+        name = f"dx-{self.device}" + (f"-{n}" if n else "")
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    def overran(self, job: _Job) -> None:
+        """``job`` passed its deadline (event loop): if it is running, abandon the thread
+        running it and serve the queue from a new one."""
+        with self._cond:
+            if self._closing or job not in self._running:
+                return
+            self.pending -= len(self._running)  # answered 504 (or soon, by their timers)
+            self._running = []
+            self.stuck += 1
+            self.abandoned += 1
+            self._start_thread()
+        log.warning(
+            "a computation on %s ran past its deadline; its thread was abandoned and "
+            "replaced (%d still computing)", self.device, self.stuck,
+        )
 
     async def run(
         self, job: Callable[[], T], timeout: float | None = None, progress: Job | None = None
@@ -98,7 +132,7 @@ class DeviceWorker:
         ``timeout``: seconds before 504 (default: the worker's ``timeout``).
         ``progress``: the ``Job`` of a run in chunks; short jobs run between them."""
         loop = asyncio.get_running_loop()
-        found = _Job(job, loop, loop.create_future(), progress=progress)
+        found = _Job(job, loop, loop.create_future(), progress=progress, worker=self)
         return await self._submit(found, timeout)
 
     async def run_grouped(
@@ -107,7 +141,7 @@ class DeviceWorker:
         """Run ``item`` through ``run_group``, merged with queued items of ``group``.
         ``timeout``: seconds before 504 (default: the worker's ``timeout``)."""
         loop = asyncio.get_running_loop()
-        job = _Job(None, loop, loop.create_future(), group, item, run_group)
+        job = _Job(None, loop, loop.create_future(), group, item, run_group, worker=self)
         return await self._submit(job, timeout)
 
     async def _submit(self, job: _Job, timeout: float | None = None) -> Any:
@@ -133,11 +167,12 @@ class DeviceWorker:
         # Below the event loop, so /health and small requests are answered while this
         # thread (and the threads it starts) computes; see threads.py.
         threads.lower_priority_of_current_thread(self.nice)
+        me = threading.current_thread()
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._closing and self._thread is me:
                     self._cond.wait()
-                if not self._queue:
+                if not self._queue or self._thread is not me:
                     return
                 jobs = [self._queue.popleft()]
                 if jobs[0].group is not None and self.max_batch > 1:
@@ -162,6 +197,11 @@ class DeviceWorker:
             self._cond.wait(left)
 
     def _execute(self, jobs: list[_Job]) -> None:
+        me = threading.current_thread()
+        with self._cond:
+            before = self._running
+            self._running = before + jobs
+        # after they are marked running: one expiring from now on abandons this thread
         live = [j for j in jobs if not j.expired]
         outcomes: list[tuple[bool, Any]] = []
         with jax.default_device(self.device) if self._pin else nullcontext():
@@ -183,7 +223,11 @@ class DeviceWorker:
                 if len(live) > 1:
                     self.batches += 1
         with self._cond:
-            self.pending -= len(jobs)
+            if self._thread is me:
+                self.pending -= len(jobs)
+                self._running = before
+            elif not before:  # abandoned, and its outermost job is done: it exits
+                self.stuck -= 1
             self.jobs += len(live)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for job, outcome in zip(live, outcomes, strict=True):
@@ -197,7 +241,7 @@ class DeviceWorker:
     def pause(self) -> None:
         """Between two chunks of the long job running here (this worker's thread): run
         the short jobs queued now, for up to as long as the chunk took (at least one)."""
-        if self._pausing:
+        if self._pausing or self._thread is not threading.current_thread():
             return
         chunk = time.monotonic() - self._resumed
         until = time.monotonic() + chunk
@@ -210,7 +254,7 @@ class DeviceWorker:
                     break
                 self._execute(jobs)
                 self.interleaved += len(jobs)
-                if time.monotonic() >= until:
+                if time.monotonic() >= until or self._thread is not threading.current_thread():
                     break
         finally:
             self._pausing = False
@@ -231,12 +275,13 @@ class DeviceWorker:
                 return jobs
         return []
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish what is queued, then stop the thread; waits at most ``timeout``
+        seconds (the thread is a daemon: a computation that never ends is left)."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
-        self._thread.join()
+            self._cond.notify_all()
+        self._thread.join(timeout)
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[bool, Any]:
@@ -258,6 +303,8 @@ def _settle(settled: list[tuple[asyncio.Future, bool, Any]]) -> None:
 
 def _expire(job: _Job, timeout: float) -> None:
     job.expired = True
+    if job.worker is not None:
+        job.worker.overran(job)
     if not job.future.done():
         job.future.set_exception(
             DeadlineExceededError(
@@ -312,31 +359,33 @@ class Workers:
 
     async def run(
         self, job: Callable[[], T], key: Hashable | None = None, timeout: float | None = None,
-        worker: DeviceWorker | None = None, progress: Job | None = None,
+        worker: DeviceWorker | None = None, progress: Job | None = None, inline: bool = True,
     ) -> T:
         """Run ``job()``; inline if ``key``'s last run was cheap, else on a device worker.
         ``timeout``: seconds before 504 (default: the workers' ``timeout``). ``worker``:
         the one to run on (default: the least loaded). ``progress``: the ``Job`` of a run
-        in chunks, which lets short jobs run between its chunks (never inline)."""
+        in chunks, which lets short jobs run between its chunks (never inline).
+        ``inline=False``: never on the event loop (a job that may not end)."""
         worker = worker or self.pick()
         if key is None:
             return await worker.run(job, timeout, progress)
-        if progress is None and self._cheap(key, worker):
+        if inline and progress is None and self._cheap(key, worker):
             return self._timed(job, key)
         return await worker.run(lambda: self._timed(job, key), timeout, progress)
 
     async def run_grouped(
         self, group: Hashable, item: Any, run_group: RunGroup, key: Hashable,
         holds: Callable[[Any], bool] | None = None, worker: DeviceWorker | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None, inline: bool = True,
     ) -> Any:
-        """Run one item of ``group`` (see ``DeviceWorker.run_grouped``); inline when cheap.
+        """Run one item of ``group`` (see ``DeviceWorker.run_grouped``); inline when cheap
+        (and ``inline``).
 
         ``holds(device)`` tells where the group's executable is compiled (see ``pick``);
         ``worker``: the one to run on instead. ``timeout``: seconds before 504.
         """
         worker = worker or self.pick(holds)
-        if self._cheap(key, worker):
+        if inline and self._cheap(key, worker):
             result = self._timed(lambda: run_group([item])[0], key)
             if isinstance(result, BaseException):
                 raise result
@@ -356,6 +405,18 @@ class Workers:
     def pending(self) -> int:
         return sum(w.pending for w in self.workers)
 
-    def close(self) -> None:
+    @property
+    def stuck(self) -> int:
+        """Abandoned threads still computing past their deadline (see the module)."""
+        return sum(w.stuck for w in self.workers)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every worker, waiting at most ``timeout`` seconds in all."""
+        deadline = time.monotonic() + timeout
         for worker in self.workers:
-            worker.close()
+            worker.close(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def computing(self) -> int:
+        """Threads still computing (after ``close``: those it did not wait for)."""
+        return self.stuck + sum(w._thread.is_alive() for w in self.workers)

@@ -35,7 +35,7 @@ def _over_the_wire(client: Client, case: dict[str, Any]) -> None:
     name = f"grid_{abs(hash(case['text'])) % 10**12}"
     client.register_expression(name, case["text"], case["args"], replace=True)
     try:
-        run_grid(case, lambda op: lambda b, *a: getattr(client, op)(name, b, *a), "over the wire")
+        run_grid(case, lambda op: lambda b, *a, **k: getattr(client, op)(name, b, *a, **k), "over the wire")
     finally:
         client.delete(name)
 

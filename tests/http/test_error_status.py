@@ -44,6 +44,7 @@ EXPECTED: dict[type[E.DxError], int] = {
     E.RequestShapeError: 422,
     E.SparsityDetectionError: 422,
     E.TooManyFunctionsError: 429,
+    E.TooManyQueuedError: 429,
     E.TooManyJobsError: 429,
     E.TooManyStreamsError: 429,
     E.InternalError: 500,

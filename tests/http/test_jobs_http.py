@@ -4,8 +4,9 @@ Real ``dxserve serve`` processes on free ports. A chunked Hessian submitted with
 connection kept, followed and fetched, is the plain call's answer bit for bit in every
 encoding; the events are a streamed operator's and closing them cancels nothing; a
 queued and a running job are cancelled; another token (or none) can neither see, fetch
-nor cancel a job; past the jobs per token a 429 and past the job store's bytes a 507,
-and every job acknowledged still ends with its result; bad ids and bad bodies get
+nor cancel a job; past the jobs per token a 429 and past the job store's bytes (a
+job's expected result counted at submission) a 507, and every job acknowledged still
+ends with its result; bad ids and bad bodies get
 problem documents, never a 5xx. Tests wait on job events, never on the clock.
 """
 
@@ -318,26 +319,28 @@ def test_metrics_count_jobs_by_status(jobs_server) -> None:
 def test_quotas_429_and_507_and_nothing_acknowledged_is_lost(tmp_path: Path) -> None:
     srv: ServerProcess = start_server(tmp_path / "limits", env={
         "DXSERVE_WARM_UP": "false", "DXSERVE_JOB_RUNNERS": "1",
-        "DXSERVE_MAX_JOBS_PER_TOKEN": "2", "DXSERVE_JOB_STORE_BYTES": "200000",
+        "DXSERVE_MAX_JOBS_PER_TOKEN": "2", "DXSERVE_JOB_STORE_BYTES": "12000000",
         "DXSERVE_JOB_POLL_INTERVAL": "0.2",
     }, modules=("dxserve.examples", "tests.slow_functions"))
     try:
         url = srv.url
-        x = np.linspace(0.1, 1.3, 160)  # a 160 x 160 Hessian: 204,800 bytes, past the limit
+        x = np.linspace(0.1, 1.3, 160)  # a 160 x 160 Hessian: 204,800 bytes
         small = {"function": "rosenbrock", "backend": "jax-forward", "x": x.tolist()}
-        first = submit(url, "hessian", HEAVY, token=None)
+        first = submit(url, "hessian", HEAVY, token=None)  # 11.5 MB of result reserved
         second = submit(url, "hessian", small, token=None)
         r = httpx.post(f"{url}/jobs/hessian", json=small, timeout=30)
         doc = is_problem(r, 429, "too-many-jobs")
         assert doc["limit"] == "max_jobs_per_token" and "DXSERVE_MAX_JOBS_PER_TOKEN" in doc["detail"]
         assert httpx.delete(f"{url}/jobs/{first['id']}").status_code == 202
-        # both acknowledged jobs end: one cancelled, one with its whole result, even
-        # though that result alone is past the job store's bytes
+        # both acknowledged jobs end: one cancelled, one with its whole result
         assert follow(url, first["id"], token=None)[-1][0] == "error"
         assert follow(url, second["id"], token=None)[-1][0] == "result"
-        r = httpx.post(f"{url}/jobs/hessian", json=small, timeout=30)
+        # a 1300 x 1300 Hessian (13.5 MB) is past the limit: refused before it runs
+        big = {**small, "x": np.linspace(0.1, 1.3, 1300).tolist()}
+        r = httpx.post(f"{url}/jobs/hessian", json=big, timeout=60)
         doc = is_problem(r, 507, "insufficient-storage")
         assert doc["limit"] == "job_store_bytes" and "DXSERVE_JOB_STORE_BYTES" in doc["detail"]
+        assert doc["needed"] > 1300 * 1300 * 8
         fetched = httpx.get(f"{url}/jobs/{second['id']}/result",
                             headers={"accept": codec.BINARY_TYPE}, timeout=30)
         plain = httpx.post(f"{url}/hessian", json=small, headers={"accept": codec.BINARY_TYPE})

@@ -11,6 +11,8 @@ against the analytic derivatives of ∛x and against the explicit forward backen
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,16 +87,17 @@ def test_pushforward_and_derivative_keep_forward_mode():
     )
 
 
-def test_pullback_auto_falls_back_to_finite_differences():
-    # forward mode reaches a pullback by transposing its JVP: a loop does not transpose
+def test_pullback_auto_falls_back_to_forward_mode():
+    # forward mode cannot transpose its JVP through a loop, so it takes the pullback from
+    # the pushforwards of x's basis (J^T c), as DifferentiationInterface does: exact
     f = fresh(cbrt_sum)
     chosen, reason = dxserve.resolve("auto", "pullback", f, X, explain=True)
-    assert chosen == FiniteDifferences()
-    assert reason.startswith(f"reverse mode and forward mode do not trace: ValueError: {WHILE}")
-    assert reason.endswith("; using finite-differences")
+    assert chosen == JaxForward()
+    assert reason.startswith(f"reverse mode does not trace: ValueError: {WHILE}")
+    assert reason.endswith("; using jax-forward")
     (vjp,) = dxserve.pullback(f, "auto", X, (np.asarray(2.0),))
-    close(vjp, 2.0 * cbrt_derivative(X), 1e-7)  # central differences: ~1e-10 here
-    close(vjp, dxserve.pullback(f, FiniteDifferences(), X, (np.asarray(2.0),))[0], 1e-15)
+    close(vjp, 2.0 * cbrt_derivative(X), 1e-12)
+    close(vjp, dxserve.pullback(f, JaxForward(), X, (np.asarray(2.0),))[0], 1e-15)
 
 
 def test_resolve_and_the_prep_report_say_what_was_chosen_and_why():
@@ -110,7 +113,9 @@ def test_resolve_and_the_prep_report_say_what_was_chosen_and_why():
 
     chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
     assert chosen == FOF
-    assert reason.startswith(f"forward-over-reverse does not trace: ValueError: {WHILE}")
+    assert reason.startswith(
+        f"forward-over-reverse and reverse-over-reverse do not trace: ValueError: {WHILE}"
+    )
     assert reason.endswith("; using forward-over-forward")
     assert dxserve.prepare_hessian(f, "auto", X).report == {"reason": reason}
 
@@ -146,7 +151,11 @@ def test_a_function_no_mode_traces_falls_back_to_finite_differences():
 
     chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
     assert chosen == SecondOrder(FiniteDifferences(), FiniteDifferences())
-    assert reason.startswith("forward-over-reverse and forward-over-forward do not trace")
+    assert reason.startswith(
+        "forward-over-reverse and reverse-over-reverse and forward-over-forward and "
+        "reverse-over-forward and finite differences over reverse mode and finite "
+        "differences over forward mode do not trace"
+    )
     assert reason.endswith("; using finite differences over finite differences")
     H = dxserve.hessian(f, "auto", X)
     close(np.diag(H), cbrt_second_derivative(X), 1e-4)  # differences of differences
@@ -190,8 +199,8 @@ def test_a_prep_reused_does_not_probe_again():
     [
         ("gradient", "jax-reverse", (), "jax-reverse cannot compute gradient", "'jax-forward'"),
         ("hessian", "jax-reverse", (), "jax-reverse (as {", '"outer":"jax-forward","inner":"jax-forward"}'),
-        ("pullback", "jax-forward", ((np.asarray(1.0),),), "jax-forward cannot compute pullback",
-         "'finite-differences'"),
+        ("pullback", "jax-reverse", ((np.asarray(1.0),),), "jax-reverse cannot compute pullback",
+         "'jax-forward'"),
     ],
 )  # fmt: skip
 def test_explicit_backends_still_fail_naming_themselves_and_what_works(
@@ -203,3 +212,47 @@ def test_explicit_backends_still_fail_naming_themselves_and_what_works(
     assert err.field == "backend"
     assert err.detail.startswith(asked), err.detail
     assert WHILE in err.detail and use in err.detail and "'auto'" in err.detail
+
+
+def _sin_grad_on_host(x):
+    x = np.asarray(x)
+    return np.cos(x).astype(x.dtype)
+
+
+@jax.custom_vjp
+def sin_sum_host_gradient(x):
+    """sum(sin x), whose gradient cos x comes from numpy (a callback): no JAX mode
+    differentiates the gradient, and forward mode refuses the custom_vjp."""
+    return jnp.sum(jnp.sin(x))
+
+
+def _fwd(x):
+    return jnp.sum(jnp.sin(x)), x
+
+
+def _bwd(x, ct):
+    grad = jax.pure_callback(
+        _sin_grad_on_host, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
+    )
+    return (ct * grad,)
+
+
+sin_sum_host_gradient.defvjp(_fwd, _bwd)
+
+
+def test_second_order_auto_prefers_differences_of_an_exact_gradient():
+    """No pair of JAX's modes reaches second order here; reverse mode's gradient is
+    exact, so auto takes finite differences of it, not differences of differences."""
+    f = fresh(sin_sum_host_gradient)
+    chosen, reason = dxserve.resolve("auto", "hessian", f, X, explain=True)
+    assert chosen == SecondOrder(FiniteDifferences(), JaxReverse())
+    assert reason.endswith("; using finite differences over reverse mode"), reason
+    H = dxserve.hessian(f, "auto", X)
+    np.testing.assert_allclose(H, np.diag(-np.sin(X)), rtol=1e-7, atol=1e-7)
+    t = np.array([1.0, -2.0, 0.5])
+    (hv,) = dxserve.hvp(f, "auto", X, (t,))
+    want = -np.sin(X) * t
+    close(hv, want, 1e-7)
+    fd_fd = dxserve.hvp(f, SecondOrder(FiniteDifferences(), FiniteDifferences()), X, (t,))[0]
+    # one difference's error against two (measured: 0 against 1.4e-6 here)
+    assert 10 * np.abs(hv - want).max() <= np.abs(fd_fd - want).max()

@@ -5,12 +5,15 @@ the map t -> ∂f/∂x Re t + ∂f/∂y Im t; ``jax.vjp`` its transpose under Re
 operator is checked here against JAX's own transformation of the same function:
 
 * gradient: ``jax.grad`` (``holomorphic=True`` for a complex-valued f);
-* jacobian and derivative: ``jax.jacrev`` for real-valued f, ``jax.jacfwd(holomorphic=True)``
-  for complex-valued f;
+* jacobian and derivative of complex x: only with ``holomorphic=True`` (``jax.jacfwd``'s
+  ``holomorphic=True``), refused otherwise as ``jax.jacfwd`` refuses them; of real x,
+  ``jax.jacfwd``;
 * pushforward / pullback: ``jax.jvp`` / ``jax.vjp``;
-* hessian and second_derivative: ``jax.jacfwd`` (``holomorphic=True``) of the gradient /
-  derivative above (``jax.hessian(f, holomorphic=True)`` for holomorphic f); hvp:
+* hessian and second_derivative of complex x: ``jax.hessian(f, holomorphic=True)`` for f
+  declared holomorphic, refused otherwise (as ``jax.hessian`` refuses them); hvp:
   ``jax.jvp(jax.grad(f))``.
+
+So ``J @ t`` is the pushforward along t, and ``H @ t`` the HVP, for every case that answers.
 
 Exact backends at rtol 1e-10 in complex128, finite differences at their own tolerances
 (measured worst cases below, with headroom), complex64 looser. Backends that cannot
@@ -39,6 +42,7 @@ from dxserve import (
 )
 from dxserve.backends.finite_differences import uses_finite_differences
 from dxserve.budget import ComputeLimits
+from dxserve.holomorphic import declared
 
 jax.config.update("jax_enable_x64", True)  # the references, in complex128
 
@@ -172,7 +176,14 @@ def reference(operator: str, f: Callable, x: Any, dtype: Any) -> Any:
     raise AssertionError(operator)
 
 
+#: the operators whose result is a Jacobian matrix: refused for complex x unless f is
+#: declared holomorphic, as jax.jacfwd and jax.hessian refuse it
+JACOBIANS = ("jacobian", "derivative", "hessian", "second_derivative")
+
+
 def run(operator: str, f: Callable, backend: Any, x: Any) -> Any:
+    if operator in JACOBIANS:
+        return getattr(dxserve, operator)(f, backend, x, holomorphic=True)
     if operator in ("pushforward", "hvp"):
         return getattr(dxserve, operator)(f, backend, x, (T1.astype(x.dtype), T2.astype(x.dtype)))
     if operator == "pullback":
@@ -225,6 +236,8 @@ def _cases() -> list:
                 if (key, dtype) not in TOL:
                     continue
                 for kind in ("real", "holomorphic"):
+                    if kind == "real" and operator in JACOBIANS:
+                        continue  # refused: test_jacobians_of_complex_x_need_holomorphic
                     if bid.startswith("sparse") and operator == "hessian" and kind == "holomorphic":
                         continue  # refused: test_sparse_refusals
                     out.append(pytest.param(
@@ -284,9 +297,9 @@ def test_values_come_back_complex(backend: str) -> None:
     y, g = dxserve.value_and_gradient(h_scalar, backend, ZS)
     np.testing.assert_allclose(y, h_scalar(ZS), rtol=1e-14)
     assert np.asarray(y).dtype == np.complex128
-    y, j = dxserve.value_and_jacobian(r_vector, backend, ZS)
-    assert np.asarray(y).dtype == np.float64 and np.asarray(j).dtype == np.complex128
-    np.testing.assert_allclose(y, r_vector(ZS), rtol=1e-14)
+    y, j = dxserve.value_and_jacobian(h_vector, backend, ZS, holomorphic=True)
+    assert np.asarray(y).dtype == np.complex128 and np.asarray(j).dtype == np.complex128
+    np.testing.assert_allclose(y, h_vector(ZS), rtol=1e-14)
 
 
 def tree_f(x):  # real-valued, of a pytree holding a complex leaf and a real one
@@ -300,21 +313,6 @@ def tree_vector(x):
 
 TREE = {"z": np.array([1 + 2j, -0.5 + 0.3j]), "r": np.array([0.7, -1.3])}
 TREE_T = {"z": np.array([0.2 - 1j, 0.4 + 0.1j]), "r": np.array([1.0, 0.5])}
-
-
-def _tree_hessian(x: dict) -> dict:
-    """JAX's Hessian blocks H[p][q]: jax.jacfwd of the gradient along x[q]'s real part."""
-    grad = jax.grad(tree_f)
-    out: dict = {}
-    for p in x:
-        out[p] = {}
-        for q in x:
-            def along(r, q=q, p=p):
-                moved = dict(x)
-                moved[q] = r + 1j * np.imag(x[q]) if np.iscomplexobj(x[q]) else r
-                return grad(moved)[p]
-            out[p][q] = jax.jacfwd(along)(np.real(x[q]))
-    return out
 
 
 def _tree_close(got: Any, want: Any, rtol: float) -> None:
@@ -331,20 +329,14 @@ def _tree_close(got: Any, want: Any, rtol: float) -> None:
 def test_pytrees_with_complex_leaves(backend: str) -> None:
     rtol = 1e-6 if backend == "finite-differences" else 1e-10
     _tree_close(dxserve.gradient(tree_f, backend, TREE), jax.grad(tree_f)(TREE), rtol)
-    # tree_vector has a complex leaf: every block is along the real parts (jacfwd's rule)
-    def along_real(q: str) -> Callable:
-        def moved(r):
-            leaf = r + 1j * np.imag(TREE[q]) if np.iscomplexobj(TREE[q]) else r
-            return tree_vector({**TREE, q: leaf})
-
-        return moved
-
-    by_leaf = {q: jax.jacfwd(along_real(q))(np.real(TREE[q])) for q in TREE}
-    want = {out: {q: by_leaf[q][out] for q in TREE} for out in ("a", "b")}
-    _tree_close(dxserve.jacobian(tree_vector, backend, TREE), want, rtol)
-    # a real-valued f of the tree: jax.jacrev's blocks
-    _tree_close(dxserve.jacobian(lambda x: tree_vector(x)["a"], backend, TREE),
-                jax.jacrev(lambda x: tree_vector(x)["a"])(TREE), rtol)
+    # x has a complex leaf and a real one: no Jacobian (jax.jacfwd refuses it, with
+    # holomorphic=True too, which needs every leaf complex)
+    for holomorphic, error in ((False, UnsupportedOperatorError), (True, DtypeMismatchError)):
+        with pytest.raises(error) as info:
+            dxserve.jacobian(tree_vector, backend, TREE, holomorphic=holomorphic)
+        assert info.value.field == "holomorphic"
+        with pytest.raises(error):
+            dxserve.hessian(tree_f, backend, TREE, holomorphic=holomorphic)
     (pushed,) = dxserve.pushforward(tree_vector, backend, TREE, (TREE_T,))
     _tree_close(pushed, jax.jvp(tree_vector, (TREE,), (TREE_T,))[1], rtol)
     cot = {"a": np.array([1.0, -2.0]), "b": np.array([0.5 + 1j, -1.0 + 0.25j])}
@@ -353,7 +345,6 @@ def test_pytrees_with_complex_leaves(backend: str) -> None:
     second = 1e-5 if backend == "finite-differences" else 1e-10
     (hv,) = dxserve.hvp(tree_f, backend, TREE, (TREE_T,))
     _tree_close(hv, jax.jvp(jax.grad(tree_f), (TREE,), (TREE_T,))[1], second)
-    _tree_close(dxserve.hessian(tree_f, backend, TREE), _tree_hessian(TREE), second)
 
 
 @pytest.mark.parametrize("backend", ["jax-forward", "auto", "finite-differences"])
@@ -362,7 +353,7 @@ def test_batches_of_complex_points(backend: str) -> None:
     rtol = 1e-6 if backend == "finite-differences" else 1e-10
     got = dxserve.gradient(r_scalar, backend, zs, batch_axis=0)
     np.testing.assert_allclose(got, np.stack([jax.grad(r_scalar)(z) for z in zs]), rtol=rtol, atol=rtol)
-    got = dxserve.jacobian(h_vector, backend, zs, batch_axis=0)
+    got = dxserve.jacobian(h_vector, backend, zs, batch_axis=0, holomorphic=True)
     want = np.stack([jax.jacfwd(h_vector, holomorphic=True)(z) for z in zs])
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
     ts = np.stack([T1, T2, T1 + T2])
@@ -417,9 +408,9 @@ def test_sparse_refusals() -> None:
     # JAX's Hessian of a real function of complex x is not symmetric: no star colouring
     with pytest.raises(UnsupportedOperatorError) as info:
         dxserve.hessian(r_scalar, Sparse(), ZS)
-    assert info.value.field == "backend.coloring" and "'column'" in info.value.detail
+    assert info.value.field == "holomorphic"  # no Hessian of a real f of complex x at all
     with pytest.raises(UnsupportedOperatorError) as info:
-        dxserve.hessian(h_scalar, Sparse(coloring="column"), ZS)
+        dxserve.hessian(h_scalar, Sparse(coloring="column"), ZS, holomorphic=True)
     assert info.value.field == "backend" and "jax-reverse" in info.value.detail
     # the same function's real-part Hessian still runs star-coloured on real x
     x = np.array([0.4, -1.0, 2.0])
@@ -434,7 +425,8 @@ def test_complex_jacobians_run_one_shot_under_chunking_limits() -> None:
     z = (np.linspace(0.1, 1.0, 24) + 1j * np.linspace(-1.0, 0.5, 24))
     for backend in ("jax-forward", "jax-reverse"):
         prep = dxserve.preparation.prepare(
-            "jacobian", h_vector, backend, z, None, (), limits=ComputeLimits(chunk_from=4)
+            "jacobian", declared(h_vector), backend, z, None, (),
+            limits=ComputeLimits(chunk_from=4),
         )
         assert not prep.chunked("jacobian")
         (jac,) = prep.run("jacobian", z, None, ())
@@ -449,9 +441,98 @@ def test_black_box_numpy_functions_of_complex_x() -> None:
         return float(np.sum(np.abs(z) ** 2 + np.real(z) * np.imag(z)))
 
     np.testing.assert_allclose(dxserve.gradient(black_box, "auto", Z), example_gradient(Z), rtol=1e-8)
+    (hv,) = dxserve.hvp(black_box, "auto", Z, (Z[::-1],))
     np.testing.assert_allclose(
-        dxserve.hessian(black_box, "auto", Z), jax.jacfwd(jax.grad(example), holomorphic=True)(Z),
-        rtol=1e-6, atol=1e-6,
+        hv, jax.jvp(jax.grad(example), (Z,), (Z[::-1],))[1], rtol=1e-6, atol=1e-6
     )
     (pushed,) = dxserve.pushforward(lambda z: np.sin(z) * z, "auto", ZS, (T1,))
     np.testing.assert_allclose(pushed, jax.jvp(lambda z: jnp.sin(z) * z, (ZS,), (T1,))[1], rtol=1e-8)
+
+
+# --- Jacobians of complex x: holomorphic functions only ---------------------------------
+def z_conj_z2(z):  # z conj(z)^2: not holomorphic
+    return z * jnp.conj(z) ** 2
+
+
+JAC_BACKENDS = ["jax-forward", "jax-reverse", "auto", "finite-differences",
+                SecondOrder(JaxReverse(), JaxForward())]
+
+
+@pytest.mark.parametrize("backend", JAC_BACKENDS, ids=str)
+@pytest.mark.parametrize(
+    ("operator", "f", "x"),
+    [("jacobian", z_conj_z2, ZS), ("jacobian", r_vector, ZS), ("hessian", r_scalar, ZS),
+     ("derivative", z_conj_z2, np.asarray(W)), ("derivative", r_of_scalar, np.asarray(W)),
+     ("second_derivative", r_of_scalar, np.asarray(W)),
+     ("value_and_jacobian", z_conj_z2, ZS), ("value_gradient_and_hessian", r_scalar, ZS)],
+)
+def test_jacobians_of_complex_x_need_holomorphic(operator: str, f: Callable, x: Any, backend: Any) -> None:
+    """Without the declaration, a Jacobian of complex x is refused as jax.jacfwd and
+    jax.hessian refuse it; the problem names holomorphic and its fix."""
+    if isinstance(backend, SecondOrder) and "hessian" not in operator and "second" not in operator:
+        return  # a first-order operator takes no second-order backend
+    for ref in (jax.jacfwd, jax.hessian):
+        with pytest.raises(TypeError, match="holomorphic"):
+            ref(f)(x)
+    with pytest.raises(UnsupportedOperatorError) as info:
+        getattr(dxserve, operator)(f, backend, x)
+    assert info.value.field == "holomorphic" and info.value.fix == {"holomorphic": True}
+    assert "holomorphic=True" in info.value.detail
+
+
+def test_the_finding_jacobian_is_refused_and_pushforward_answers() -> None:
+    """f(z) = z conj(z)^2: J @ t = pushforward(t) cannot hold for any complex matrix J
+    (the pushforward 4-13j along t = 1 at z = (1+2j) is not complex-linear in t)."""
+    z, t = np.array([1 + 2j]), np.array([1.0 + 0j])
+    (pushed,) = dxserve.pushforward(z_conj_z2, "auto", z, (t,))
+    np.testing.assert_allclose(pushed, jax.jvp(z_conj_z2, (z,), (t,))[1], rtol=1e-15)
+    with pytest.raises(UnsupportedOperatorError):
+        dxserve.jacobian(z_conj_z2, "auto", z)
+    # declared holomorphic (wrongly here), it is JAX's holomorphic=True answer, ∂f/∂Re z
+    np.testing.assert_allclose(
+        dxserve.jacobian(z_conj_z2, "auto", z, holomorphic=True),
+        jax.jacfwd(z_conj_z2, holomorphic=True)(z), rtol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("backend", JAC_BACKENDS[:4], ids=str)
+def test_declared_jacobians_agree_with_pushforwards_and_hvps(backend: Any) -> None:
+    """Every complex Jacobian that answers is the matrix of the pushforward: J @ t ==
+    pushforward(t), H @ t == hvp(t), f''(w) t == derivative's pushforward."""
+    fd = uses_finite_differences(backend_from_json(backend))
+    rtol = 1e-7 if fd else 1e-10
+    jac = dxserve.jacobian(h_vector, backend, ZS, holomorphic=True)
+    pushed = dxserve.pushforward(h_vector, backend, ZS, (T1, T2))
+    for t, p in zip((T1, T2), pushed, strict=True):
+        np.testing.assert_allclose(np.asarray(jac) @ t, p, rtol=rtol)
+    hess = dxserve.hessian(h_scalar, backend, ZS, holomorphic=True)
+    np.testing.assert_allclose(hess, jax.hessian(h_scalar, holomorphic=True)(ZS), rtol=100 * rtol)
+    for t, hv in zip((T1, T2), dxserve.hvp(h_scalar, backend, ZS, (T1, T2)), strict=True):
+        np.testing.assert_allclose(np.asarray(hess) @ t, hv, rtol=100 * rtol)
+    w, s = np.asarray(W), np.asarray(0.3 - 1.1j)
+    d = dxserve.derivative(h_of_scalar, backend, w, holomorphic=True)
+    (pushed,) = dxserve.pushforward(h_of_scalar, backend, w, (s,))
+    np.testing.assert_allclose(np.asarray(d) * s, pushed, rtol=rtol)
+    d2 = dxserve.second_derivative(h_of_scalar, backend, w, holomorphic=True)
+    np.testing.assert_allclose(
+        d2, jax.jacfwd(jax.jacfwd(h_of_scalar, holomorphic=True), holomorphic=True)(w),
+        rtol=100 * rtol,
+    )
+
+
+def test_holomorphic_needs_complex_leaves_everywhere() -> None:
+    """As JAX's holomorphic=True: complex x and complex f(x)."""
+    with pytest.raises(DtypeMismatchError) as info:
+        dxserve.jacobian(r_vector, "auto", ZS, holomorphic=True)  # real-valued
+    assert info.value.field == "holomorphic" and "f(x)" in info.value.detail
+    with pytest.raises(DtypeMismatchError) as info:
+        dxserve.jacobian(phase, "auto", np.ones(3), holomorphic=True)  # real x
+    assert info.value.field == "holomorphic"
+
+
+def test_real_x_needs_no_declaration() -> None:
+    """A Jacobian of real x (complex-valued f too) is jax.jacfwd's, declared or not."""
+    x = np.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(dxserve.jacobian(phase, "auto", x), jax.jacfwd(phase)(x), rtol=1e-12)
+    np.testing.assert_allclose(dxserve.hessian(lambda u: jnp.sum(u**3), "auto", x),
+                               jax.hessian(lambda u: jnp.sum(u**3))(x), rtol=1e-12)

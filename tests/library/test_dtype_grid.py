@@ -123,6 +123,10 @@ def _is_fd(backend: Any) -> bool:
     )
 
 
+def _declared(holomorphic: bool) -> dict[str, bool]:
+    return {"holomorphic": True} if holomorphic else {}
+
+
 def _checks(case: dict[str, Any], fc: Callable) -> Iterator[tuple[str, str, Any, Callable, Any]]:
     """(operator, backend name, backend, call(operator function, backend), JAX reference)."""
     x, t, w, c = case["x"], case["t"], case["w"], case["contexts"]
@@ -141,7 +145,9 @@ def _checks(case: dict[str, Any], fc: Callable) -> Iterator[tuple[str, str, Any,
                 yield "hessian", name, b, lambda op, b: op(b, x, *c), jax.hessian(f)(x)
     else:
         for name, b in FIRST.items():
-            yield "jacobian", name, b, lambda op, b: op(b, x, *c), jax.jacfwd(f, holomorphic=holo)(x)
+            # complex x: a holomorphic composition, declared so as jax.jacfwd needs it
+            yield ("jacobian", name, b, lambda op, b: op(b, x, *c, **_declared(holo)),
+                   jax.jacfwd(f, holomorphic=holo)(x))
             yield "pushforward", name, b, lambda op, b: op(b, x, (t,), *c)[0], jax.jvp(f, (x,), (t,))[1]
             yield "pullback", name, b, lambda op, b: op(b, x, (w,), *c)[0], jax.vjp(f, x)[1](w)[0]
 
@@ -175,7 +181,7 @@ def run_grid(case: dict[str, Any], operators: Callable[[str], Callable], place: 
 
 def _in_process(case: dict[str, Any]) -> None:
     f = compile_expression(case["text"], case["args"])
-    run_grid(case, lambda op: lambda b, *a: getattr(dxserve, op)(f, b, *a), "in process")
+    run_grid(case, lambda op: lambda b, *a, **k: getattr(dxserve, op)(f, b, *a, **k), "in process")
 
 
 @pytest.mark.timeout(FAST_TIMEOUT)

@@ -149,12 +149,15 @@ def test_pages_newest_first_and_expiry(opened) -> None:
     assert [r.id for r in first] == ["job-00004", "job-00003"]
     rest = jobs.list("t:a", 10, (first[-1].created, first[-1].id))
     assert [r.id for r in rest] == ["job-00002", "job-00001", "job-00000"]
-    for i in range(2):
+    claimed = []
+    for i in range(2):  # the owners take turns: t:a's oldest, then t:b's
         rec = jobs.claim("A", LEASE, T0 + 10)
+        claimed.append(rec.id)
         jobs.finish(rec.id, "A", "succeeded", T0 + 20 + i, result=b"r")
+    assert claimed == ["job-00000", "job-other"]
     assert jobs.expire(T0 + 20.5) == 1  # ended before: removed; the rest stay
-    assert jobs.get("job-00000") is None and jobs.get("job-00001").status == "succeeded"
-    assert jobs.expire(T0 + 1000) == 1 and len(jobs.list("t:a", 10, None)) == 3
+    assert jobs.get("job-00000") is None and jobs.get("job-other").status == "succeeded"
+    assert jobs.expire(T0 + 1000) == 1 and len(jobs.list("t:a", 10, None)) == 4
 
 
 def test_jobs_survive_reopening(kind: str, tmp_path: Path) -> None:
@@ -210,3 +213,126 @@ def test_concurrent_claims_on_one_sqlite_file_run_each_job_once(tmp_path: Path) 
     finally:
         for s in stores:
             s.close()
+
+
+# --- limits decided at submission ---------------------------------------------------------
+def test_a_job_reserves_its_expected_result_and_gives_it_back_when_it_ends(opened) -> None:
+    """The reservation counts from submission: a job whose result would pass the limit is
+    refused before it runs, checkpoints fit in the reservation, and an ended job counts
+    its result alone."""
+    _, jobs = opened
+    jobs.create(_record("job-00001", reserved_bytes=600), b"b" * 10, max_active=None,
+                max_bytes=1000)
+    assert jobs.get("job-00001").stored_bytes == jobs.stored_bytes() == 610
+    with pytest.raises(StorageFullError) as full:  # 610 held and reserved; 400 more is past
+        jobs.create(_record("job-00002", reserved_bytes=390), b"b" * 10, max_active=None,
+                    max_bytes=1000)
+    assert full.value.extra["limit"] == "job_store_bytes"
+    assert "DXSERVE_JOB_STORE_BYTES" in str(full.value) and "expected result" in str(full.value)
+    assert jobs.get("job-00002") is None
+    jobs.claim("A", LEASE, T0)
+    rec = jobs.checkpoint("job-00001", "A", "k.0", b"c" * 300, 1, 2, "columns")
+    assert rec.stored_bytes == 610  # the checkpoint is a piece of the reserved result
+    rec = jobs.checkpoint("job-00001", "A", "k.1", b"c" * 400, 2, 2, "columns")
+    assert rec.stored_bytes == 710  # past its reservation: what is really kept counts
+    rec = jobs.finish("job-00001", "A", "succeeded", T0 + 1, result=b"r" * 580)
+    assert rec.stored_bytes == jobs.stored_bytes() == 580
+    jobs.create(_record("job-00003", reserved_bytes=390), b"b" * 10, max_active=None,
+                max_bytes=1000)  # room again
+    assert jobs.stored_bytes() == 980
+
+
+def test_a_result_past_the_stores_largest_value_is_refused_at_submission(opened, kind) -> None:
+    _, jobs = opened
+    if kind == "directory":
+        assert jobs.max_blob_bytes is None  # files: no such limit
+        return
+    assert 0 < jobs.max_blob_bytes < 10**9  # SQLite's length limit, less a row's margin
+    with pytest.raises(StorageFullError) as err:
+        jobs.create(_record("job-00001", reserved_bytes=10**9), b"b", max_active=None,
+                    max_bytes=None)
+    assert err.value.extra["limit"] == "store_blob_bytes" and jobs.get("job-00001") is None
+
+
+def test_owners_take_turns_so_one_owners_queue_does_not_hold_back_anothers(opened) -> None:
+    _, jobs = opened
+    for i in range(300):
+        jobs.create(_record(f"job-a{i:05d}", owner="t:attacker", created=T0 + i), b"x",
+                    max_active=None, max_bytes=None)
+    jobs.create(_record("job-victim", owner="t:victim", created=T0 + 5000), b"x",
+                max_active=None, max_bytes=None)
+    first = jobs.claim("A", LEASE, T0 + 6000)
+    jobs.finish(first.id, "A", "succeeded", T0 + 6001, result=b"r")
+    second = jobs.claim("A", LEASE, T0 + 6002)
+    assert (first.id, second.id) == ("job-a00000", "job-victim")
+    jobs.finish(second.id, "A", "succeeded", T0 + 6003, result=b"r")
+    # an owner with a job running waits behind one with none running
+    jobs.create(_record("job-victim2", owner="t:victim", created=T0 + 7000), b"x", max_active=None,
+                max_bytes=None)
+    held = jobs.claim("A", LEASE, T0 + 7001)
+    assert held.owner == "t:attacker"
+    assert jobs.claim("B", LEASE, T0 + 7002).id == "job-victim2"
+
+
+def test_a_job_keeps_a_copy_of_its_function_until_it_ends(opened) -> None:
+    _, jobs = opened
+    jobs.create(_record("job-00001", digest="sha256:ab"), b"body", max_active=None,
+                max_bytes=1000, pin=b"the function")
+    rec = jobs.get("job-00001")
+    assert rec.digest == "sha256:ab" and rec.stored_bytes == 4 + 12
+    assert jobs.pinned("job-00001") == b"the function" and jobs.chunks("job-00001") == {}
+    jobs.claim("A", LEASE, T0)
+    jobs.finish("job-00001", "A", "succeeded", T0 + 1, result=b"r")
+    assert jobs.pinned("job-00001") is None
+
+
+def test_half_written_files_are_removed_when_a_directory_store_opens(tmp_path: Path) -> None:
+    """What a process killed mid-write leaves (a partial result's temporary file, a job
+    directory without its record) is gone once the next process opens the store."""
+    store = _open("directory", tmp_path / "s")
+    jobs = open_jobs(store)
+    jobs.create(_record("job-00001"), b"body", max_active=None, max_bytes=None)
+    jobs.claim("A", LEASE, T0)
+    jobs.checkpoint("job-00001", "A", "k.0", b"c" * 16, 4, 8, "rows")
+    root = jobs.root
+    store.close()
+    partial = [root / "job-00001" / ".tmp-result.tmp", root / "job-00001" / "chunks" / ".tmp-k.tmp"]
+    for path in partial:
+        path.write_bytes(b"p" * 1000)
+    (root / "job-00002").mkdir()
+    (root / "job-00002" / "body").write_bytes(b"orphan")
+    store = _open("directory", tmp_path / "s")
+    try:
+        jobs = open_jobs(store)
+        assert not any(path.exists() for path in partial)
+        assert not (root / "job-00002").exists()
+        assert jobs.chunks("job-00001") == {"k.0": b"c" * 16} and jobs.body("job-00001") == b"body"
+    finally:
+        store.close()
+
+
+def test_a_result_past_its_reservation_is_stored_only_where_there_is_room(opened) -> None:
+    """The runner's last check before it writes a result (``Detached._past_limits``): a
+    result larger than what its job reserved is refused when the store has no room left
+    for it, so the store stays under its limit even when an estimate was short."""
+    from types import SimpleNamespace
+
+    from dxserve.detached import Detached
+    from dxserve.settings import Settings
+
+    _, jobs = opened
+    service = SimpleNamespace(settings=Settings(job_store_bytes=1000), store=None)
+    detached = Detached(service, store=jobs)
+    jobs.create(_record("job-00001", reserved_bytes=300), b"b" * 10, max_active=None,
+                max_bytes=1000)
+    jobs.create(_record("job-00002", owner="t:b", reserved_bytes=500), b"b" * 10,
+                max_active=None, max_bytes=1000)
+    rec = jobs.claim("A", LEASE, T0)
+    assert rec.id == "job-00001"
+    assert detached._past_limits(rec, 300) is None  # within its reservation
+    assert detached._past_limits(rec, 480) is None  # past it, but there is room
+    full = detached._past_limits(rec, 600)  # 510 held by the other job: no room
+    assert full is not None and full.extra["limit"] == "job_store_bytes"
+    if jobs.max_blob_bytes is not None:
+        big = detached._past_limits(rec, jobs.max_blob_bytes + 1)
+        assert big is not None and big.extra["limit"] == "store_blob_bytes"

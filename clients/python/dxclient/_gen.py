@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dxcontract.operators import OPERATORS, OperatorSpec
+from dxcontract.operators import HOLOMORPHIC_FAMILIES, OPERATORS, OperatorSpec
 
 TARGET = Path(__file__).with_name("_operators.py")
 
@@ -36,6 +36,9 @@ points, contexts shared; each result comes back stacked (B, ...), from one serve
 ``has_aux=True`` (every operator but ``sparsity``): the function returns ``(output, aux)``;
 output is differentiated and the result takes JAX's shapes, ``((value, aux), *others)``
 or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
+``holomorphic=True`` (jacobian, derivative, hessian, second_derivative and their value_
+forms): the function is holomorphic, as JAX's ``holomorphic=True`` says; a Jacobian of
+complex x is refused without it.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def _methods(op: OperatorSpec) -> str:
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
     takes = op.takes_tangents
+    if op.family in HOLOMORPHIC_FAMILIES:
+        holo_param, holo_arg = " holomorphic: bool = False,", ", holomorphic=holomorphic"
+    else:
+        holo_param = holo_arg = ""
     if not op.aux:
         return f'''
     def {name}(
@@ -103,26 +110,26 @@ def _methods(op: OperatorSpec) -> str:
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False,{holo_param}
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._operator(
-            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux{holo_arg}
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False,{holo_param}
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._prepare(
-            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux{holo_arg}
         )
 '''
 
@@ -150,6 +157,9 @@ def _submit_method(op: OperatorSpec) -> str:
     aux_arg = ", has_aux" if op.aux else ""
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
+    if op.family in HOLOMORPHIC_FAMILIES:
+        aux_param += " holomorphic: bool = False,"
+        aux_arg += ", holomorphic=holomorphic"
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,

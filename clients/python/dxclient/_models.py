@@ -22,6 +22,7 @@ from dxcontract.lru import LRU
 from dxcontract.operators import (
     AUX,
     BATCH_RESULTS,
+    HOLOMORPHIC_FAMILIES,
     OPERATORS,
     OperatorSpec,
     result_names,
@@ -142,13 +143,14 @@ def operator_call(
     prepare: bool = False,
     batch_axis: int | None = None,
     has_aux: bool = False,
+    holomorphic: bool = False,
 ) -> Call:
     """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
     axis of points; sent as ``"batch_axis": 0``, left out when None; ``has_aux``: sent as
-    ``"has_aux": true``, left out when False)."""
+    ``"has_aux": true``, left out when False; ``holomorphic`` likewise)."""
     repeat = _REPEATS.key(
         operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis,
-        has_aux,
+        has_aux, holomorphic,
     )
     if repeat is not None:
         call = _REPEATS.call(repeat, x)
@@ -157,12 +159,12 @@ def operator_call(
     elif encoding in _INLINE_ENCODINGS:
         inline = _INLINE_REPEATS.key(
             operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding,
-            has_aux,
+            has_aux, holomorphic,
         )
         if inline is not None:
             return _INLINE_REPEATS.call(inline, x, encoding, lambda p: operator_call(
                 operator, f, backend, p, None, (), None, encoding, prepare=prepare,
-                batch_axis=batch_axis, has_aux=has_aux))
+                batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic))
     op = operator_spec(operator)
     payload: dict[str, Any] = {
         "function": function_name(f),
@@ -185,6 +187,10 @@ def operator_call(
         if not op.aux:
             raise ValueError(f"{op.name} takes no has_aux")
         payload["has_aux"] = True
+    if holomorphic:
+        if op.family not in HOLOMORPHIC_FAMILIES:
+            raise ValueError(f"{op.name} takes no holomorphic")
+        payload["holomorphic"] = True
     if encoding in _PARTS_ENCODINGS and not prepare:
         # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)
@@ -223,7 +229,7 @@ class _RepeatCalls:
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, encoding: str, prepare: bool, batch_axis: int | None = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> tuple | None:
         """The call's key if it is the repeating kind, else None (a batch of points, or
         has_aux, is keyed apart: its header says so, and x's shape alone cannot tell)."""
@@ -233,7 +239,7 @@ class _RepeatCalls:
             or not isinstance(backend, str | Backend)
         ):
             return None
-        return operator, prepare, f, backend, x.dtype, x.shape, batch_axis, has_aux
+        return operator, prepare, f, backend, x.dtype, x.shape, batch_axis, has_aux, holomorphic
 
     def call(self, key: tuple, x: np.ndarray) -> Call | None:
         known = self._calls.get(key)
@@ -277,13 +283,14 @@ class _InlineRepeats:
     def key(
         self, operator: str, f: Any, backend: Any, x: Any, tangents: Any, contexts: tuple,
         prep: Any, prepare: bool, batch_axis: int | None, encoding: str, has_aux: bool = False,
+        holomorphic: bool = False,
     ) -> tuple | None:
         if (
             type(x) is not np.ndarray or tangents is not None or contexts or prep is not None
             or type(f) is not str or not isinstance(backend, str | Backend)
         ):
             return None
-        return operator, prepare, f, backend, batch_axis, encoding, has_aux
+        return operator, prepare, f, backend, batch_axis, encoding, has_aux, holomorphic
 
     def call(self, key: tuple, x: np.ndarray, encoding: str, build: Any) -> Call:
         """The call for ``x``; ``build(placeholder)`` makes the surrounding text once."""

@@ -16,6 +16,9 @@ points, contexts shared; each result comes back stacked (B, ...), from one serve
 ``has_aux=True`` (every operator but ``sparsity``): the function returns ``(output, aux)``;
 output is differentiated and the result takes JAX's shapes, ``((value, aux), *others)``
 or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
+``holomorphic=True`` (jacobian, derivative, hessian, second_derivative and their value_
+forms): the function is holomorphic, as JAX's ``holomorphic=True`` says; a Jacobian of
+complex x is refused without it.
 """
 
 from __future__ import annotations
@@ -76,101 +79,101 @@ class OperatorMethods:
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """(f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``value_and_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """(f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``value_derivative_and_second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def gradient(
@@ -226,101 +229,101 @@ class OperatorMethods:
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """(f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``value_and_jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """(f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
         )
 
     def prepare_value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Compile ``value_gradient_and_hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
         )
 
     def pushforward(
@@ -520,43 +523,43 @@ class SubmitMethods:
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``derivative`` as a detached job; ``job.result()``: f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_and_derivative`` as a detached job; ``job.result()``: (f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``second_derivative`` as a detached job; ``job.result()``: f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_derivative_and_second_derivative`` as a detached job; ``job.result()``: (f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
@@ -580,43 +583,43 @@ class SubmitMethods:
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``jacobian`` as a detached job; ``job.result()``: ∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_and_jacobian`` as a detached job; ``job.result()``: (f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``hessian`` as a detached job; ``job.result()``: ∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
     ) -> Any:
         """Submit ``value_gradient_and_hessian`` as a detached job; ``job.result()``: (f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,

@@ -74,6 +74,8 @@ def _as_spec(leaf: Any) -> Any:
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a typed key: its own
+            return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
         return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype))
     arr = np.asarray(leaf)
     if arr.dtype == object:
@@ -177,10 +179,15 @@ def _export(fn, concrete, platforms, polymorphic_shapes, constraints) -> bytes:
     signature["output"] = tree_spec(_output_spec(primal), "output")
     signature.update(n_x_leaves=len(x_leaves), n_context_leaves=len(c_leaves),
                      n_output_leaves=len(primal.out_avals))
-    maps = _FlatMaps(fn, x_tree, c_tree, len(x_leaves), len(c_leaves))
+    from dxcontract.dtypes import is_inexact
+
+    # integer outputs (a has_aux function's counts) are not differentiated: the derivative
+    # maps cover the floating-point outputs only, in order
+    live = [i for i, a in enumerate(primal.out_avals) if is_inexact(a.dtype)]
+    maps = _FlatMaps(fn, x_tree, c_tree, len(x_leaves), len(c_leaves), live)
     (k,) = jex.symbolic_shape(BATCH_DIM, scope=scope)
     derivatives, modes = _export_derivatives(
-        export, maps, k, x_leaves, primal.out_avals, c_leaves
+        export, maps, k, x_leaves, [primal.out_avals[i] for i in live], c_leaves
     )
     exps = {"primal": primal, **derivatives}
     _check_exports(exps)
@@ -199,34 +206,36 @@ def _input_specs(concrete: tuple, polymorphic_shapes: Any, scope: Any) -> tuple:
 
 
 def _check_x_leaves(x_leaves: list[Any]) -> None:
-    """Raise ``ValueError`` unless ``x`` has leaves, all real floating point."""
-    import numpy as np
+    """Raise ``ValueError`` unless ``x`` has leaves, all floating point (real, complex or
+    bfloat16, as module functions take them)."""
+    from dxcontract.dtypes import is_inexact
 
     if not x_leaves:
         raise ValueError("x has no array leaves")
     for i, s in enumerate(x_leaves):
-        if not np.issubdtype(np.dtype(s.dtype), np.floating):
+        if not is_inexact(s.dtype):
             raise ValueError(
-                f"x leaf {i} has dtype {np.dtype(s.dtype).name}; the differentiated "
-                "input must be real floating point (pass integer data as a context)"
+                f"x leaf {i} has dtype {s.dtype}; the differentiated input must be "
+                "floating point (pass integer data as a context)"
             )
 
 
 def _export_primal(export: Callable, fn: Callable, x_spec: Any, c_specs: tuple) -> Any:
     """``fn`` exported with the user's pytree structure; its outputs checked to be real
     floating point. A function JAX cannot trace raises ``TypeError``."""
-    import numpy as np
 
     try:
         primal = export(fn, x_spec, *c_specs)
     except _tracer_errors() as exc:
         raise TypeError(_untraceable_message(fn, exc)) from exc
-    for i, a in enumerate(primal.out_avals):
-        if not np.issubdtype(np.dtype(a.dtype), np.floating):
-            raise ValueError(
-                f"output leaf {i} has dtype {np.dtype(a.dtype).name}; outputs must be "
-                "real floating point to be differentiated"
-            )
+    from dxcontract.dtypes import is_inexact
+
+    if not any(is_inexact(a.dtype) for a in primal.out_avals):
+        raise ValueError(
+            "no output leaf is floating point (real, complex or bfloat16): nothing to "
+            "differentiate (integer outputs, a has_aux function's counts say, are carried "
+            "along, not differentiated)"
+        )
     return primal
 
 
@@ -243,8 +252,12 @@ class _FlatMaps:
     its linear leaves (batched on a leading ``k``), then the context leaves, and returns
     flat leaves (see the module's table)."""
 
-    def __init__(self, fn: Callable, x_tree: Any, c_tree: Any, nx: int, nc: int) -> None:
+    def __init__(
+        self, fn: Callable, x_tree: Any, c_tree: Any, nx: int, nc: int,
+        live: list[int] | None = None,
+    ) -> None:
         self.fn, self.x_tree, self.c_tree, self.nx, self.nc = fn, x_tree, c_tree, nx, nc
+        self.live = live  # the output leaves differentiated (None: all)
 
     def unpack(self, args: tuple) -> tuple[list, list, list]:
         """flat args -> (x leaves, linear leaves, context leaves)"""
@@ -259,7 +272,8 @@ class _FlatMaps:
         contexts = tu.tree_unflatten(self.c_tree, cs)
 
         def fx(xs):
-            return tu.tree_leaves(self.fn(tu.tree_unflatten(self.x_tree, xs), *contexts))
+            ys = tu.tree_leaves(self.fn(tu.tree_unflatten(self.x_tree, xs), *contexts))
+            return ys if self.live is None else [ys[i] for i in self.live]
 
         return fx
 

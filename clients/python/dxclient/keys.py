@@ -61,6 +61,8 @@ def from_wire(tree: Any) -> Any:
         return tree if jax is None else jax.random.wrap_key_data(tree.data, impl=tree.impl)
     if isinstance(tree, dict):
         return {k: from_wire(v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple: its own type
+        return type(tree)(*(from_wire(v) for v in tree))
     if isinstance(tree, tuple | list):
         return type(tree)(from_wire(v) for v in tree)
     return tree

@@ -41,6 +41,7 @@ from .common import (
     typed_value,
     wire_ready,
 )
+from .nodes import NamedNode
 
 BINARY_TYPE = "application/vnd.dxserve.binary"
 HEADER_LENGTH = "Dxserve-Header-Length"
@@ -359,4 +360,7 @@ def _header_key(tree: Any, arrays: list[np.ndarray]) -> Any:
     if kind is SeqNode:  # a pytree's tuple/list node: its marker and its items' keys
         subs = tuple(_header_key(v, arrays) for v in tree.items)
         return None if None in subs else (SeqNode, tree.marker, subs)
+    if kind is NamedNode:  # its name, fields and items' keys
+        subs = tuple(_header_key(v, arrays) for v in tree.items)
+        return None if None in subs else (NamedNode, tree.name, tuple(tree.fields), subs)
     return None

@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..keys import IMPLS, PREFIX, U32, KeyArray, impl_of, key_dtype, read_key
 from . import flat_arrays
+from .nodes import NODE_MARKER, NamedNode, named_fields
 
 if TYPE_CHECKING:
     from .base import Encoding
@@ -591,7 +592,10 @@ def mark_sequences(tree: Any) -> Any:
     kind = type(tree)
     if kind is np.ndarray:
         return tree
-    if isinstance(tree, tuple | list):  # namedtuples travel as tuples
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # its type's name and fields
+        name, fields, items = named_fields(tree, keep=False)
+        return NamedNode(name, fields, [mark_sequences(v) for v in items])
+    if isinstance(tree, tuple | list):
         marker = LIST_MARKER if isinstance(tree, list) else TUPLE_MARKER
         return SeqNode(marker, [mark_sequences(v) for v in tree])
     if isinstance(tree, dict) and not isinstance(tree.get("format"), str):
@@ -609,6 +613,9 @@ def pytree_to_wire(value: Any) -> Any:
     if isinstance(value, list) and not is_array_list(value):
         return SeqNode(LIST_MARKER, [pytree_to_wire(v) for v in value])
     if isinstance(value, tuple):
+        named = named_fields(value) if hasattr(value, "_fields") else None
+        if named is not None:  # a NamedTuple: its name and fields travel too
+            return NamedNode(named[0], named[1], [pytree_to_wire(v) for v in named[2]])
         return SeqNode(TUPLE_MARKER, [pytree_to_wire(v) for v in value])
     if isinstance(value, (list, int, float)) and not isinstance(value, bool):
         return np.asarray(value, dtype=np.float64)
@@ -617,6 +624,9 @@ def pytree_to_wire(value: Any) -> Any:
     if hasattr(value, "__array__") and not isinstance(value, np.ndarray):
         key = read_key(value)  # a typed PRNG key: its impl and words (``dxcontract.keys``)
         return np.asarray(value) if key is None else key  # JAX arrays, numpy scalars
+    named = named_fields(value)  # a registered dataclass JAX knows (flax.struct, equinox)
+    if named is not None:
+        return NamedNode(named[0], named[1], [pytree_to_wire(v) for v in named[2]])
     return value
 
 
@@ -683,6 +693,11 @@ def encode_tree(tree: Any, encoding: Encoding, buffers: Any, field: str) -> Any:
                 encode_tree(v, encoding, buffers, f"{field}[{i}]") for i, v in enumerate(tree.items)
             ]
         }
+    if type(tree) is NamedNode:  # a node with named fields: its type's name and its fields
+        return {NODE_MARKER: {"type": tree.name, "fields": {
+            k: encode_tree(v, encoding, buffers, join(field, k))
+            for k, v in zip(tree.fields, tree.items, strict=True)
+        }}}
     raise InvalidArgumentError(f"cannot encode a {type(tree).__name__}", field=field or None)
 
 

@@ -44,6 +44,7 @@ from .common import (
     typed_header,
     typed_value,
 )
+from .nodes import NODE_MARKER, build, read_node
 from .typed_b64 import from_b64
 
 
@@ -142,10 +143,17 @@ def _to_tree(value: Any, field: str, dt: np.dtype, max_depth: int, depth: int) -
             if not isinstance(key, str) or key.startswith("__"):
                 if key in SEQUENCE_MARKERS:  # checked only here: plain dicts pay nothing
                     return _sequence(value, key, field, dt, max_depth, depth)
+                if key == NODE_MARKER:  # a node with named fields
+                    name, names, items = read_node(value, field)
+                    return build(name, names, [
+                        _to_tree(v, join(field, k), dt, max_depth, depth + 1)
+                        for k, v in zip(names, items, strict=True)
+                    ])
                 if isinstance(key, str) and len(key) > 4 and key.endswith("__"):
                     raise InvalidArgumentError(  # a marker of a node type we do not know
                         f"unknown pytree node type {key[:40]!r}; nodes are objects (dicts), "
-                        f"{', '.join(SEQUENCE_MARKERS)} and {MARKER} (typed arrays)",
+                        f"{', '.join(SEQUENCE_MARKERS)}, {NODE_MARKER} (named fields) and "
+                        f"{MARKER} (typed arrays)",
                         field=join(field, key[:40]),
                     )
                 raise MalformedRequestError(

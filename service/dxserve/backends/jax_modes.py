@@ -29,9 +29,25 @@ class ForwardEngine(Engine):
         return y, chunked_vmap(lin, tx, self.batch_size)
 
     def pullback(self, g: Fn, x: Tree, ty: Tree) -> tuple[Tree, Tree]:
-        y, lin = jax.linearize(g, x)
-        transposed = jax.linear_transpose(lin, x)
-        return y, chunked_vmap(lambda c: transposed(c)[0], ty, self.batch_size)
+        try:
+            y, lin = jax.linearize(g, x)
+            transposed = jax.linear_transpose(lin, x)
+            return y, chunked_vmap(lambda c: transposed(c)[0], ty, self.batch_size)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            if not _untransposable(exc):
+                raise
+        # A JVP JAX cannot transpose (a lax.while_loop): the Jacobian from the
+        # pushforwards of x's basis, then J^T c, as DifferentiationInterface does. Exact.
+        return Engine.pullback(self, g, x, ty)
+
+
+def _untransposable(exc: BaseException) -> bool:
+    """Did JAX refuse to transpose (reverse-differentiate) a primitive?"""
+    text = str(exc)
+    return any(s in text for s in (
+        "Reverse-mode differentiation does not work", "Transpose rule", "transpose",
+        "linear_transpose", "not implemented",
+    ))
 
 
 @dataclass(frozen=True)

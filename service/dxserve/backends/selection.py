@@ -9,7 +9,8 @@ sizes (forward when n = x.size ≤ m = y.size), and forward-over-reverse for sec
 native modes, gets finite differences. Where the function traces but the chosen mode's
 transformation of it does not (reverse mode through a ``lax.while_loop``, say),
 preparation falls back along ``auto_candidates``: the framework's other mode, then finite
-differences (second order: forward-over-forward, then finite differences). A single
+differences (second order: the other pairs of exact modes, then finite differences over
+an exact gradient, then over finite differences). A single
 first-order backend asked for a second-order operator follows DifferentiationInterface's
 rule: a framework's native modes become forward-over-reverse (keeping the backend's
 batch_size on the outer mode), any other backend ``b`` becomes ``SecondOrder(b, b)``
@@ -81,8 +82,9 @@ def auto_candidates(
     """What ``Auto`` uses for ``family``, best first: the spec's rule among
     ``framework``'s native modes, then what to try when the function traces but that
     mode's transformation of it does not: the other mode, then finite differences
-    (second order: forward-over-reverse, then forward-over-forward, then finite
-    differences over finite differences)."""
+    (second order: forward-over-reverse, then the other pairs of exact modes, then
+    finite differences over an exact gradient, then finite differences over finite
+    differences)."""
     spec = OPERATORS[family]
     fd = FiniteDifferences()
     modes = native_modes(framework)
@@ -90,9 +92,13 @@ def auto_candidates(
         return (SecondOrder(fd, fd),) if spec.order == 2 else (fd,)
     forward, reverse = modes["forward"], modes["reverse"]
     if spec.order == 2:
+        # exact first: forward-over-reverse, then the other pairs of exact modes; then
+        # finite differences over an exact gradient (one difference's error, not two),
+        # and only then finite differences over finite differences
         return (
-            SecondOrder(forward(), reverse()), SecondOrder(forward(), forward()),
-            SecondOrder(fd, fd),
+            SecondOrder(forward(), reverse()), SecondOrder(reverse(), reverse()),
+            SecondOrder(forward(), forward()), SecondOrder(reverse(), forward()),
+            SecondOrder(fd, reverse()), SecondOrder(fd, forward()), SecondOrder(fd, fd),
         )
     if spec.auto == "reverse" or (spec.auto == "by_size" and n > m):
         first, other = reverse(), forward()
@@ -109,7 +115,17 @@ def candidates(
     ladder (``auto_candidates``), or the one that ``resolve_backend`` gives."""
     if isinstance(backend, Auto) and family != "sparsity":
         return auto_candidates(family, traced=traced, n=n, m=m, framework=framework)
-    return (resolve_backend(backend, family, traced=traced, n=n, m=m, framework=framework),)
+    resolved = resolve_backend(backend, family, traced=traced, n=n, m=m, framework=framework)
+    modes = native_modes(framework)
+    if (
+        OPERATORS[family].order == 2 and not isinstance(backend, SecondOrder)
+        and _direction(backend) == "forward" and len(modes) == 2
+    ):
+        # forward mode asked for a second order: forward-over-reverse, and where reverse
+        # mode does not trace the function, its gradient from basis pushforwards
+        # (forward-over-forward), as DifferentiationInterface's forward backends do
+        return resolved, SecondOrder(resolved.outer, modes["forward"]())
+    return (resolved,)
 
 
 def auto_rule(

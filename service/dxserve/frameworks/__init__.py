@@ -240,6 +240,7 @@ def get_framework(name: str = DEFAULT) -> Framework:
 def framework_of(f: Callable) -> Framework:
     """The framework ``f`` is written in: the one its ``@dxserve.function(framework=...)``
     names, else the one its code refers to (``detect_framework``)."""
+    f = getattr(f, "__dxserve_holomorphic__", None) or f  # declared holomorphic: its own
     info = getattr(f, "__dxserve__", None)
     name = getattr(info, "framework", None)
     return get_framework(name or _detected(f))

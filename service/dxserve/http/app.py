@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -73,8 +76,20 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
             await asyncio.to_thread(int)
         detached.start()  # jobs left queued or running by a stopped process resume now
         yield
-        await detached.stop()
-        service.close()
+        # Closing waits for threads, and one may compute something that never ends: in
+        # the server process (``dxserve serve`` sets ``close_grace``), past that many
+        # seconds the process exits without them.
+        grace = getattr(app.state, "close_grace", None)
+        guard = threading.Timer(grace, _exit_now, (grace,)) if grace else None
+        if guard is not None:
+            guard.daemon = True
+            guard.start()
+        try:
+            await detached.stop()
+            service.close()
+        finally:
+            if guard is not None:
+                guard.cancel()
 
     # The documents are routes of our own, after the operators (see the module).
     telemetry = service.settings.opentelemetry
@@ -470,3 +485,13 @@ def _document_wire_media(spec: dict) -> None:
     for unused in ("HTTPValidationError", "ValidationError"):
         if f"#/components/schemas/{unused}" not in text:
             components.pop(unused, None)
+
+
+def _exit_now(grace: float) -> None:
+    """End the process at once (closing took longer than ``grace`` seconds)."""
+    logging.getLogger("dxserve").error(
+        "shutdown: closing took over %g s (a computation that does not end?); exiting now",
+        grace,
+    )
+    logging.shutdown()
+    os._exit(0)

@@ -36,9 +36,9 @@ class RequestRecord:
 
     __slots__ = ("answered", "info", "start", "status", "token")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, headers: list[tuple[bytes, bytes]], client: Any = None) -> None:
         self.start = time.perf_counter()
-        self.info = observe.RequestInfo(request_id(headers))
+        self.info = observe.RequestInfo(request_id(headers), str(client[0]) if client else None)
         self.token = observe.CURRENT.set(self.info)
         self.status = 500  # until an answer starts
         self.answered = 0.0
@@ -167,7 +167,7 @@ class RequestRecords:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record = RequestRecord(scope["headers"])
+        record = RequestRecord(scope["headers"], scope.get("client"))
         problem: list[bytes] = []
 
         async def sending(message: Message) -> None:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from dxcontract.operators import AUX, OPERATORS, OperatorSpec
 
+from ..holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
 from ..kinds import names as kind_names
 from ..kinds import register_model
 
@@ -195,6 +196,19 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
                 "differentiated and aux, evaluated at x and never differentiated, comes back "
                 "as the answer's `aux` (stacked (B, ...) with batch_axis=0). The function "
                 "must return a 2-tuple then (422 otherwise)",
+                examples=[True],
+            ),
+        )
+    if op.family in HOLOMORPHIC_FAMILIES:
+        fields["holomorphic"] = (
+            bool,
+            Field(
+                False,
+                description="true: the function is holomorphic, and its Jacobian of complex x "
+                "is f'(z) (JAX's holomorphic=True); every leaf of x and of f(x) must then be "
+                "complex. A Jacobian of complex x is refused without it (422 naming "
+                "holomorphic), as jax.jacfwd and jax.hessian refuse it: only a holomorphic "
+                "function's pushforward is a complex matrix. Real x needs no declaration",
                 examples=[True],
             ),
         )

@@ -66,14 +66,18 @@ class ExportKind(BaseKind):
         # reader runs in process only on content that passed the gate.
         import jax
 
-        from ..exported import load_exported
+        from ..exported import load_exported, refuse_unbounded_loops
 
-        self._gate().require(content)
+        gate = self._gate()
+        gate.require(content)
 
         # dxserve computes float64 in 64-bit mode, which need not be on globally: a
         # float64 export is checked and loaded in that mode, as it will run.
         with jax.enable_x64(True):
             loaded = load_exported(content)
+        # here too: a stored bundle's stamp may date from a server that allowed them
+        if gate.config.unbounded_loops != "allow":
+            refuse_unbounded_loops(loaded)
         return Built(loaded.fn, loaded.signature)
 
 

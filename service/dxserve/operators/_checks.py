@@ -66,6 +66,44 @@ def holomorphic_gradient(inputs: Inputs, operator: str) -> None:
             )
 
 
+def _complex(leaf: Any) -> bool:
+    try:
+        return np.dtype(leaf.dtype).kind == "c"
+    except TypeError:  # a dtype numpy does not know (a typed PRNG key's)
+        return False
+
+
+def complex_jacobian(inputs: Inputs, operator: str) -> None:
+    """A Jacobian of complex x is a matrix only where f is holomorphic: refused unless
+    the caller says so (``holomorphic=True``, as ``jax.jacfwd`` and ``jax.hessian``
+    take it), and then every leaf of x and of f(x) must be complex (as JAX requires)."""
+    fw = inputs.framework
+    x_leaves, y_leaves = fw.leaves(inputs.x), fw.leaves(inputs.y)
+    if not inputs.holomorphic:
+        if any(_complex(v) for v in x_leaves):
+            other = (
+                "hvp, gradient, pushforward or pullback" if operator in ("hessian", "second_derivative")
+                else "pushforward or pullback (JAX's jvp and vjp)"
+            )
+            raise UnsupportedOperatorError(
+                f"{operator} of a function of complex x is a complex matrix only where the "
+                f"function is holomorphic (then it is f'(z), and J @ t its pushforward); "
+                f"declare that with {FIX}, as jax.jacfwd and jax.hessian take it, or use "
+                f"{other}, which answer for any function",
+                field="holomorphic", fix={"holomorphic": True},
+            )
+        return
+    for what, leaves in (("x", x_leaves), ("f(x)", y_leaves)):
+        for leaf in leaves:
+            if not _complex(leaf):
+                raise DtypeMismatchError(
+                    f"holomorphic=True needs every leaf of {what} complex (as JAX's "
+                    f"holomorphic=True does), got {np.dtype(leaf.dtype).name}; send complex "
+                    f"values, or call {operator} without holomorphic",
+                    field="holomorphic",
+                )
+
+
 def scalar_input(inputs: Inputs, operator: str) -> None:
     if not _is_array(inputs.x) or inputs.x.shape != ():
         shape = inputs.x.shape if _is_array(inputs.x) else "a pytree"

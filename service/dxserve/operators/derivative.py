@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..holomorphic import maybe as _declare
 from ..nesting import call
 from ..preparation import Family, Inputs, Prep, prepare, register_family
 from . import _checks
@@ -16,6 +17,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_input(inputs, "derivative")
     _checks.differentiable_x(inputs)
+    _checks.complex_jacobian(inputs, 'derivative')
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -31,20 +33,20 @@ register_family(Family("derivative", _check, _build))
 
 def prepare_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     return prepare(
-        "derivative", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "derivative", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def prepare_value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     """Compile ``value_and_derivative`` once for this signature (a ``derivative``-family prep)."""
     return prepare(
-        "value_and_derivative", f, backend, x, None, contexts,
+        "value_and_derivative", _declare(f, holomorphic), backend, x, None, contexts,
         batch_axis=batch_axis, has_aux=has_aux,
     )
 
@@ -52,21 +54,21 @@ def prepare_value_and_derivative(
 def derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> Any:
     """``df/dx`` at scalar ``x``: shape ``y.shape``; ``(df/dx, aux)`` with ``has_aux``."""
     return call(
-        "derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "derivative", _declare(f, holomorphic), backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> tuple[Any, Any]:
     """``(f(x), df/dx)`` at scalar ``x``; ``((f(x), aux), df/dx)`` with ``has_aux``."""
     return call(
-        "value_and_derivative", f, backend, x, None, contexts, prep,
+        "value_and_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
         batch_axis=batch_axis, has_aux=has_aux,
     )

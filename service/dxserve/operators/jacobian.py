@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..holomorphic import maybe as _declare
 from ..nesting import call
 from ..preparation import Family, Inputs, Prep, prepare, register_family
 from . import _checks
@@ -19,6 +20,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     # pytree x and y are served: blocks nested as jax.jacobian nests them
     _checks.differentiable_x(inputs)
+    _checks.complex_jacobian(inputs, 'jacobian')
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -34,42 +36,42 @@ register_family(Family("jacobian", _check, _build))
 
 def prepare_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     return prepare(
-        "jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def prepare_value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     """Compile ``value_and_jacobian`` once for this signature (a ``jacobian``-family prep)."""
     return prepare(
-        "value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "value_and_jacobian", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> Any:
     """``∂f/∂x``: shape ``y.shape + x.shape``; ``(∂f/∂x, aux)`` with ``has_aux``
     (``jax.jacrev(has_aux=True)``)."""
     return call(
-        "jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian", _declare(f, holomorphic), backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> tuple[Any, Any]:
     """``(f(x), ∂f/∂x)``; ``((f(x), aux), ∂f/∂x)`` with ``has_aux``."""
     return call(
-        "value_and_jacobian", f, backend, x, None, contexts, prep,
+        "value_and_jacobian", _declare(f, holomorphic), backend, x, None, contexts, prep,
         batch_axis=batch_axis, has_aux=has_aux,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..holomorphic import maybe as _declare
 from ..nesting import call
 from ..preparation import Family, Inputs, Prep, prepare, register_family
 from . import _checks
@@ -13,6 +14,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_input(inputs, "second_derivative")
     _checks.differentiable_x(inputs)
+    _checks.complex_jacobian(inputs, 'second_derivative')
 
 
 def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -31,20 +33,20 @@ register_family(Family("second_derivative", _check, _build))
 
 def prepare_second_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     return prepare(
-        "second_derivative", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "second_derivative", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
     )
 
 
 def prepare_value_derivative_and_second_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
 ) -> Prep:
     """Compile ``value_derivative_and_second_derivative`` once for this signature (a ``second_derivative``-family prep)."""
     return prepare(
-        "value_derivative_and_second_derivative", f, backend, x, None, contexts,
+        "value_derivative_and_second_derivative", _declare(f, holomorphic), backend, x, None, contexts,
         batch_axis=batch_axis, has_aux=has_aux,
     )
 
@@ -52,11 +54,11 @@ def prepare_value_derivative_and_second_derivative(
 def second_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> Any:
     """``d²f/dx²`` at scalar ``x``: shape ``y.shape``; ``(d²f/dx², aux)`` with ``has_aux``."""
     return call(
-        "second_derivative", f, backend, x, None, contexts, prep,
+        "second_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
         batch_axis=batch_axis, has_aux=has_aux,
     )
 
@@ -64,11 +66,11 @@ def second_derivative(
 def value_derivative_and_second_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, holomorphic: bool = False,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), f'(x), f''(x))`` at scalar ``x``; ``((f(x), aux), f'(x), f''(x))`` with
     ``has_aux``."""
     return call(
-        "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep,
+        "value_derivative_and_second_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
         batch_axis=batch_axis, has_aux=has_aux,
     )

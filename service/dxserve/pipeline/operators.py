@@ -134,15 +134,18 @@ class OperatorCall:
 
     # --- the computation ------------------------------------------------------------
     async def run(
-        self, req: OperatorRequest, job: Job | None = None, *, timeout: float | None = None
+        self, req: OperatorRequest, job: Job | None = None, *, timeout: float | None = None,
+        entry: Any = None,
     ) -> dict[str, Any] | None:
         """``{result name: value}`` from the ``Service``; None if ``job`` was cancelled
-        (its client went away). ``timeout``: seconds before 504 (the service's default)."""
+        (its client went away). ``timeout``: seconds before 504 (the service's default).
+        ``entry``: the function's version to run (a registry entry; None: the current)."""
         try:
             return await self.service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
-                has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket,
+                has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket, entry=entry,
+                holomorphic=req.holomorphic,
             )
         except JobCancelled:
             return None
@@ -151,7 +154,7 @@ class OperatorCall:
         """``POST /prepare/{op}``'s answer: a handle to pass as ``prep``."""
         return await self.service.prepare(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
-            batch_axis=req.batch_axis, has_aux=req.has_aux,
+            batch_axis=req.batch_axis, has_aux=req.has_aux, holomorphic=req.holomorphic,
         )
 
     # --- the answer -------------------------------------------------------------------

@@ -20,10 +20,12 @@ from dxcontract.errors import InvalidArgumentError, InvalidBackendError, Malform
 from dxcontract.lru import LRU
 from dxcontract.operators import OperatorSpec
 
+from ..holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
 from ..signature import Signature
 
 OPERATOR_FIELDS = (
     "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
+    "holomorphic",
 )
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
@@ -59,6 +61,8 @@ class OperatorRequest:
     batch_axis: int | None = None
     #: the function returns ``(output, aux)``: aux is returned as the ``aux`` result
     has_aux: bool = False
+    #: the caller declares the function holomorphic (Jacobians of complex x)
+    holomorphic: bool = False
 
 
 class WireMemo:
@@ -147,6 +151,7 @@ class _Repeat:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
         self.batch_axis, self.has_aux = req.batch_axis, req.has_aux
+        self.holomorphic = req.holomorphic
         self.signature = Signature.of(
             req.x, req.tangents, req.contexts, req.batch_axis, req.has_aux
         )
@@ -156,7 +161,7 @@ class _Repeat:
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
-            self.prep, self.signature, self.batch_axis, self.has_aux,
+            self.prep, self.signature, self.batch_axis, self.has_aux, self.holomorphic,
         )
 
 
@@ -269,8 +274,21 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
             "leave has_aux out",
             field="has_aux",
         )
+    holomorphic = obj.get("holomorphic", False)
+    if type(holomorphic) is not bool:
+        raise InvalidArgumentError(
+            f"holomorphic must be true (the function is holomorphic: its Jacobian of complex "
+            f"x is f'(z)) or false, got {holomorphic!r}",
+            field="holomorphic",
+        )
+    if holomorphic and op.family not in HOLOMORPHIC_FAMILIES:
+        raise InvalidArgumentError(
+            f"{op.name} takes no holomorphic (it is answered for any function of complex x); "
+            "leave holomorphic out",
+            field="holomorphic",
+        )
     return OperatorRequest(
-        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux
+        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, holomorphic
     )
 
 

@@ -20,8 +20,18 @@ directory store belongs to one process (its lock), so a job that a dead process 
 running there is claimable at once.
 
 Limits, decided in ``create``'s serialized write: jobs queued and running per owner
-(``TooManyJobsError``, 429) and the bytes all jobs hold (``StorageFullError``, 507). A
-job accepted below the byte limit keeps its checkpoints and result even past it.
+(``TooManyJobsError``, 429) and the bytes all jobs hold or have reserved
+(``StorageFullError``, 507). A job reserves, at submission, its body, the function
+version it runs (``pin``) and the bytes its result is expected to take
+(``reserved_bytes``, estimated from its compiled operator): its checkpoints are pieces
+of that result, so they fit in the same reservation. The reservation is what the job
+counts until it ends; then it counts its result alone, until it is removed. A result
+larger than the store's largest value (``max_blob_bytes``: SQLite's length limit,
+PostgreSQL's 1 GiB ``bytea``) is refused at submission (507), never attempted.
+
+``claim`` takes turns between owners (round robin): the owner with the fewest jobs
+running, then the one whose turn came longest ago in this process, then the oldest
+job; one owner's long queue does not hold another owner's job back.
 Times are seconds since the epoch (``time.time()``) of the process that writes them:
 processes sharing a store need clocks that agree to well within a lease.
 """
@@ -42,7 +52,7 @@ from typing import Any
 
 from dxcontract.errors import StorageFullError, TooManyJobsError
 
-from ..store import DirectoryStore, _atomic_write
+from ..store import DirectoryStore, _atomic_write, _is_tmp
 from .sql import SqlStore
 
 log = logging.getLogger("dxserve.store")
@@ -88,7 +98,11 @@ class JobRecord:
     body_bytes: int = 0
     result_bytes: int = 0
     result_header: str | None = None  # the stored binary result's header length
-    stored_bytes: int = 0  # body (while active), checkpoints and result
+    stored_bytes: int = 0  # what the job counts against the limit (``counted``)
+    reserved_bytes: int = 0  # its result, estimated at submission (checkpoints included)
+    chunk_bytes: int = 0  # its checkpoints, as kept now
+    digest: str | None = None  # the stored function's version it runs (None: a module's)
+    pin_bytes: int = 0  # the stored copy of that version (``JobStore.pinned``)
 
     @property
     def ended(self) -> bool:
@@ -102,6 +116,15 @@ _COLUMNS = ("id", "owner", "status", "created", "finished", "runner", "lease_unt
             "stored_bytes")
 _META = tuple(f.name for f in dataclasses.fields(JobRecord) if f.name not in _COLUMNS)
 _SELECT = ", ".join((*_COLUMNS, "meta"))
+
+
+def counted(rec: JobRecord) -> int:
+    """The bytes ``rec`` counts against the job store's limit: while it may still run,
+    its body, its pinned function and the larger of its reservation and its checkpoints;
+    once ended, its result."""
+    if rec.ended:
+        return rec.result_bytes
+    return rec.body_bytes + rec.pin_bytes + max(rec.reserved_bytes, rec.chunk_bytes)
 
 
 def _meta(rec: JobRecord) -> str:
@@ -125,14 +148,28 @@ def too_many_jobs(limit: int) -> TooManyJobsError:
     )
 
 
-def jobs_full(used: int, limit: int, needed: int) -> StorageFullError:
-    """The 507 for a submission once the jobs' stored bytes reach their limit."""
+def jobs_full(used: int, limit: int, needed: int, result: int = 0) -> StorageFullError:
+    """The 507 for a submission past the bytes the jobs may hold or reserve."""
+    of_result = f", {result:,} of them for its expected result" if result else ""
     return StorageFullError(
-        f"the job store is full: jobs hold {used:,} of {limit:,} bytes (inputs, checkpoints "
-        f"and results), and this job's body needs {needed:,} more; fetch and delete results "
-        "(DELETE /jobs/{id}) or wait for them to expire (DXSERVE_JOB_RESULT_TTL); "
-        "DXSERVE_JOB_STORE_BYTES sets the limit",
-        field="body", limit="job_store_bytes", maximum=limit,
+        f"the job store is full: jobs hold or have reserved {used:,} of {limit:,} bytes "
+        f"(inputs, checkpoints and results), and this job needs {needed:,} more{of_result}; "
+        "fetch and delete results (DELETE /jobs/{id}), wait for them to expire "
+        "(DXSERVE_JOB_RESULT_TTL), or ask for a smaller result; DXSERVE_JOB_STORE_BYTES "
+        "sets the limit",
+        field="body", limit="job_store_bytes", maximum=limit, needed=needed,
+    )
+
+
+def result_too_big(result: int, limit: int) -> StorageFullError:
+    """The 507 for a job whose result would be larger than the store can keep as one
+    value."""
+    return StorageFullError(
+        f"this job's result would take {result:,} bytes, more than the largest value this "
+        f"job store keeps ({limit:,} bytes); ask for a smaller result (fewer columns, rows "
+        "or points per job: pushforward or pullback on a part of the tangents), or serve "
+        "with a directory store (DXSERVE_STORE=dir://...)",
+        field="x", limit="store_blob_bytes", maximum=limit, needed=result,
     )
 
 
@@ -142,8 +179,18 @@ class JobStore:
     claimed the job; a method of a running job returns None when that runner no longer
     holds it."""
 
-    def create(self, rec: JobRecord, body: bytes, *, max_active: int | None,
-               max_bytes: int | None) -> None:
+    #: the largest result (or body) one value of the store holds (None: no limit)
+    max_blob_bytes: int | None = None
+
+    def create(self, rec: JobRecord, body: Any, *, max_active: int | None,
+               max_bytes: int | None, pin: bytes | None = None) -> None:
+        """Store a queued job: its record, ``body`` (bytes-like) and ``pin`` (the stored
+        function version it runs, ``pinned``); 429 past ``max_active`` jobs of its
+        owner, 507 past ``max_bytes`` held and reserved (see ``counted``)."""
+        raise NotImplementedError
+
+    def pinned(self, job_id: str) -> bytes | None:
+        """The function version a job was submitted with, as ``create`` got it."""
         raise NotImplementedError
 
     def get(self, job_id: str) -> JobRecord | None:
@@ -209,6 +256,33 @@ class JobStore:
         raise NotImplementedError
 
 
+class _Turns:
+    """Whose turn it is to have a job claimed (this process's round robin)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def pick(self, waiting: dict[str, tuple[float, str]], running: dict[str, int]) -> str | None:
+        """Of the owners with a claimable job (``waiting``: owner -> its oldest job's
+        ``(created, id)``), the one to serve next: fewest jobs running, then the one
+        served longest ago (never served first), then the oldest job."""
+        if not waiting:
+            return None
+        with self._lock:
+            return min(waiting, key=lambda o: (running.get(o, 0), self._last.get(o, -1),
+                                               waiting[o]))
+
+    def served(self, owner: str) -> None:
+        with self._lock:
+            self._count += 1
+            self._last[owner] = self._count
+            if len(self._last) > 100_000:  # owners long gone: forget the older half
+                keep = sorted(self._last.items(), key=lambda kv: kv[1])[50_000:]
+                self._last = dict(keep)
+
+
 def _claimed(rec: JobRecord, runner: str, lease: float, now: float) -> JobRecord:
     """``rec`` as ``claim`` leaves it: running under ``runner``, or cancelled when its
     owner asked while nobody ran it."""
@@ -246,7 +320,14 @@ _TYPES = {
     "sqlite": {"real": "REAL", "int": "INTEGER", "blob": "BLOB"},
     "postgres": {"real": "DOUBLE PRECISION", "int": "BIGINT", "blob": "BYTEA"},
 }
-_CLAIMABLE = "status = 'queued' OR (status = 'running' AND lease_until < ?)"
+_CLAIMABLE = "(status = 'queued' OR (status = 'running' AND lease_until < ?))"
+#: the key in ``job_chunks`` of a job's pinned function (never a checkpoint's: those
+#: are ``{plan}.{start}``)
+_PIN = "function"
+#: room left in a row beside its largest value (the record's other columns)
+_ROW_MARGIN = 1 << 20
+#: PostgreSQL's largest ``bytea`` value
+_BYTEA_BYTES = 1 << 30
 
 
 class SqlJobs(JobStore):
@@ -259,6 +340,8 @@ class SqlJobs(JobStore):
         with store._writing() as cur:  # schema creation serialized like any write
             for statement in _SQL_SCHEMA:
                 cur.execute(statement.format(**_TYPES[dialect]))
+        self.max_blob_bytes = _blob_limit(store, dialect) - _ROW_MARGIN
+        self._turns = _Turns()
 
     def _write(self) -> contextlib.AbstractContextManager[Any]:
         return self.store._writing()
@@ -286,9 +369,9 @@ class SqlJobs(JobStore):
         return rec
 
     # -- JobStore ----------------------------------------------------------------------
-    def create(self, rec: JobRecord, body: bytes, *, max_active: int | None,
-               max_bytes: int | None) -> None:
-        rec.body_bytes = rec.stored_bytes = len(body)
+    def create(self, rec: JobRecord, body: Any, *, max_active: int | None,
+               max_bytes: int | None, pin: bytes | None = None) -> None:
+        _admit_sizes(rec, body, pin, self.max_blob_bytes)
         with self._write() as cur:
             if max_active is not None:
                 cur.execute(self._q("SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN "
@@ -298,14 +381,21 @@ class SqlJobs(JobStore):
             if max_bytes:
                 cur.execute("SELECT COALESCE(SUM(stored_bytes), 0) FROM jobs")
                 used = int(cur.fetchone()[0])
-                if used + len(body) > max_bytes:
-                    raise jobs_full(used, max_bytes, len(body))
+                if used + rec.stored_bytes > max_bytes:
+                    raise jobs_full(used, max_bytes, rec.stored_bytes, rec.reserved_bytes)
             cols = (*_COLUMNS, "meta", "body")
             values = (*(getattr(rec, c) for c in _COLUMNS), _meta(rec), body)
             cur.execute(
                 self._q(f"INSERT INTO jobs ({', '.join(cols)}) VALUES "
                         f"({', '.join('?' * len(cols))})"), values,
             )
+            if pin is not None:
+                cur.execute(self._q("INSERT INTO job_chunks (job, key, data) VALUES (?, ?, ?)"),
+                            (rec.id, _PIN, pin))
+
+    def pinned(self, job_id: str) -> bytes | None:
+        row = self._read("SELECT data FROM job_chunks WHERE job = ? AND key = ?", (job_id, _PIN))
+        return bytes(row[0]) if row is not None else None
 
     def get(self, job_id: str) -> JobRecord | None:
         row = self._read(f"SELECT {_SELECT} FROM jobs WHERE id = ?", (job_id,))
@@ -335,15 +425,25 @@ class SqlJobs(JobStore):
 
     def claim(self, runner: str, lease: float, now: float) -> JobRecord | None:
         with self._write() as cur:
+            cur.execute(self._q(f"SELECT owner, MIN(created) FROM jobs WHERE {_CLAIMABLE} "
+                                "GROUP BY owner"), (now,))
+            waiting = {row[0]: (float(row[1]), "") for row in cur.fetchall()}
+            if not waiting:
+                return None
+            cur.execute(self._q("SELECT owner, COUNT(*) FROM jobs WHERE status = 'running' "
+                                "AND lease_until >= ? GROUP BY owner"), (now,))
+            running = {row[0]: int(row[1]) for row in cur.fetchall()}
+            owner = self._turns.pick(waiting, running)
             cur.execute(
-                self._q(f"SELECT {_SELECT} FROM jobs WHERE {_CLAIMABLE} "
-                        "ORDER BY created, id LIMIT 1"), (now,),
+                self._q(f"SELECT {_SELECT} FROM jobs WHERE {_CLAIMABLE} AND owner = ? "
+                        "ORDER BY created, id LIMIT 1"), (now, owner),
             )
             row = cur.fetchone()
             if row is None:
                 return None
             rec = _claimed(_from_row(row), runner, lease, now)
             self._save(cur, rec)
+        self._turns.served(rec.owner)
         return rec
 
     def renew(self, job_id: str, runner: str, lease: float, now: float) -> JobRecord | None:
@@ -368,7 +468,8 @@ class SqlJobs(JobStore):
                             (job_id, key))
             cur.execute(self._q("INSERT INTO job_chunks (job, key, data) VALUES (?, ?, ?)"),
                         (job_id, key, data))
-            rec.stored_bytes += len(data) - (int(old[0]) if old is not None else 0)
+            rec.chunk_bytes += len(data) - (int(old[0]) if old is not None else 0)
+            rec.stored_bytes = counted(rec)
             rec.computed += 1
             _advance(rec, done, total, unit)
             self._save(cur, rec)
@@ -385,7 +486,8 @@ class SqlJobs(JobStore):
         return rec
 
     def chunks(self, job_id: str) -> dict[str, bytes]:
-        rows = self._read("SELECT key, data FROM job_chunks WHERE job = ?", (job_id,), many=True)
+        rows = self._read("SELECT key, data FROM job_chunks WHERE job = ? AND key <> ?",
+                          (job_id, _PIN), many=True)
         return {row[0]: bytes(row[1]) for row in rows}
 
     def finish(self, job_id: str, runner: str, status: str, now: float, *,
@@ -398,7 +500,8 @@ class SqlJobs(JobStore):
             _end(rec, status, now)
             rec.error, rec.result_header = error, result_header
             rec.result_bytes = len(result) if result is not None else 0
-            rec.stored_bytes = rec.result_bytes
+            rec.chunk_bytes = 0
+            rec.stored_bytes = counted(rec)
             cur.execute(self._q("DELETE FROM job_chunks WHERE job = ?"), (job_id,))
             self._save(cur, rec, body=None, result=result)
         return rec
@@ -418,7 +521,7 @@ class SqlJobs(JobStore):
                 return None
             if rec.status == "queued":
                 _end(rec, "cancelled", now)
-                rec.stored_bytes = 0
+                rec.chunk_bytes = rec.stored_bytes = 0
                 cur.execute(self._q("DELETE FROM job_chunks WHERE job = ?"), (job_id,))
                 self._save(cur, rec, body=None)
             elif rec.status == "running" and not rec.cancel_requested:
@@ -455,12 +558,36 @@ class SqlJobs(JobStore):
         return int(self._read("SELECT COALESCE(SUM(stored_bytes), 0) FROM jobs")[0])
 
 
+def _blob_limit(store: SqlStore, dialect: str) -> int:
+    """The largest value (and row) the database keeps: SQLite's length limit as this
+    connection has it (10^9 bytes unless compiled otherwise), PostgreSQL's 1 GiB."""
+    if dialect == "postgres":
+        return _BYTEA_BYTES
+    import sqlite3
+
+    with store._mutex:
+        return int(store._conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH))
+
+
+def _admit_sizes(rec: JobRecord, body: Any, pin: bytes | None, max_blob: int | None) -> None:
+    """Set what a new job counts (``counted``); 507 for a result (or body) larger than
+    one value of the store holds."""
+    rec.body_bytes = memoryview(body).nbytes
+    rec.pin_bytes = len(pin) if pin is not None else 0
+    rec.chunk_bytes = 0
+    rec.stored_bytes = counted(rec)
+    if max_blob is not None and max(rec.reserved_bytes, rec.body_bytes) > max_blob:
+        raise result_too_big(max(rec.reserved_bytes, rec.body_bytes), max_blob)
+
+
 # --- a directory store -----------------------------------------------------------------
 class DirectoryJobs(JobStore):
     """Jobs under ``<root>/jobs/<id>/`` of a ``DirectoryStore``: ``record.json``,
     ``body``, ``result`` and ``chunks/<key>``, each written atomically (as the store
     writes its own files). One process owns the directory, so the records are kept in
-    memory and a job left running by an earlier process is claimable at once."""
+    memory and a job left running by an earlier process is claimable at once; what an
+    earlier process left half-written (a write's temporary file, a job directory whose
+    record was never written) is removed when the directory is opened."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -470,7 +597,9 @@ class DirectoryJobs(JobStore):
         #: runners that claimed through this object: the only ones alive (one process
         #: owns the directory), so a job any other runner holds was an earlier process's
         self._runners: set[str] = set()
+        self._turns = _Turns()
         for path in sorted(self.root.iterdir()):
+            _remove_partial(path)
             rec = self._load(path)
             if rec is not None:
                 self._records[rec.id] = rec
@@ -515,24 +644,33 @@ class DirectoryJobs(JobStore):
             yield rec
             self._write_record(rec)
 
-    def _drop_chunks(self, job_id: str) -> None:
+    def _drop_inputs(self, job_id: str) -> None:
+        """Remove what only a run needs: checkpoints, body and pinned function."""
         shutil.rmtree(self._dir(job_id) / "chunks", ignore_errors=True)
+        for name in ("body", _PIN):
+            with contextlib.suppress(FileNotFoundError):
+                (self._dir(job_id) / name).unlink()
 
     # -- JobStore ----------------------------------------------------------------------
-    def create(self, rec: JobRecord, body: bytes, *, max_active: int | None,
-               max_bytes: int | None) -> None:
-        rec.body_bytes = rec.stored_bytes = len(body)
+    def create(self, rec: JobRecord, body: Any, *, max_active: int | None,
+               max_bytes: int | None, pin: bytes | None = None) -> None:
+        _admit_sizes(rec, body, pin, self.max_blob_bytes)
         with self._lock:
             if max_active is not None and sum(
                 1 for r in self._records.values() if r.owner == rec.owner and not r.ended
             ) >= max_active:
                 raise too_many_jobs(max_active)
             used = self.stored_bytes()
-            if max_bytes and used + len(body) > max_bytes:
-                raise jobs_full(used, max_bytes, len(body))
+            if max_bytes and used + rec.stored_bytes > max_bytes:
+                raise jobs_full(used, max_bytes, rec.stored_bytes, rec.reserved_bytes)
             self._dir(rec.id).mkdir()
             _atomic_write(self._dir(rec.id) / "body", body)
+            if pin is not None:
+                _atomic_write(self._dir(rec.id) / _PIN, pin)
             self._write_record(rec.copy())
+
+    def pinned(self, job_id: str) -> bytes | None:
+        return self._read_file(job_id, _PIN)
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
@@ -565,11 +703,21 @@ class DirectoryJobs(JobStore):
     def claim(self, runner: str, lease: float, now: float) -> JobRecord | None:
         with self._lock:
             self._runners.add(runner)
-            ready = [r for r in self._records.values() if self._claimable(r, runner, now)]
-            if not ready:
+            waiting: dict[str, tuple[float, str]] = {}
+            running: dict[str, int] = {}
+            for r in self._records.values():
+                if self._claimable(r, runner, now):
+                    waiting[r.owner] = min(waiting.get(r.owner, (r.created, r.id)),
+                                           (r.created, r.id))
+                elif r.status == "running":
+                    running[r.owner] = running.get(r.owner, 0) + 1
+            owner = self._turns.pick(waiting, running)
+            if owner is None:
                 return None
-            rec = _claimed(min(ready, key=lambda r: (r.created, r.id)).copy(), runner, lease, now)
+            first = self._records[waiting[owner][1]]
+            rec = _claimed(first.copy(), runner, lease, now)
             self._write_record(rec)
+            self._turns.served(owner)
             return rec.copy()
 
     def renew(self, job_id: str, runner: str, lease: float, now: float) -> JobRecord | None:
@@ -589,7 +737,8 @@ class DirectoryJobs(JobStore):
                 path = chunks / key
                 old = path.stat().st_size if path.exists() else 0
                 _atomic_write(path, data)
-                rec.stored_bytes += len(data) - old
+                rec.chunk_bytes += len(data) - old
+                rec.stored_bytes = counted(rec)
                 rec.computed += 1
                 _advance(rec, done, total, unit)
         return rec
@@ -620,10 +769,10 @@ class DirectoryJobs(JobStore):
                     _atomic_write(self._dir(job_id) / "result", result)
                 _end(rec, status, now)
                 rec.error, rec.result_header = error, result_header
-                rec.result_bytes = rec.stored_bytes = len(result) if result is not None else 0
-                self._drop_chunks(job_id)
-                with contextlib.suppress(FileNotFoundError):
-                    (self._dir(job_id) / "body").unlink()
+                rec.result_bytes = len(result) if result is not None else 0
+                rec.chunk_bytes = 0
+                rec.stored_bytes = counted(rec)
+                self._drop_inputs(job_id)
         return rec
 
     def release(self, job_id: str, runner: str) -> JobRecord | None:
@@ -640,10 +789,8 @@ class DirectoryJobs(JobStore):
             rec = rec.copy()
             if rec.status == "queued":
                 _end(rec, "cancelled", now)
-                rec.stored_bytes = 0
-                self._drop_chunks(job_id)
-                with contextlib.suppress(FileNotFoundError):
-                    (self._dir(job_id) / "body").unlink()
+                rec.chunk_bytes = rec.stored_bytes = 0
+                self._drop_inputs(job_id)
                 self._write_record(rec)
             elif rec.status == "running" and not rec.cancel_requested:
                 rec.cancel_requested = True
@@ -680,6 +827,25 @@ class DirectoryJobs(JobStore):
     def stored_bytes(self) -> int:
         with self._lock:
             return sum(r.stored_bytes for r in self._records.values())
+
+
+def _remove_partial(path: Path) -> None:
+    """Remove what a process killed mid-write left under a job directory ``path``: the
+    temporary files of its atomic writes (a partial result or checkpoint), or the whole
+    directory when its record was never written (killed while it was created)."""
+    if not path.is_dir() or not ID_PATTERN.fullmatch(path.name):
+        return
+    if not (path / "record.json").exists():
+        log.info("jobs: removing %s, a job never completely created", path.name)
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for folder in (path, path / "chunks"):
+        with contextlib.suppress(FileNotFoundError):
+            for item in folder.iterdir():
+                if item.is_file() and _is_tmp(item):
+                    log.info("jobs: removing %s, left half-written", item)
+                    with contextlib.suppress(OSError):
+                        item.unlink()
 
 
 def open_jobs(store: Any) -> JobStore | None:
