@@ -53,16 +53,20 @@ from .preparation import (
     with_aux,
 )
 from .preparation import call as call_prepared
+from .wrt import select
 
 
 def call(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, prep: Prep | None = None, cache: PrepCache = CACHE,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``preparation.call``, or ``traced_call`` when some input is traced: what every
     operator calls. Returns one result, or a tuple of them (DI's order; with ``has_aux``,
-    JAX's shapes, see ``dxcontract.operators.returned``)."""
+    JAX's shapes, see ``dxcontract.operators.returned``). ``wrt``: the arguments
+    differentiated (``dxserve.wrt``; None: x)."""
+    if wrt is not None:
+        f, x, contexts = select(f, x, contexts, wrt)
     fw = framework_of(f)
     if not fw.is_traced((x, tangents, contexts)):
         return call_prepared(

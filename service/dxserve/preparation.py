@@ -68,6 +68,7 @@ from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
+from .wrt import Selected, select
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
@@ -236,6 +237,13 @@ class Prep:
                 f"prep was made for {self.operator}, not a {family} operator", field="prep"
             )
         if f is not self.function:
+            made, given = (
+                (g.f, g.wrt) if isinstance(g, Selected) else (g, None) for g in (self.function, f)
+            )
+            if made[0] is given[0]:  # the same function, differentiated in other arguments
+                raise PreparationMismatchError(
+                    f"prep was made with wrt={made[1]!r}, not wrt={given[1]!r}", field="wrt"
+                )
             raise PreparationMismatchError("prep was made for another function", field="function")
         if backend != self.backend:
             raise PreparationMismatchError(
@@ -524,6 +532,7 @@ def prepare(
     limits: ComputeLimits | None = None,
     batch_axis: int | None = None,
     has_aux: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -535,8 +544,12 @@ def prepare(
     default; the server passes its settings). ``batch_axis=0``: x's leaves and the
     tangents' lead with an axis of B points, results come back stacked as (B, ...).
     ``has_aux``: f returns ``(output, aux)``; ``output`` is differentiated and aux
-    returned as the last result.
+    returned as the last result. ``wrt``: the arguments differentiated (``dxserve.wrt``;
+    None: x); the prep is made for their ``Selected`` function, which later calls with
+    the same ``wrt`` find again.
     """
+    if wrt is not None:
+        f, x, contexts = select(f, x, contexts, wrt)
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
     backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor

@@ -31,42 +31,42 @@ register_family(Family("derivative", _check, _build))
 
 def prepare_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "derivative", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "derivative", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def prepare_value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_derivative`` once for this signature (a ``derivative``-family prep)."""
     return prepare(
         "value_and_derivative", f, backend, x, None, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 
 
 def derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``df/dx`` at scalar ``x``: shape ``y.shape``; ``(df/dx, aux)`` with ``has_aux``."""
     return call(
-        "derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "derivative", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def value_and_derivative(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), df/dx)`` at scalar ``x``; ``((f(x), aux), df/dx)`` with ``has_aux``."""
     return call(
         "value_and_derivative", f, backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )

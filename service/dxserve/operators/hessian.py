@@ -37,41 +37,41 @@ register_family(Family("hessian", _check, _build))
 
 def prepare_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
-    return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux)
+    return prepare("hessian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt)
 
 
 def prepare_value_gradient_and_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_gradient_and_hessian`` once for this signature (a ``hessian``-family prep)."""
     return prepare(
         "value_gradient_and_hessian", f, backend, x, None, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 
 
 def hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``∇²f(x)``: shape ``x.shape + x.shape``; ``(∇²f(x), aux)`` with ``has_aux``
     (``jax.hessian(has_aux=True)``)."""
     return call(
-        "hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "hessian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def value_gradient_and_hessian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), ∇f(x), ∇²f(x))``; ``((f(x), aux), ∇f(x), ∇²f(x))`` with ``has_aux``."""
     return call(
         "value_gradient_and_hessian", f, backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )

@@ -34,42 +34,42 @@ register_family(Family("jacobian", _check, _build))
 
 def prepare_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def prepare_value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_jacobian`` once for this signature (a ``jacobian``-family prep)."""
     return prepare(
-        "value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "value_and_jacobian", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``∂f/∂x``: shape ``y.shape + x.shape``; ``(∂f/∂x, aux)`` with ``has_aux``
     (``jax.jacrev(has_aux=True)``)."""
     return call(
-        "jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def value_and_jacobian(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), ∂f/∂x)``; ``((f(x), aux), ∂f/∂x)`` with ``has_aux``."""
     return call(
         "value_and_jacobian", f, backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
