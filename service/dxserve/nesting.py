@@ -225,29 +225,40 @@ class BackendCaller:
             "use a backend that traces the function"
         )
 
-    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
+    def value(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
+    ) -> Any:
         if self.value_traces and batch_axis is None:
             return self.f(x, *contexts)
-        return call("value", self.f, self.first, x, None, contexts, batch_axis=batch_axis)
+        return call(
+            "value", self.f, self.first, x, None, contexts, batch_axis=batch_axis, wrt=wrt
+        )
 
     def value_and_gradient(
-        self, x: Any, contexts: tuple, batch_axis: int | None = None
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
     ) -> tuple[Any, Any]:
         return call(
-            "value_and_gradient", self.f, self.first, x, None, contexts, batch_axis=batch_axis
+            "value_and_gradient", self.f, self.first, x, None, contexts, batch_axis=batch_axis,
+            wrt=wrt,
         )
 
     def batch_op(
-        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        wrt: Any = None,
     ) -> list:
         """``op`` at x for each tangent; the derivative maps find the map's own tangent
-        (or cotangent) first among ``contexts``."""
+        (or cotangent) first among ``contexts``. ``wrt``: the arguments differentiated
+        (hvp, pushforward and pullback; the derivative maps are asked in x alone)."""
         if not tangents:
             return []
         tangents = tuple(tangents)
         if op in ("hvp", "pushforward", "pullback"):
             backend = self.backend if op == "hvp" else self.first
-            return list(call(op, self.f, backend, x, tangents, contexts, batch_axis=batch_axis))
+            return list(call(
+                op, self.f, backend, x, tangents, contexts, batch_axis=batch_axis, wrt=wrt
+            ))
+        if wrt is not None and wrt != 0:
+            raise TypeError(self.beyond)
         head, rest = contexts[0], tuple(contexts[1:])
         if op == "pullback_derivative":  # s -> H s, H the Hessian of <c, f> (c: head)
             return list(call(

@@ -58,6 +58,7 @@ from .signature import Signature
 from .sparse_sandbox import ChildDetector
 from .stores import open_store
 from .worker import DeviceWorker, Workers
+from .wrt import select
 
 Action = Literal["compute", "write", "read"]
 
@@ -340,6 +341,7 @@ class Service:
         hint: Hashable = None,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        wrt: Any = None,
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
@@ -352,7 +354,9 @@ class Service:
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
         ``has_aux``: the function returns ``(output, aux)``; ``output`` is differentiated
-        and ``{"aux": ...}``, its aux at x, is one more result.
+        and ``{"aux": ...}``, its aux at x, is one more result. ``wrt``: the arguments
+        differentiated (``dxserve.wrt``: 0 is x, k is ``contexts[k-1]``; several give
+        tuples), ``batch_axis`` then applying to them.
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
@@ -369,13 +373,17 @@ class Service:
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
+        fn = entry.fn
+        if wrt is not None:  # the arguments wrt names become x: their signature is new
+            fn, x, contexts = select(fn, x, contexts, wrt)
+            signature = None
         found = lookup(
-            op.name, entry.fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
+            op.name, fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
             batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, wrt)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -483,16 +491,20 @@ class Service:
         *,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        wrt: Any = None,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
         ``batch_axis=0`` prepares a batch of points, ``has_aux`` a function returning
-        ``(output, aux)`` (calls must say the same)."""
+        ``(output, aux)``, ``wrt`` the arguments differentiated (calls must say the same)."""
         op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        fn = entry.fn
+        if wrt is not None:
+            fn, x, contexts = select(fn, x, contexts, wrt)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -501,7 +513,7 @@ class Service:
         def compile_it() -> Prep:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
-                    op.name, entry.fn, backend, x, tangents, contexts, None, limit, limits,
+                    op.name, fn, backend, x, tangents, contexts, None, limit, limits,
                     batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
@@ -636,11 +648,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
+        wrt: Any = None,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux,
+            has_aux=has_aux, wrt=wrt,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 
@@ -648,7 +661,7 @@ def _operator_method(op: OperatorSpec) -> Callable:
     method.__name__ = method.__qualname__ = op.name
     method.__doc__ = (
         f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None, "
-        "batch_axis=None, has_aux=False)``: "
+        "batch_axis=None, has_aux=False, wrt=None)``: "
         f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
     )
     return method

@@ -36,6 +36,9 @@ points, contexts shared; each result comes back stacked (B, ...), from one serve
 ``has_aux=True`` (every operator but ``sparsity``): the function returns ``(output, aux)``;
 output is differentiated and the result takes JAX's shapes, ``((value, aux), *others)``
 or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
+``wrt=`` names the arguments differentiated as JAX's ``argnums`` does (0: x, k:
+``contexts[k-1]``; a list or tuple: several, results and tangents as tuples over them;
+``dxcontract.arguments``).
 """
 
 from __future__ import annotations
@@ -58,13 +61,13 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, *, wrt: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -80,49 +83,51 @@ def _methods(op: OperatorSpec) -> str:
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        wrt: Any = None,
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._operator(
-            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, wrt=wrt
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, wrt: Any = None,
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
-        return self._prepare("{name}", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare("{name}", f, backend, x, tangents, contexts, batch_axis, wrt=wrt)
 '''
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._operator(
-            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._prepare(
-            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
         )
 '''
 
@@ -137,7 +142,7 @@ class SubmitMethods:
 
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -153,13 +158,15 @@ def _submit_method(op: OperatorSpec) -> str:
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,{aux_param}
+        batch_axis: int | None = None,{aux_param} wrt: Any = None,
     ) -> Any:
         """Submit ``{name}`` as a detached job; ``job.result()``: {op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {op.takes_tangents}, backend, x, {tangents_arg}, contexts
         )
-        return self._submit("{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg})
+        return self._submit(
+            "{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg}, wrt=wrt
+        )
 '''
 
 

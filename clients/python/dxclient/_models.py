@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 
 from dxcontract import codec
+from dxcontract.arguments import check_wrt
 from dxcontract.backends import Backend, backend_to_json
 from dxcontract.encodings.common import pytree_to_wire
 from dxcontract.errors import DxError, MalformedRequestError
@@ -142,11 +143,14 @@ def operator_call(
     prepare: bool = False,
     batch_axis: int | None = None,
     has_aux: bool = False,
+    wrt: Any = None,
 ) -> Call:
     """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
     axis of points; sent as ``"batch_axis": 0``, left out when None; ``has_aux``: sent as
-    ``"has_aux": true``, left out when False)."""
-    repeat = _REPEATS.key(
+    ``"has_aux": true``, left out when False; ``wrt``: the arguments differentiated, sent
+    as a number or a list, left out when None)."""
+    wrt = check_wrt(wrt, 1 + len(contexts))
+    repeat = None if wrt is not None else _REPEATS.key(
         operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis,
         has_aux,
     )
@@ -154,7 +158,7 @@ def operator_call(
         call = _REPEATS.call(repeat, x)
         if call is not None:
             return call
-    elif encoding in _INLINE_ENCODINGS:
+    elif encoding in _INLINE_ENCODINGS and wrt is None:
         inline = _INLINE_REPEATS.key(
             operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding,
             has_aux,
@@ -185,6 +189,8 @@ def operator_call(
         if not op.aux:
             raise ValueError(f"{op.name} takes no has_aux")
         payload["has_aux"] = True
+    if wrt is not None:
+        payload["wrt"] = wrt if isinstance(wrt, int) else list(wrt)
     if encoding in _PARTS_ENCODINGS and not prepare:
         # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)

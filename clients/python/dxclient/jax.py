@@ -95,21 +95,36 @@ class _Served:
     def __init__(self, client: Client, name: str, backend: Backend | str) -> None:
         self.client, self.name, self.backend = client, name, backend
 
-    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
-        return self.client.value(self.name, self.backend, x, *contexts, batch_axis=batch_axis)
+    def value(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
+    ) -> Any:
+        return self.client.value(
+            self.name, self.backend, x, *contexts, batch_axis=batch_axis, **_wrt(wrt)
+        )
 
-    def value_and_gradient(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
+    def value_and_gradient(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
+    ) -> Any:
         return self.client.value_and_gradient(
-            self.name, self.backend, x, *contexts, batch_axis=batch_axis
+            self.name, self.backend, x, *contexts, batch_axis=batch_axis, **_wrt(wrt)
         )
 
     def batch_op(
-        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        wrt: Any = None,
     ) -> list:
         """``op`` (hvp, pushforward, pullback) at one point for a list of tangents; with
-        ``batch_axis=0``, at B points (x's leading axis) for tangents that lead with B too."""
+        ``batch_axis=0``, at B points (x's leading axis) for tangents that lead with B too.
+        ``wrt``: the arguments differentiated (tangents and results: tuples over them)."""
         if not tangents:
             return []
         return list(getattr(self.client, op)(
-            self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis
+            self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis,
+            **_wrt(wrt),
         ))
+
+
+def _wrt(wrt: Any) -> dict[str, Any]:
+    """``wrt`` as a keyword, left out for x alone (the request a server of any version
+    answers)."""
+    return {} if wrt is None or wrt == 0 else {"wrt": wrt}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dxcontract import codec
+from dxcontract.arguments import check_wrt
 from dxcontract.backends import Backend, backend_from_json
 from dxcontract.encodings.common import mark_sequences
 from dxcontract.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
@@ -23,7 +24,7 @@ from dxcontract.operators import OperatorSpec
 from ..signature import Signature
 
 OPERATOR_FIELDS = (
-    "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
+    "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux", "wrt",
 )
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
@@ -59,6 +60,8 @@ class OperatorRequest:
     batch_axis: int | None = None
     #: the function returns ``(output, aux)``: aux is returned as the ``aux`` result
     has_aux: bool = False
+    #: the arguments differentiated (``dxcontract.arguments``); None: x
+    wrt: int | tuple[int, ...] | None = None
 
 
 class WireMemo:
@@ -146,8 +149,10 @@ class _Repeat:
     def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
-        self.batch_axis, self.has_aux = req.batch_axis, req.has_aux
-        self.signature = Signature.of(
+        self.batch_axis, self.has_aux, self.wrt = req.batch_axis, req.has_aux, req.wrt
+        # with wrt the service differentiates other inputs than those sent: it finds
+        # their signature itself
+        self.signature = None if req.wrt is not None else Signature.of(
             req.x, req.tangents, req.contexts, req.batch_axis, req.has_aux
         )
 
@@ -156,7 +161,7 @@ class _Repeat:
         tangents = tuple(obj["tangents"]) if self.takes_tangents else None
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
-            self.prep, self.signature, self.batch_axis, self.has_aux,
+            self.prep, self.signature, self.batch_axis, self.has_aux, self.wrt,
         )
 
 
@@ -269,8 +274,9 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
             "leave has_aux out",
             field="has_aux",
         )
+    wrt = check_wrt(obj.get("wrt"))
     return OperatorRequest(
-        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux
+        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, wrt
     )
 
 
