@@ -125,20 +125,28 @@ class Function:
     def __call__(self, x: Any, *contexts: Any) -> Any:
         x = jax.tree.map(jnp.asarray, x)
         contexts = tuple(jax.tree.map(jnp.asarray, c) for c in contexts)
-        out = self._result_shape(x, contexts)
+        # typed PRNG keys cross the callbacks as their words (uint32), made keys again
+        # on the caller's side (``_Keys``)
+        contexts, keys = _key_words(contexts)
+        caller = self.caller if keys is None else _Keys(self.caller, *keys)
+        out = self._result_shape(x, contexts, caller, keys)
         x_struct = _struct(x)
         leaves, tree = jax.tree.flatten((out, x_struct, _struct(contexts)))
-        key = (tree, tuple(leaves))
+        key = (tree, tuple(leaves), None if keys is None else keys[1])
         g = self._rules.get(key)
         if g is None:
-            g = self._rules[key] = _rules(self.caller, out, x_struct)
+            g = self._rules[key] = _rules(caller, out, x_struct)
         return g(x, *contexts)
 
-    def _result_shape(self, x: Any, contexts: tuple) -> Any:
+    def _result_shape(
+        self, x: Any, contexts: tuple, caller: Caller | None = None, keys: Any = None
+    ) -> Any:
         if self.result_shape is not None:
             return self.result_shape
+        caller = self.caller if caller is None else caller
         key = (jax.tree.structure((x, contexts)),
-               tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves((x, contexts))))
+               tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves((x, contexts))),
+               None if keys is None else keys[1])
         out = self._shapes.get(key)
         if out is None:
             def concrete(a: Any) -> np.ndarray:
@@ -146,13 +154,64 @@ class Function:
                     return np.zeros(np.shape(a), a.dtype)
                 return np.asarray(a)
 
-            y = self.caller.value(
+            y = caller.value(
                 jax.tree.map(concrete, x), tuple(jax.tree.map(concrete, c) for c in contexts)
             )
             out = self._shapes[key] = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), y
             )
         return out
+
+
+def _key_words(contexts: tuple) -> tuple[tuple, tuple[Any, tuple] | None]:
+    """``(contexts with each typed PRNG key as its words, (their structure, each leaf's
+    key impl or None))``; ``(contexts, None)`` when they hold no key."""
+    leaves, tree = jax.tree.flatten(contexts)
+    impls = tuple(
+        str(jax.random.key_impl(v)) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        else None
+        for v in leaves
+    )
+    if all(i is None for i in impls):
+        return contexts, None
+    words = [v if i is None else jax.random.key_data(v) for v, i in zip(leaves, impls, strict=True)]
+    return jax.tree.unflatten(tree, words), (tree, impls)
+
+
+class _Keys:
+    """``caller`` given its typed PRNG keys back: the contexts it is handed (the last
+    ones, after a derivative map's own tangent) hold their words; each is wrapped into
+    a key of its impl (``jax.random.wrap_key_data``) before the caller sees it."""
+
+    def __init__(self, caller: Caller, tree: Any, impls: tuple) -> None:
+        self.caller, self.tree, self.impls = caller, tree, impls
+        self.count = len(jax.tree.unflatten(tree, [0] * len(impls)))  # the contexts
+        self.traces, self.value_traces = caller.traces, caller.value_traces
+        self.beyond, self.fixed = caller.beyond, caller.fixed
+        self.derivatives = caller.derivatives
+
+    def _keys(self, contexts: tuple, batch_axis: int | None = None) -> tuple:
+        head, own = contexts[: len(contexts) - self.count], contexts[len(contexts) - self.count :]
+        leaves = jax.tree.leaves(tuple(own))
+        wrapped = [
+            v if impl is None else jax.random.wrap_key_data(np.asarray(v), impl=impl)
+            for v, impl in zip(leaves, self.impls, strict=True)
+        ]
+        return (*head, *jax.tree.unflatten(self.tree, wrapped))
+
+    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None, **kw: Any) -> Any:
+        return self.caller.value(x, self._keys(contexts), batch_axis, **kw)
+
+    def value_and_gradient(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, **kw: Any
+    ) -> tuple[Any, Any]:
+        return self.caller.value_and_gradient(x, self._keys(contexts), batch_axis, **kw)
+
+    def batch_op(
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        **kw: Any,
+    ) -> list:
+        return self.caller.batch_op(op, x, tangents, self._keys(contexts), batch_axis, **kw)
 
 
 def apply(caller: Caller, out: Any, x: Any, contexts: tuple) -> Any:

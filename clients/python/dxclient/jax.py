@@ -28,9 +28,14 @@ Differentiating a JVP or HVP with respect to its point (third order of a scalar
 function, second order of an array-valued one) raises a ``TypeError`` at trace time
 rather than returning a wrong zero.
 
-Contexts (arguments after ``x``) are passed to the service as they are and are not
-differentiated: their derivatives are zero. ``x`` may be a pytree
-(a dict of arrays) for scalar functions, as on the server.
+Every floating-point argument is differentiated, contexts too, as JAX's ``argnums``
+asks: ``jax.grad(g, argnums=1)(w, data)`` sends ``/value_and_gradient`` with
+``"wrt": 1`` and returns the real cotangent, ``argnums=(0, 1)`` a request with
+``"wrt": [0, 1]`` and a tuple; a derivative of the gradient in another argument (a
+mixed block) is one ``/hvp`` over both. Integer and key contexts are held fixed; typed
+PRNG keys travel as keys. ``x`` may be a pytree (a dict of arrays) for scalar
+functions, as on the server. ``client`` must be a synchronous ``Client``: an
+``AsyncClient`` is refused (``TypeError``), since JAX's callbacks cannot await.
 
 The output's shape and dtype come from ``result_shape`` if given, else from one
 ``/value`` request per input signature at trace time (at ``x``'s value if concrete,
@@ -71,6 +76,14 @@ def remote_function(
     ``result_shape``: ``f``'s output as a ``jax.ShapeDtypeStruct``; by default learnt
     from one ``/value`` request per input signature.
     """
+    if not isinstance(client, Client):
+        kind = type(client).__name__
+        raise TypeError(
+            f"remote_function needs a synchronous dxclient.Client, got {kind}: JAX runs "
+            "its callbacks synchronously, and an AsyncClient's calls are coroutines it "
+            "cannot await; open a Client(url) for the JAX bridge (an AsyncClient can "
+            "share the server, not the callbacks)"
+        )
     name = function_name(f)
     return Function(
         _Served(client, name, backend), result_shape, name=name,
