@@ -371,7 +371,10 @@ class _Selected:
         self.caller, self.wrt = caller, wrt
         self.traces, self.value_traces = caller.traces, caller.value_traces
         names = ", ".join(argument_name(k) for k in wrt)
-        self.beyond = f"{caller.beyond} (here differentiating {names})"
+        self.beyond = (
+            f"{caller.beyond}; with respect to {names} (not x alone) the second "
+            "derivatives of an array-valued function are not available either"
+        )
         #: a map's derivative in an argument held fixed: not served (see ``_linear_jvp``)
         self.fixed = (
             f"{caller.beyond}; a derivative of the linear maps taken with respect to "

@@ -53,20 +53,25 @@ from .preparation import (
     with_aux,
 )
 from .preparation import call as call_prepared
-from .wrt import select
+from .wrt import refuse_cotangent, select, with_cotangent
 
 
 def call(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, prep: Prep | None = None, cache: PrepCache = CACHE,
     batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> Any:
     """``preparation.call``, or ``traced_call`` when some input is traced: what every
     operator calls. Returns one result, or a tuple of them (DI's order; with ``has_aux``,
     JAX's shapes, see ``dxcontract.operators.returned``). ``wrt``: the arguments
-    differentiated (``dxserve.wrt``; None: x)."""
+    differentiated (``dxserve.wrt``; None: x). ``cotangent`` (the HVP family): f is
+    array-valued and ``<cotangent, f>`` is differentiated (``wrt.with_cotangent``)."""
     if wrt is not None:
         f, x, contexts = select(f, x, contexts, wrt)
+    if cotangent is not None:
+        refuse_cotangent(operator, has_aux)
+        f, contexts = with_cotangent(f, x, contexts, cotangent)
     fw = framework_of(f)
     if not fw.is_traced((x, tangents, contexts)):
         return call_prepared(

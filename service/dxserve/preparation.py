@@ -68,7 +68,7 @@ from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
-from .wrt import Selected, select
+from .wrt import Selected, refuse_cotangent, select, with_cotangent
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
@@ -533,6 +533,7 @@ def prepare(
     batch_axis: int | None = None,
     has_aux: bool = False,
     wrt: Any = None,
+    cotangent: Any = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -550,6 +551,9 @@ def prepare(
     """
     if wrt is not None:
         f, x, contexts = select(f, x, contexts, wrt)
+    if cotangent is not None:  # the HVP family: <cotangent, f> (see ``wrt``)
+        refuse_cotangent(operator, has_aux)
+        f, contexts = with_cotangent(f, x, contexts, cotangent)
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
     backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor

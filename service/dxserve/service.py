@@ -58,7 +58,7 @@ from .signature import Signature
 from .sparse_sandbox import ChildDetector
 from .stores import open_store
 from .worker import DeviceWorker, Workers
-from .wrt import select
+from .wrt import refuse_cotangent, select, with_cotangent
 
 Action = Literal["compute", "write", "read"]
 
@@ -342,6 +342,7 @@ class Service:
         batch_axis: int | None = None,
         has_aux: bool = False,
         wrt: Any = None,
+        cotangent: Any = None,
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
@@ -356,7 +357,8 @@ class Service:
         ``has_aux``: the function returns ``(output, aux)``; ``output`` is differentiated
         and ``{"aux": ...}``, its aux at x, is one more result. ``wrt``: the arguments
         differentiated (``dxserve.wrt``: 0 is x, k is ``contexts[k-1]``; several give
-        tuples), ``batch_axis`` then applying to them.
+        tuples), ``batch_axis`` then applying to them. ``cotangent`` (the HVP family):
+        the HVPs of ``<cotangent, f>`` for an array-valued f (``wrt.with_cotangent``).
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
@@ -377,13 +379,18 @@ class Service:
         if wrt is not None:  # the arguments wrt names become x: their signature is new
             fn, x, contexts = select(fn, x, contexts, wrt)
             signature = None
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
+            signature = None
         found = lookup(
             op.name, fn, backend, x, tangents, contexts, ready_prep, self.cache, signature,
             batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, wrt)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, wrt,
+               cotangent is not None)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -492,6 +499,7 @@ class Service:
         batch_axis: int | None = None,
         has_aux: bool = False,
         wrt: Any = None,
+        cotangent: Any = None,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
@@ -505,6 +513,9 @@ class Service:
         fn = entry.fn
         if wrt is not None:
             fn, x, contexts = select(fn, x, contexts, wrt)
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -648,12 +659,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
-        wrt: Any = None,
+        wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux, wrt=wrt,
+            has_aux=has_aux, wrt=wrt, cotangent=cotangent,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 

@@ -8,6 +8,10 @@ as ``jax.grad(f, argnums=(0, 1))`` returns them, and the tangents are tuples too
 
 One ``Selected`` is kept per (function, wrt) (an LRU), so that preps, the server's
 caches and prep handles made for it find it again.
+
+``with_cotangent(f, x, contexts, c)``: for the HVP operators of an array-valued f, the
+scalar ``<c, f>`` (``Dotted``), whose gradient is f's pullback of c and whose HVP is
+that pullback's derivative in x: second order of array-valued functions, served.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from dxcontract import dtypes
 from dxcontract.arguments import Wrt, argument_name, check_wrt, merge, positions, split
-from dxcontract.errors import DtypeMismatchError
+from dxcontract.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from dxcontract.lru import LRU
 
 from .arity import check_contexts
@@ -100,3 +104,88 @@ def _differentiable(leaves: list, position: int, field: str) -> None:
                 "then held fixed)",
                 field=field,
             )
+
+
+class Dotted:
+    """``d(x, c, *contexts) = <c, f(x, *contexts)>``: the scalar whose gradient is f's
+    pullback of c and whose HVP is the derivative of that pullback in x (second order of
+    an array-valued f, a JVP of its VJP)."""
+
+    def __init__(self, f: Callable) -> None:
+        self.f = f
+        info = getattr(f, "__dxserve__", None)
+        name = getattr(info, "name", None) or getattr(f, "__name__", None) or type(f).__name__
+        self.__name__ = name
+        self.framework = framework_of(f)
+        self.__dxserve__ = FunctionInfo(
+            name, getattr(info, "description", ""), None, self.framework.name
+        )
+
+    def __call__(self, x: Any, c: Any, *contexts: Any) -> Any:
+        y = self.f(x, *contexts)
+        leaves = self.framework.leaves
+        terms = [(a * b).sum() for a, b in zip(leaves(c), leaves(y), strict=True)]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        return total
+
+    def __repr__(self) -> str:
+        return f"Dotted({self.__name__})"
+
+
+_DOTTED: LRU[int, Dotted] = LRU(256)
+
+
+def dotted(f: Callable) -> Dotted:
+    """The ``Dotted`` of ``f`` (the same object while it is kept)."""
+    found = _DOTTED.get(id(f))
+    if found is None or found.f is not f:
+        found = Dotted(f)
+        _DOTTED.put(id(f), found)
+    return found
+
+
+def with_cotangent(
+    f: Callable, x: Any, contexts: Sequence[Any], cotangent: Any
+) -> tuple[Callable, tuple]:
+    """``(<cotangent, f>, contexts)`` for an HVP family operator given ``cotangent``
+    (shaped like f's output): its gradient is f's pullback of it, its HVP the
+    derivative of that pullback. ``ShapeMismatchError`` (field ``cotangent``) when the
+    cotangent is not shaped like f's output."""
+    from .preparation import as_tree, probe  # (preparation imports this module)
+
+    contexts = tuple(contexts)
+    cotangent = as_tree(cotangent)
+    fw = framework_of(f)
+    _, y = probe(f, as_tree(x), tuple(as_tree(c) for c in contexts), fw)
+    got, want = fw.flatten(cotangent), fw.flatten(y)
+    if got[1] != want[1] or any(
+        tuple(np.shape(a)) != tuple(b.shape) for a, b in zip(got[0], want[0], strict=True)
+    ):
+        shapes = [tuple(b.shape) for b in want[0]]
+        raise ShapeMismatchError(
+            f"cotangent must be shaped like the function's output ({want[1]}, shapes "
+            f"{shapes}), got {got[1]} with shapes {[tuple(np.shape(a)) for a in got[0]]}",
+            field="cotangent",
+        )
+    return dotted(f), (cotangent, *contexts)
+
+
+def refuse_cotangent(operator: str, has_aux: bool = False) -> None:
+    """``InvalidArgumentError`` (field ``cotangent``) unless ``operator`` is of the HVP
+    family, the operators that take one, without has_aux."""
+    from dxcontract.operators import OPERATORS
+
+    if has_aux:
+        raise InvalidArgumentError(
+            "cotangent with has_aux is not supported: <cotangent, f> needs f's output "
+            "alone; call it without has_aux",
+            field="cotangent",
+        )
+    if OPERATORS[operator].family != "hvp":
+        raise InvalidArgumentError(
+            f"{operator} takes no cotangent: hvp and gradient_and_hvp do (the HVP of "
+            "<cotangent, f> for an array-valued f); leave it out",
+            field="cotangent",
+        )

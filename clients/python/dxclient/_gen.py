@@ -38,7 +38,8 @@ output is differentiated and the result takes JAX's shapes, ``((value, aux), *ot
 or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 ``wrt=`` names the arguments differentiated as JAX's ``argnums`` does (0: x, k:
 ``contexts[k-1]``; a list or tuple: several, results and tangents as tuples over them;
-``dxcontract.arguments``).
+``dxcontract.arguments``). ``cotangent=`` (hvp and gradient_and_hvp): for an
+array-valued function, the HVPs of ``<cotangent, f>`` (the derivative of its pullback).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, *, wrt: Any = None,
+        has_aux: bool = False, *, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -78,6 +80,9 @@ def _methods(op: OperatorSpec) -> str:
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
     takes = op.takes_tangents
+    hvp = op.family == "hvp"  # the HVP family takes a cotangent
+    cot_param = " cotangent: Any = None," if hvp else ""
+    cot_arg = " cotangent=cotangent," if hvp else ""
     if not op.aux:
         return f'''
     def {name}(
@@ -107,7 +112,7 @@ def _methods(op: OperatorSpec) -> str:
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, wrt: Any = None,
+        has_aux: bool = False, wrt: Any = None,{cot_param}
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
@@ -115,19 +120,19 @@ def _methods(op: OperatorSpec) -> str:
         )
         return self._operator(
             "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
-            wrt=wrt,
+            wrt=wrt,{cot_arg}
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,{cot_param}
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._prepare(
-            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,{cot_arg}
         )
 '''
 
@@ -143,6 +148,7 @@ class SubmitMethods:
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -155,17 +161,20 @@ def _submit_method(op: OperatorSpec) -> str:
     aux_arg = ", has_aux" if op.aux else ""
     tangents_param = " tangents: Any = NOT_GIVEN," if op.takes_tangents else ""
     tangents_arg = "tangents" if op.takes_tangents else "NOT_GIVEN"
+    hvp = op.family == "hvp"  # the HVP family takes a cotangent
+    cot_param = " cotangent: Any = None," if hvp else ""
+    cot_arg = " cotangent=cotangent," if hvp else ""
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,{aux_param} wrt: Any = None,
+        batch_axis: int | None = None,{aux_param} wrt: Any = None,{cot_param}
     ) -> Any:
         """Submit ``{name}`` as a detached job; ``job.result()``: {op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {op.takes_tangents}, backend, x, {tangents_arg}, contexts
         )
         return self._submit(
-            "{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg}, wrt=wrt
+            "{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg}, wrt=wrt,{cot_arg}
         )
 '''
 

@@ -144,13 +144,16 @@ def operator_call(
     batch_axis: int | None = None,
     has_aux: bool = False,
     wrt: Any = None,
+    cotangent: Any = None,
 ) -> Call:
     """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
     axis of points; sent as ``"batch_axis": 0``, left out when None; ``has_aux``: sent as
     ``"has_aux": true``, left out when False; ``wrt``: the arguments differentiated, sent
-    as a number or a list, left out when None)."""
+    as a number or a list, left out when None; ``cotangent``: the HVP family's, for an
+    array-valued function, left out when None)."""
     wrt = check_wrt(wrt, 1 + len(contexts))
-    repeat = None if wrt is not None else _REPEATS.key(
+    plain = wrt is None and cotangent is None  # the kind of call that repeats
+    repeat = None if not plain else _REPEATS.key(
         operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis,
         has_aux,
     )
@@ -158,7 +161,7 @@ def operator_call(
         call = _REPEATS.call(repeat, x)
         if call is not None:
             return call
-    elif encoding in _INLINE_ENCODINGS and wrt is None:
+    elif encoding in _INLINE_ENCODINGS and plain:
         inline = _INLINE_REPEATS.key(
             operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding,
             has_aux,
@@ -191,6 +194,10 @@ def operator_call(
         payload["has_aux"] = True
     if wrt is not None:
         payload["wrt"] = wrt if isinstance(wrt, int) else list(wrt)
+    if cotangent is not None:
+        if op.family != "hvp":
+            raise ValueError(f"{op.name} takes no cotangent (hvp and gradient_and_hvp do)")
+        payload["cotangent"] = to_wire_tree(cotangent)
     if encoding in _PARTS_ENCODINGS and not prepare:
         # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)

@@ -18,7 +18,8 @@ output is differentiated and the result takes JAX's shapes, ``((value, aux), *ot
 or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 ``wrt=`` names the arguments differentiated as JAX's ``argnums`` does (0: x, k:
 ``contexts[k-1]``; a list or tuple: several, results and tangents as tuples over them;
-``dxcontract.arguments``).
+``dxcontract.arguments``). ``cotangent=`` (hvp and gradient_and_hvp): for an
+array-valued function, the HVPs of ``<cotangent, f>`` (the derivative of its pullback).
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, *, wrt: Any = None,
+        has_aux: bool = False, *, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
@@ -74,7 +76,7 @@ class OperatorMethods:
             "value", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def derivative(
@@ -100,7 +102,7 @@ class OperatorMethods:
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_derivative(
@@ -126,7 +128,7 @@ class OperatorMethods:
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def second_derivative(
@@ -152,7 +154,7 @@ class OperatorMethods:
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_derivative_and_second_derivative(
@@ -178,7 +180,7 @@ class OperatorMethods:
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def gradient(
@@ -204,7 +206,7 @@ class OperatorMethods:
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_gradient(
@@ -230,7 +232,7 @@ class OperatorMethods:
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def jacobian(
@@ -256,7 +258,7 @@ class OperatorMethods:
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_jacobian(
@@ -282,7 +284,7 @@ class OperatorMethods:
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def hessian(
@@ -308,7 +310,7 @@ class OperatorMethods:
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_gradient_and_hessian(
@@ -334,7 +336,7 @@ class OperatorMethods:
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def pushforward(
@@ -360,7 +362,7 @@ class OperatorMethods:
             "pushforward", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pushforward(
@@ -386,7 +388,7 @@ class OperatorMethods:
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def pullback(
@@ -412,7 +414,7 @@ class OperatorMethods:
             "pullback", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pullback(
@@ -438,7 +440,7 @@ class OperatorMethods:
             "value_and_pullback", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def sparsity(
@@ -467,7 +469,7 @@ class OperatorMethods:
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, wrt: Any = None,
+        has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """(∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
@@ -475,25 +477,25 @@ class OperatorMethods:
         )
         return self._operator(
             "hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
-            wrt=wrt,
+            wrt=wrt, cotangent=cotangent,
         )
 
     def prepare_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Compile ``hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, wrt: Any = None,
+        has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """(∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
@@ -501,19 +503,19 @@ class OperatorMethods:
         )
         return self._operator(
             "gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
-            wrt=wrt,
+            wrt=wrt, cotangent=cotangent,
         )
 
     def prepare_gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Compile ``gradient_and_hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )
 
 
@@ -526,6 +528,7 @@ class SubmitMethods:
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
@@ -538,7 +541,7 @@ class SubmitMethods:
             "value", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def derivative(
@@ -550,7 +553,7 @@ class SubmitMethods:
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_derivative(
@@ -562,7 +565,7 @@ class SubmitMethods:
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def second_derivative(
@@ -574,7 +577,7 @@ class SubmitMethods:
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_derivative_and_second_derivative(
@@ -586,7 +589,7 @@ class SubmitMethods:
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def gradient(
@@ -598,7 +601,7 @@ class SubmitMethods:
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_gradient(
@@ -610,7 +613,7 @@ class SubmitMethods:
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def jacobian(
@@ -622,7 +625,7 @@ class SubmitMethods:
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_jacobian(
@@ -634,7 +637,7 @@ class SubmitMethods:
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def hessian(
@@ -646,7 +649,7 @@ class SubmitMethods:
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_gradient_and_hessian(
@@ -658,7 +661,7 @@ class SubmitMethods:
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def pushforward(
@@ -670,7 +673,7 @@ class SubmitMethods:
             "pushforward", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pushforward(
@@ -682,7 +685,7 @@ class SubmitMethods:
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def pullback(
@@ -694,7 +697,7 @@ class SubmitMethods:
             "pullback", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pullback(
@@ -706,7 +709,7 @@ class SubmitMethods:
             "value_and_pullback", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def sparsity(
@@ -718,29 +721,29 @@ class SubmitMethods:
             "sparsity", False, backend, x, NOT_GIVEN, contexts
         )
         return self._submit(
-            "sparsity", f, backend, x, tangents, contexts, batch_axis, wrt=wrt
+            "sparsity", f, backend, x, tangents, contexts, batch_axis, wrt=wrt,
         )
 
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Submit ``hvp`` as a detached job; ``job.result()``: (∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Submit ``gradient_and_hvp`` as a detached job; ``job.result()``: (∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
         return self._submit(
-            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt
+            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )

@@ -54,6 +54,8 @@ except ImportError as exc:
 
     raise ImportError(f"dxclient.jax needs JAX: {install_hint('jax')}") from exc
 
+import numpy as np
+
 from dxcontract.backends import Backend
 from dxcontract.jax_rules import Function
 
@@ -98,11 +100,16 @@ class _Served:
     traces = False
     value_traces = False
     fixed = None  # contexts are passed as they are, not differentiated
-    derivatives: dict[str, tuple[str, str]] = {}
+    #: second order of an array-valued function: the linear maps' derivatives in x,
+    #: HVPs of ``<c, f>`` (``/hvp`` with a ``cotangent``)
+    derivatives: dict[str, tuple[str, str]] = {  # noqa: RUF012 - read only
+        "pullback": ("pullback_derivative", "pullback_derivative"),
+        "pushforward": ("pushforward_derivative", "pushforward_derivative_transpose"),
+    }
     beyond = (
-        "dxclient.jax: derivatives of a served function's JVP or HVP with respect to "
-        "its point (third order, or second order of an array-valued function) are "
-        "not available: the service serves up to Hessian-vector products"
+        "dxclient.jax: derivatives of a served function's HVP, or of the second "
+        "derivatives of an array-valued one, with respect to its point (third order) "
+        "are not available: the service serves up to Hessian-vector products"
     )
 
     def __init__(self, client: Client, name: str, backend: Backend | str) -> None:
@@ -131,10 +138,62 @@ class _Served:
         ``wrt``: the arguments differentiated (tangents and results: tuples over them)."""
         if not tangents:
             return []
-        return list(getattr(self.client, op)(
-            self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis,
-            **_wrt(wrt),
-        ))
+        if op in ("hvp", "pushforward", "pullback"):
+            return list(getattr(self.client, op)(
+                self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis,
+                **_wrt(wrt),
+            ))
+        if wrt is not None and wrt != 0:
+            raise TypeError(self.beyond)
+        if batch_axis is not None:  # the map's own tangent differs per point: point by point
+            count = np.shape(jax.tree.leaves(x)[0])[0]
+            at = [
+                self.batch_op(
+                    op, jax.tree.map(lambda v, i=i: v[i], x),
+                    [jax.tree.map(lambda v, i=i: v[i], t) for t in tangents],
+                    (jax.tree.map(lambda v, i=i: v[i], contexts[0]), *contexts[1:]),
+                )
+                for i in range(count)
+            ]
+            return [
+                jax.tree.map(lambda *vs: np.stack([np.asarray(v) for v in vs]), *column)
+                for column in zip(*at, strict=True)
+            ]
+        head, rest = contexts[0], tuple(contexts[1:])
+        if op == "pullback_derivative":  # s -> H s, H the Hessian of <c, f> (c: head)
+            return list(self.client.hvp(
+                self.name, self.backend, x, tuple(tangents), *rest, cotangent=head
+            ))
+        if op == "pushforward_derivative_transpose":  # w -> H t, H the Hessian of <w, f>
+            return [
+                self.client.hvp(self.name, self.backend, x, (head,), *rest, cotangent=w)[0]
+                for w in tangents
+            ]
+        if op == "pushforward_derivative":  # s -> d/ds (J t): one HVP per output entry
+            return self._second_pushforwards(x, head, list(tangents), rest)
+        raise ValueError(f"no operator {op!r}")
+
+    def _second_pushforwards(self, x: Any, t: Any, tangents: list, contexts: tuple) -> list:
+        """``(∂²f(x)[t, s] for s in tangents)``, each shaped like f(x): entry i is
+        ``<t, H_i s>``, H_i the Hessian of f's entry i (``/hvp`` with its unit
+        cotangent), so it costs one request per entry of f(x)."""
+        y = np.asarray(self.client.value(self.name, self.backend, x, *contexts))
+        if not np.issubdtype(y.dtype, np.floating):
+            raise TypeError(f"{self.beyond} (for an output of dtype {y.dtype})")
+        flat = np.zeros((len(tangents), y.size), y.dtype)
+        for i in range(y.size):
+            unit = np.zeros(y.size, y.dtype)
+            unit[i] = 1
+            rows = self.client.hvp(
+                self.name, self.backend, x, tuple(tangents), *contexts,
+                cotangent=unit.reshape(y.shape),
+            )
+            for k, h in enumerate(rows):
+                flat[k, i] = sum(
+                    np.sum(np.asarray(a) * np.asarray(b))
+                    for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(h), strict=True)
+                )
+        return [row.reshape(y.shape) for row in flat]
 
 
 def _wrt(wrt: Any) -> dict[str, Any]:

@@ -199,6 +199,17 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             examples=[[0, 1]],
         ),
     )
+    if op.family == "hvp":
+        fields["cotangent"] = (
+            Array | None,
+            Field(
+                None,
+                description="For an array-valued function: the HVPs (and gradient) of "
+                "<cotangent, f>, shaped like f(x): the derivative in x of f's pullback of "
+                "the cotangent (a JVP of the VJP), second order of array-valued functions. "
+                "null: f itself, scalar-valued",
+            ),
+        )
     if op.aux:
         fields["has_aux"] = (
             bool,

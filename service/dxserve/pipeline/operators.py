@@ -142,7 +142,7 @@ class OperatorCall:
             return await self.service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
-                has_aux=req.has_aux, wrt=req.wrt, job=job, timeout=timeout, ticket=self.ticket,
+                has_aux=req.has_aux, wrt=req.wrt, cotangent=req.cotangent, job=job, timeout=timeout, ticket=self.ticket,
             )
         except JobCancelled:
             return None
@@ -152,6 +152,7 @@ class OperatorCall:
         return await self.service.prepare(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
             batch_axis=req.batch_axis, has_aux=req.has_aux, wrt=req.wrt,
+            cotangent=req.cotangent,
         )
 
     # --- the answer -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ..signature import Signature
 
 OPERATOR_FIELDS = (
     "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux", "wrt",
+    "cotangent",
 )
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
@@ -62,6 +63,8 @@ class OperatorRequest:
     has_aux: bool = False
     #: the arguments differentiated (``dxcontract.arguments``); None: x
     wrt: int | tuple[int, ...] | None = None
+    #: the HVP family: the HVPs of ``<cotangent, f>`` for an array-valued f
+    cotangent: Any = None
 
 
 class WireMemo:
@@ -101,6 +104,8 @@ def decode_operator_request(
             if repeat is not None:
                 return repeat.request(obj)
     req = parse_operator_request(obj, op)
+    if req.cotangent is not None:  # its own array, every time: not memoized
+        return req
     if layout is not None and _all_binary(obj):
         memo.binary.put(key, _Repeat(req))
     elif frame is not None:
@@ -275,8 +280,18 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
             field="has_aux",
         )
     wrt = check_wrt(obj.get("wrt"))
+    cotangent = obj.get("cotangent")
+    if cotangent is not None:
+        if op.family != "hvp":
+            raise InvalidArgumentError(
+                f"{op.name} takes no cotangent (hvp and gradient_and_hvp do: the HVP of "
+                "<cotangent, f> for an array-valued f); leave it out",
+                field="cotangent",
+            )
+        cotangent = codec.to_tree(cotangent, "cotangent")
     return OperatorRequest(
-        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, wrt
+        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, wrt,
+        cotangent,
     )
 
 
