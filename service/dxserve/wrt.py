@@ -158,6 +158,18 @@ def with_cotangent(
     contexts = tuple(contexts)
     cotangent = as_tree(cotangent)
     fw = framework_of(f)
+    for leaf in fw.leaves(cotangent):  # numbers only: a key (or text) is no cotangent
+        dtype = str(getattr(leaf, "dtype", "object")).removeprefix("torch.")
+        try:
+            numeric = not dtype.startswith("key<") and dtypes.is_inexact(dtype)
+        except TypeError:
+            numeric = False
+        if not numeric:
+            raise DtypeMismatchError(
+                f"cotangent must hold floating-point arrays shaped like the function's "
+                f"output, got dtype {dtype}",
+                field="cotangent",
+            )
     _, y = probe(f, as_tree(x), tuple(as_tree(c) for c in contexts), fw)
     got, want = fw.flatten(cotangent), fw.flatten(y)
     if got[1] != want[1] or any(
