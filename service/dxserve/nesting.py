@@ -13,9 +13,11 @@ engine) runs outside the transformation instead: each result is the framework's
 substitute (``Framework.substitute``), computed on concrete arrays by the operator
 itself through ``BackendCaller``, its derivatives the next operators of the same
 backend: the gradient's derivative is that backend's HVP, a pushforward's a
-second-order pushforward, a pullback's the HVP of ``<c, f>``. Up to second order of
-the function; past that (and for a derivative with respect to a context) the rules
-raise a ``TypeError`` naming the operator and the backend.
+second-order pushforward, a pullback's the HVP of ``<c, f>``. A context the outer
+transformation moves is differentiated too, through ``wrt`` (the gradient's derivative
+in it: one HVP over x and that context). Up to second order of the function; past
+that (and for the second derivatives of an array-valued function in a context) the
+rules raise a ``TypeError`` naming the operator and the backend.
 """
 
 from __future__ import annotations
@@ -225,9 +227,10 @@ class BackendCaller:
             "an HVP or of a second derivative) is not available"
         )
         self.fixed = (
-            f"{where}: inside a {framework.name} transformation this backend "
-            "differentiates x, not the contexts; pass what you differentiate as x, or "
-            "use a backend that traces the function"
+            f"{where}: inside a {framework.name} transformation the derivatives of this "
+            "backend's pushforwards, pullbacks and HVPs with respect to a context are not "
+            "available; differentiate that context together with x (wrt), or use a "
+            "backend that traces the function"
         )
 
     def value(
