@@ -53,9 +53,10 @@ from .preparation import (
     split_aux,
     tree_size,
     with_aux,
+    with_cotangent,
 )
 from .preparation import call as call_prepared
-from .wrt import refuse_cotangent, select, with_cotangent
+from .wrt import refuse_cotangent, select
 
 
 def call(
@@ -68,7 +69,7 @@ def call(
     operator calls. Returns one result, or a tuple of them (DI's order; with ``has_aux``,
     JAX's shapes, see ``dxcontract.operators.returned``). ``wrt``: the arguments
     differentiated (``dxserve.wrt``; None: x). ``cotangent`` (the HVP family): f is
-    array-valued and ``<cotangent, f>`` is differentiated (``wrt.with_cotangent``)."""
+    array-valued and ``<cotangent, f>`` is differentiated (``preparation.with_cotangent``)."""
     if wrt is not None:
         f, x, contexts = select(f, x, contexts, wrt)
     if cotangent is not None:

@@ -34,10 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from dxcontract import dtypes
 from dxcontract.backends import Auto, Backend, SecondOrder, backend_from_json
 from dxcontract.encodings.common import is_array_list
 from dxcontract.errors import (
     FIX,
+    DtypeMismatchError,
     DxError,
     FunctionEvaluationError,
     InvalidArgumentError,
@@ -68,7 +70,7 @@ from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
-from .wrt import Selected, refuse_cotangent, select, with_cotangent
+from .wrt import Selected, dotted, refuse_cotangent, select
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
@@ -920,6 +922,43 @@ def normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
             )
         tangents = tuple(as_tree(t) for t in tangents)
     return x, tangents, tuple(as_tree(c) for c in contexts)
+
+
+# --- the HVP of <cotangent, f> (second order of array-valued functions) -------
+def with_cotangent(
+    f: Callable, x: Any, contexts: Sequence[Any], cotangent: Any
+) -> tuple[Callable, tuple]:
+    """``(<cotangent, f>, contexts)`` for an HVP family operator given ``cotangent``
+    (shaped like f's output): its gradient is f's pullback of it, its HVP the
+    derivative of that pullback. ``ShapeMismatchError`` (field ``cotangent``) when the
+    cotangent is not shaped like f's output."""
+    contexts = tuple(contexts)
+    cotangent = as_tree(cotangent)
+    fw = framework_of(f)
+    for leaf in fw.leaves(cotangent):  # numbers only: a key (or text) is no cotangent
+        dtype = str(getattr(leaf, "dtype", "object")).removeprefix("torch.")
+        try:
+            numeric = not dtype.startswith("key<") and dtypes.is_inexact(dtype)
+        except TypeError:
+            numeric = False
+        if not numeric:
+            raise DtypeMismatchError(
+                f"cotangent must hold floating-point arrays shaped like the function's "
+                f"output, got dtype {dtype}",
+                field="cotangent",
+            )
+    _, y = probe(f, as_tree(x), tuple(as_tree(c) for c in contexts), fw)
+    got, want = fw.flatten(cotangent), fw.flatten(y)
+    if got[1] != want[1] or any(
+        tuple(np.shape(a)) != tuple(b.shape) for a, b in zip(got[0], want[0], strict=True)
+    ):
+        shapes = [tuple(b.shape) for b in want[0]]
+        raise ShapeMismatchError(
+            f"cotangent must be shaped like the function's output ({want[1]}, shapes "
+            f"{shapes}), got {got[1]} with shapes {[tuple(np.shape(a)) for a in got[0]]}",
+            field="cotangent",
+        )
+    return dotted(f), (cotangent, *contexts)
 
 
 # --- implicit cache and the call path -------------------------------------

@@ -49,7 +49,16 @@ from .export_gate import ExportGate, GateConfig
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
-from .preparation import Lookup, Prep, PrepCache, lookup, normalize, out_of_memory, prepare
+from .preparation import (
+    Lookup,
+    Prep,
+    PrepCache,
+    lookup,
+    normalize,
+    out_of_memory,
+    prepare,
+    with_cotangent,
+)
 from .registry import Registry
 from .request_batching import Batcher
 from .request_shapes import ShapeLimits
@@ -58,7 +67,7 @@ from .signature import Signature
 from .sparse_sandbox import ChildDetector
 from .stores import open_store
 from .worker import DeviceWorker, Workers
-from .wrt import refuse_cotangent, select, with_cotangent
+from .wrt import refuse_cotangent, select
 
 Action = Literal["compute", "write", "read"]
 
@@ -358,7 +367,7 @@ class Service:
         and ``{"aux": ...}``, its aux at x, is one more result. ``wrt``: the arguments
         differentiated (``dxserve.wrt``: 0 is x, k is ``contexts[k-1]``; several give
         tuples), ``batch_axis`` then applying to them. ``cotangent`` (the HVP family):
-        the HVPs of ``<cotangent, f>`` for an array-valued f (``wrt.with_cotangent``).
+        the HVPs of ``<cotangent, f>`` for an array-valued f (``preparation.with_cotangent``).
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is

@@ -9,9 +9,10 @@ as ``jax.grad(f, argnums=(0, 1))`` returns them, and the tangents are tuples too
 One ``Selected`` is kept per (function, wrt) (an LRU), so that preps, the server's
 caches and prep handles made for it find it again.
 
-``with_cotangent(f, x, contexts, c)``: for the HVP operators of an array-valued f, the
-scalar ``<c, f>`` (``Dotted``), whose gradient is f's pullback of c and whose HVP is
-that pullback's derivative in x: second order of array-valued functions, served.
+``Dotted`` is, for the HVP operators of an array-valued f given a cotangent c
+(``preparation.with_cotangent``), the scalar ``<c, f>``, whose gradient is f's pullback
+of c and whose HVP is that pullback's derivative in x: second order of array-valued
+functions, served.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from dxcontract import dtypes
 from dxcontract.arguments import Wrt, argument_name, check_wrt, merge, positions, split
-from dxcontract.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from dxcontract.errors import DtypeMismatchError, InvalidArgumentError
 from dxcontract.lru import LRU
 
 from .arity import check_contexts
@@ -144,44 +145,6 @@ def dotted(f: Callable) -> Dotted:
         found = Dotted(f)
         _DOTTED.put(id(f), found)
     return found
-
-
-def with_cotangent(
-    f: Callable, x: Any, contexts: Sequence[Any], cotangent: Any
-) -> tuple[Callable, tuple]:
-    """``(<cotangent, f>, contexts)`` for an HVP family operator given ``cotangent``
-    (shaped like f's output): its gradient is f's pullback of it, its HVP the
-    derivative of that pullback. ``ShapeMismatchError`` (field ``cotangent``) when the
-    cotangent is not shaped like f's output."""
-    from .preparation import as_tree, probe  # (preparation imports this module)
-
-    contexts = tuple(contexts)
-    cotangent = as_tree(cotangent)
-    fw = framework_of(f)
-    for leaf in fw.leaves(cotangent):  # numbers only: a key (or text) is no cotangent
-        dtype = str(getattr(leaf, "dtype", "object")).removeprefix("torch.")
-        try:
-            numeric = not dtype.startswith("key<") and dtypes.is_inexact(dtype)
-        except TypeError:
-            numeric = False
-        if not numeric:
-            raise DtypeMismatchError(
-                f"cotangent must hold floating-point arrays shaped like the function's "
-                f"output, got dtype {dtype}",
-                field="cotangent",
-            )
-    _, y = probe(f, as_tree(x), tuple(as_tree(c) for c in contexts), fw)
-    got, want = fw.flatten(cotangent), fw.flatten(y)
-    if got[1] != want[1] or any(
-        tuple(np.shape(a)) != tuple(b.shape) for a, b in zip(got[0], want[0], strict=True)
-    ):
-        shapes = [tuple(b.shape) for b in want[0]]
-        raise ShapeMismatchError(
-            f"cotangent must be shaped like the function's output ({want[1]}, shapes "
-            f"{shapes}), got {got[1]} with shapes {[tuple(np.shape(a)) for a in got[0]]}",
-            field="cotangent",
-        )
-    return dotted(f), (cotangent, *contexts)
 
 
 def refuse_cotangent(operator: str, has_aux: bool = False) -> None:
