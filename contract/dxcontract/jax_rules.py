@@ -189,6 +189,7 @@ class _Keys:
         self.traces, self.value_traces = caller.traces, caller.value_traces
         self.beyond, self.fixed = caller.beyond, caller.fixed
         self.derivatives = caller.derivatives
+        self.derivatives_take_wrt = getattr(caller, "derivatives_take_wrt", False)
 
     def _keys(self, contexts: tuple, batch_axis: int | None = None) -> tuple:
         head, own = contexts[: len(contexts) - self.count], contexts[len(contexts) - self.count :]
@@ -381,7 +382,12 @@ class _Selected:
             f"{names} in the direction of another argument is not available either: "
             "differentiate with respect to all of them at once"
         )
-        self.derivatives: Mapping[str, tuple[str, str]] = {}
+        # a caller whose derivative maps take wrt (``derivatives_take_wrt``) serves them
+        # for these arguments too; for another they are not available
+        self.derivatives: Mapping[str, tuple[str, str]] = (
+            caller.derivatives if getattr(caller, "derivatives_take_wrt", False) else {}
+        )
+        self.derivatives_take_wrt = False
 
     def _args(self, xs: Any, rest: tuple) -> tuple[Any, tuple]:
         x, *contexts = merge(xs, rest, self.wrt)
@@ -398,7 +404,11 @@ class _Selected:
     def batch_op(
         self, op: str, xs: Any, tangents: list, rest: tuple, batch_axis: int | None = None
     ) -> list:
-        x, contexts = self._args(xs, rest)
+        if op in ("hvp", "pushforward", "pullback"):
+            x, contexts = self._args(xs, rest)
+        else:  # a derivative map: its own tangent first, then the arguments held fixed
+            x, contexts = self._args(xs, tuple(rest[1:]))
+            contexts = (rest[0], *contexts)
         return self.caller.batch_op(op, x, tangents, contexts, batch_axis, wrt=self.wrt)
 
 

@@ -208,3 +208,23 @@ def test_second_order_of_an_array_valued_served_function(client: Client) -> None
     with pytest.raises(InvalidArgumentError) as info:
         client.hvp("wrt_layer", "auto", W, (s,), DATA, SCALE, cotangent=np.ones(4))
     assert info.value.field == "cotangent"
+
+
+@pytest.mark.parametrize("argnums", [1, (0, 1)], ids=str)
+def test_second_order_of_an_array_valued_function_in_its_contexts(
+    client: Client, argnums
+) -> None:
+    """The server composes wrt and a cotangent: ``jacfwd(jacrev(g, argnums), argnums)``."""
+    layer = remote_function(client, "wrt_layer")
+    for outer in (jax.jacfwd, jax.jacrev):
+        near(
+            outer(jax.jacrev(layer, argnums), argnums)(W, DATA, SCALE),
+            outer(jax.jacrev(m.wrt_layer, argnums), argnums)(W, DATA, SCALE),
+        )
+    near(
+        jax.hessian(lambda w, d: jnp.sum(layer(w, d, SCALE) ** 2), argnums)(W, DATA),
+        jax.hessian(lambda w, d: jnp.sum(m.wrt_layer(w, d, SCALE) ** 2), argnums)(W, DATA),
+    )
+    # a derivative of the pullback in x taken in another argument: refused, never zero
+    with pytest.raises(TypeError, match="mixed second derivative"):
+        jax.jacfwd(jax.jacrev(layer, 0), 1)(W, DATA, SCALE)

@@ -99,13 +99,20 @@ class _Served:
 
     traces = False
     value_traces = False
-    fixed = None  # contexts are passed as they are, not differentiated
+    fixed = (
+        "dxclient.jax: a mixed second derivative of an array-valued served function (its "
+        "pushforward or pullback in one argument, differentiated in another) is not "
+        "available; differentiate with respect to all of those arguments at once "
+        "(argnums=(0, 1)), which is served"
+    )
     #: second order of an array-valued function: the linear maps' derivatives in x,
     #: HVPs of ``<c, f>`` (``/hvp`` with a ``cotangent``)
     derivatives: dict[str, tuple[str, str]] = {  # noqa: RUF012 - read only
         "pullback": ("pullback_derivative", "pullback_derivative"),
         "pushforward": ("pushforward_derivative", "pushforward_derivative_transpose"),
     }
+    #: the server composes wrt and a cotangent: second order in any arguments
+    derivatives_take_wrt = True
     beyond = (
         "dxclient.jax: derivatives of a served function's HVP, or of the second "
         "derivatives of an array-valued one, with respect to its point (third order) "
@@ -143,8 +150,8 @@ class _Served:
                 self.name, self.backend, x, tuple(tangents), *contexts, batch_axis=batch_axis,
                 **_wrt(wrt),
             ))
-        if wrt is not None and wrt != 0:
-            raise TypeError(self.beyond)
+        if batch_axis is not None and wrt is not None and wrt != 0:
+            raise TypeError(self.beyond)  # the points are the named arguments': not split here
         if batch_axis is not None:  # the map's own tangent differs per point: point by point
             count = np.shape(jax.tree.leaves(x)[0])[0]
             at = [
@@ -160,20 +167,25 @@ class _Served:
                 for column in zip(*at, strict=True)
             ]
         head, rest = contexts[0], tuple(contexts[1:])
+        named = _wrt(wrt)
         if op == "pullback_derivative":  # s -> H s, H the Hessian of <c, f> (c: head)
             return list(self.client.hvp(
-                self.name, self.backend, x, tuple(tangents), *rest, cotangent=head
+                self.name, self.backend, x, tuple(tangents), *rest, cotangent=head, **named
             ))
         if op == "pushforward_derivative_transpose":  # w -> H t, H the Hessian of <w, f>
             return [
-                self.client.hvp(self.name, self.backend, x, (head,), *rest, cotangent=w)[0]
+                self.client.hvp(
+                    self.name, self.backend, x, (head,), *rest, cotangent=w, **named
+                )[0]
                 for w in tangents
             ]
         if op == "pushforward_derivative":  # s -> d/ds (J t): one HVP per output entry
-            return self._second_pushforwards(x, head, list(tangents), rest)
+            return self._second_pushforwards(x, head, list(tangents), rest, named)
         raise ValueError(f"no operator {op!r}")
 
-    def _second_pushforwards(self, x: Any, t: Any, tangents: list, contexts: tuple) -> list:
+    def _second_pushforwards(
+        self, x: Any, t: Any, tangents: list, contexts: tuple, named: dict[str, Any]
+    ) -> list:
         """``(∂²f(x)[t, s] for s in tangents)``, each shaped like f(x): entry i is
         ``<t, H_i s>``, H_i the Hessian of f's entry i (``/hvp`` with its unit
         cotangent), so it costs one request per entry of f(x)."""
@@ -186,7 +198,7 @@ class _Served:
             unit[i] = 1
             rows = self.client.hvp(
                 self.name, self.backend, x, tuple(tangents), *contexts,
-                cotangent=unit.reshape(y.shape),
+                cotangent=unit.reshape(y.shape), **named,
             )
             for k, h in enumerate(rows):
                 flat[k, i] = sum(
