@@ -61,7 +61,7 @@ def test_the_issue_example_gradient_with_respect_to_the_data() -> None:
 @pytest.mark.parametrize("backend, rtol", [
     ("jax-reverse", EXACT), ("jax-forward", EXACT), ("auto", EXACT), ("finite-differences", FD),
 ])
-@pytest.mark.parametrize("wrt", [0, 1, (0,), (1, 0), (0, 1)], ids=str)
+@pytest.mark.parametrize("wrt", [1, (0,), (1, 0)], ids=str)
 def test_scalar_operators(backend: str, rtol: float, wrt) -> None:
     f, args = m.wrt_loss, (W, DATA)
     near(dxserve.gradient(f, backend, *args, wrt=wrt), jax.grad(f, wrt)(*args), rtol)
@@ -99,7 +99,7 @@ def _merged(chosen: tuple, args: tuple, wrt) -> list:
 @pytest.mark.parametrize("backend, rtol", [
     ("jax-reverse", EXACT), ("jax-forward", EXACT), ("finite-differences", FD),
 ])
-@pytest.mark.parametrize("wrt", [1, 2, (0, 1, 2), (2, 0)], ids=str)
+@pytest.mark.parametrize("wrt", [2, (0, 1, 2), (2, 0)], ids=str)
 def test_array_operators(backend: str, rtol: float, wrt) -> None:
     f, args = m.wrt_layer, (W, DATA, SCALE)
     near(dxserve.jacobian(f, backend, *args, wrt=wrt), jax.jacrev(f, wrt)(*args), rtol)
