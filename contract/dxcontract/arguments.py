@@ -54,15 +54,13 @@ def check_wrt(wrt: Any, count: int | None = None, field: str = "wrt") -> Wrt | N
         where = field if isinstance(wrt, int) else f"{field}[{i}]"
         if isinstance(k, bool) or not isinstance(k, int):
             raise InvalidArgumentError(
-                f"{where} must be an integer position (0 for x, 1 for contexts[0], ...), "
-                f"got {k!r}",
+                f"{where} must be an integer position (0 for x, 1 for contexts[0], ...), got {k!r}",
                 field=where,
             )
         if k < 0 or (count is not None and k >= count):
             most = "" if count is None else f" (this call has {count}: 0 to {count - 1})"
             raise InvalidArgumentError(
-                f"{where} is {k}, which names no argument{most}; 0 is x and k is "
-                "contexts[k-1]",
+                f"{where} is {k}, which names no argument{most}; 0 is x and k is contexts[k-1]",
                 field=where,
             )
     if len(set(items)) != len(items):

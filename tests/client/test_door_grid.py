@@ -61,8 +61,16 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         return rng.uniform(-1, 1, n).astype(dtype)
 
     contexts = (rng.integers(1, 4, n).astype(np.int32),) if counts else ()
-    return {"dtype": dtype, "text": text, "scalar": scalar, "x": sample(), "t": sample(),
-            "w": sample(), "args": ["x", "k"] if counts else ["x"], "contexts": contexts}
+    return {
+        "dtype": dtype,
+        "text": text,
+        "scalar": scalar,
+        "x": sample(),
+        "t": sample(),
+        "w": sample(),
+        "args": ["x", "k"] if counts else ["x"],
+        "contexts": contexts,
+    }
 
 
 def _references(case: dict[str, Any], f: Callable) -> dict[str, Any]:
@@ -107,8 +115,11 @@ def _traced(g: Callable) -> Callable[[dict[str, Any], str], Any]:
 
 
 def _in_process(f: Callable) -> Callable[[dict[str, Any], str], Any]:
-    return _served(lambda op, x, tangents, *c: getattr(dxserve, op)(
-        f, "auto", x, *(() if tangents is None else (tangents,)), *c))
+    return _served(
+        lambda op, x, tangents, *c: getattr(dxserve, op)(
+            f, "auto", x, *(() if tangents is None else (tangents,)), *c
+        )
+    )
 
 
 def _nested(f: Callable) -> Callable[[dict[str, Any], str], Any]:
@@ -122,14 +133,19 @@ def _nested(f: Callable) -> Callable[[dict[str, Any], str], Any]:
 
 
 def _client(client: Client, name: str) -> Callable[[dict[str, Any], str], Any]:
-    return _served(lambda op, x, tangents, *c: getattr(client, op)(
-        name, "auto", x, *(() if tangents is None else (tangents,)), *c))
+    return _served(
+        lambda op, x, tangents, *c: getattr(client, op)(
+            name, "auto", x, *(() if tangents is None else (tangents,)), *c
+        )
+    )
 
 
 def _job(client: Client, name: str) -> Callable[[dict[str, Any], str], Any]:
-    return _served(lambda op, x, tangents, *c: getattr(client.submit, op)(
-        name, "auto", x, *(() if tangents is None else (tangents,)), *c
-    ).result(progress=False))
+    return _served(
+        lambda op, x, tangents, *c: getattr(client.submit, op)(
+            name, "auto", x, *(() if tangents is None else (tangents,)), *c
+        ).result(progress=False)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +154,9 @@ def client(server) -> Iterator[Client]:
         yield c
 
 
-def _doors(client: Client, case: dict[str, Any], f: Callable, name: str,
-           uploaded: str) -> dict[str, Callable[[dict[str, Any], str], Any]]:
+def _doors(
+    client: Client, case: dict[str, Any], f: Callable, name: str, uploaded: str
+) -> dict[str, Callable[[dict[str, Any], str], Any]]:
     return {
         "in process": _in_process(f),
         "nested": _nested(f),
@@ -170,8 +187,12 @@ def run_doors(client: Client, case: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(FAST_TIMEOUT)
-@settings(max_examples=FAST, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=FAST,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(case=cases())
 def test_every_door_agrees_with_jax(client: Client, case: dict[str, Any]) -> None:
     run_doors(client, case)
@@ -179,8 +200,11 @@ def test_every_door_agrees_with_jax(client: Client, case: dict[str, Any]) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(LONG_TIMEOUT)
-@settings(max_examples=LONG, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=LONG,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(case=cases())
 def test_every_door_agrees_with_jax_long(client: Client, case: dict[str, Any]) -> None:
     run_doors(client, case)
@@ -191,8 +215,10 @@ def table() -> str:
     ops = sorted({op for _, _, op in TABLE})
     rows = sorted({(door, dtype) for door, dtype, _ in TABLE})
     lines = [" | ".join(["door", "dtype", *ops])]
-    lines += [" | ".join([door, dtype, *(str(TABLE[door, dtype, op]) for op in ops)])
-              for door, dtype in rows]
+    lines += [
+        " | ".join([door, dtype, *(str(TABLE[door, dtype, op]) for op in ops)])
+        for door, dtype in rows
+    ]
     return "\n".join(lines)
 
 

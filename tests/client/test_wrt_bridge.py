@@ -88,8 +88,12 @@ def test_raw_requests_name_wrt(server: ServerProcess) -> None:
         assert r.status_code == 422, r.text
         assert r.headers["content-type"].startswith("application/problem+json")
         assert r.json()["field"] == field
-    body = {"function": "wrt_power", "x": [1.0, 2.0], "contexts": [
-        {"__ndarray__": [3], "dtype": "int64", "shape": [1]}], "wrt": [0, 1]}
+    body = {
+        "function": "wrt_power",
+        "x": [1.0, 2.0],
+        "contexts": [{"__ndarray__": [3], "dtype": "int64", "shape": [1]}],
+        "wrt": [0, 1],
+    }
     r = httpx.post(server.url + "/gradient", json=body)
     assert r.status_code == 422 and r.json()["field"] == "wrt[1]", r.text
     assert "contexts[0]" in r.json()["detail"]
@@ -112,8 +116,10 @@ def test_client_methods_take_wrt(server: ServerProcess, encoding: str) -> None:
         _, want = jax.jvp(lambda w, d: m.wrt_layer(w, d, SCALE), (W, DATA), t)
         near(push, want)
         prep = c.prepare_gradient("wrt_loss", "auto", W, DATA, wrt=1)
-        near(c.gradient("wrt_loss", "auto", W, DATA, prep=prep, wrt=1),
-             jax.grad(m.wrt_loss, 1)(W, DATA))
+        near(
+            c.gradient("wrt_loss", "auto", W, DATA, prep=prep, wrt=1),
+            jax.grad(m.wrt_loss, 1)(W, DATA),
+        )
         with pytest.raises(DtypeMismatchError) as info:
             c.gradient("wrt_noisy", "auto", W, DATA, KEY, wrt=2)
         assert info.value.field == "wrt"
@@ -197,7 +203,9 @@ def test_second_order_of_an_array_valued_served_function(client: Client) -> None
     for outer in (jax.jacfwd, jax.jacrev):
         for inner in (jax.jacfwd, jax.jacrev):
             near(outer(inner(g))(W), outer(inner(ref))(W))
-    near(jax.hessian(lambda w: jnp.sum(g(w) ** 2))(W), jax.hessian(lambda w: jnp.sum(ref(w) ** 2))(W))
+    near(
+        jax.hessian(lambda w: jnp.sum(g(w) ** 2))(W), jax.hessian(lambda w: jnp.sum(ref(w) ** 2))(W)
+    )
     with pytest.raises(TypeError, match="third order"):
         jax.jacfwd(jax.jacfwd(jax.jacrev(g)))(W)
     # and the request itself: the pullback's derivative
@@ -211,9 +219,7 @@ def test_second_order_of_an_array_valued_served_function(client: Client) -> None
 
 
 @pytest.mark.parametrize("argnums", [1, (0, 1)], ids=str)
-def test_second_order_of_an_array_valued_function_in_its_contexts(
-    client: Client, argnums
-) -> None:
+def test_second_order_of_an_array_valued_function_in_its_contexts(client: Client, argnums) -> None:
     """The server composes wrt and a cotangent: ``jacfwd(jacrev(g, argnums), argnums)``."""
     layer = remote_function(client, "wrt_layer")
     for outer in (jax.jacfwd, jax.jacrev):

@@ -54,30 +54,45 @@ def test_the_issue_example_gradient_with_respect_to_the_data() -> None:
     near(dxserve.gradient(m.wrt_loss, "auto", w, data, wrt=1), want, EXACT)
     near(
         dxserve.gradient(m.wrt_loss, "auto", w, data, wrt=(0, 1)),
-        jax.grad(m.wrt_loss, argnums=(0, 1))(w, data), EXACT,
+        jax.grad(m.wrt_loss, argnums=(0, 1))(w, data),
+        EXACT,
     )
 
 
-@pytest.mark.parametrize("backend, rtol", [
-    ("jax-reverse", EXACT), ("jax-forward", EXACT), ("auto", EXACT), ("finite-differences", FD),
-])
+@pytest.mark.parametrize(
+    "backend, rtol",
+    [
+        ("jax-reverse", EXACT),
+        ("jax-forward", EXACT),
+        ("auto", EXACT),
+        ("finite-differences", FD),
+    ],
+)
 @pytest.mark.parametrize("wrt", [1, (0,), (1, 0)], ids=str)
 def test_scalar_operators(backend: str, rtol: float, wrt) -> None:
     f, args = m.wrt_loss, (W, DATA)
     near(dxserve.gradient(f, backend, *args, wrt=wrt), jax.grad(f, wrt)(*args), rtol)
     y, g = dxserve.value_and_gradient(f, backend, *args, wrt=wrt)
     near((y, g), jax.value_and_grad(f, wrt)(*args), rtol)
-    hessian_backend = "auto" if backend == "auto" else dxserve.SecondOrder(
-        dxserve.backend_from_json(backend), dxserve.backend_from_json(backend)
+    hessian_backend = (
+        "auto"
+        if backend == "auto"
+        else dxserve.SecondOrder(
+            dxserve.backend_from_json(backend), dxserve.backend_from_json(backend)
+        )
     )
     near(
-        dxserve.hessian(f, hessian_backend, *args, wrt=wrt), jax.hessian(f, wrt)(*args),
+        dxserve.hessian(f, hessian_backend, *args, wrt=wrt),
+        jax.hessian(f, wrt)(*args),
         rtol if backend != "finite-differences" else 1e-5,
     )
     t = jax.tree.map(lambda a: RNG.normal(size=np.shape(a)), jax.grad(f, wrt)(*args))
     (hv,) = dxserve.hvp(f, "auto", *args[:1], (t,), *args[1:], wrt=wrt)
-    _, want = jax.jvp(lambda *a: jax.grad(f, wrt)(*_merged(a, args, wrt)), _chosen(args, wrt),
-                      _tangent_tuple(t, wrt))
+    _, want = jax.jvp(
+        lambda *a: jax.grad(f, wrt)(*_merged(a, args, wrt)),
+        _chosen(args, wrt),
+        _tangent_tuple(t, wrt),
+    )
     near(hv, want, EXACT)
 
 
@@ -96,9 +111,14 @@ def _merged(chosen: tuple, args: tuple, wrt) -> list:
     return out
 
 
-@pytest.mark.parametrize("backend, rtol", [
-    ("jax-reverse", EXACT), ("jax-forward", EXACT), ("finite-differences", FD),
-])
+@pytest.mark.parametrize(
+    "backend, rtol",
+    [
+        ("jax-reverse", EXACT),
+        ("jax-forward", EXACT),
+        ("finite-differences", FD),
+    ],
+)
 @pytest.mark.parametrize("wrt", [2, (0, 1, 2), (2, 0)], ids=str)
 def test_array_operators(backend: str, rtol: float, wrt) -> None:
     f, args = m.wrt_layer, (W, DATA, SCALE)
@@ -118,7 +138,8 @@ def test_array_operators(backend: str, rtol: float, wrt) -> None:
 def test_derivative_of_a_scalar_context() -> None:
     near(
         dxserve.derivative(m.wrt_layer, "auto", W, DATA, SCALE, wrt=2),
-        jax.jacfwd(m.wrt_layer, 2)(W, DATA, SCALE), EXACT,
+        jax.jacfwd(m.wrt_layer, 2)(W, DATA, SCALE),
+        EXACT,
     )
 
 
@@ -142,7 +163,8 @@ def test_nested_under_jax_grad_moving_a_context() -> None:
     fd = dxserve.FiniteDifferences()
     near(
         jax.grad(lambda d: jnp.sum(dxserve.gradient(m.wrt_loss, fd, W, d) ** 2))(DATA),
-        jax.grad(ref)(DATA), 1e-5,
+        jax.grad(ref)(DATA),
+        1e-5,
     )
 
 
@@ -154,37 +176,48 @@ def np_layer(w, data, scale):
     return np.tanh(np.asarray(data) @ np.asarray(w)) * np.asarray(scale)
 
 
-@pytest.mark.parametrize("piece, backend, rtol", [
-    (m.wrt_loss, "jax-reverse", EXACT), (np_loss, "finite-differences", FD),
-], ids=["jax", "numpy-fd"])
+@pytest.mark.parametrize(
+    "piece, backend, rtol",
+    [
+        (m.wrt_loss, "jax-reverse", EXACT),
+        (np_loss, "finite-differences", FD),
+    ],
+    ids=["jax", "numpy-fd"],
+)
 @pytest.mark.parametrize("argnums", [1, (0, 1)], ids=str)
 def test_differentiate_with_argnums_scalar(piece, backend: str, rtol: float, argnums) -> None:
     g = DifferentiateWith(piece, backend)
     near(jax.grad(g, argnums)(W, DATA), jax.grad(m.wrt_loss, argnums)(W, DATA), rtol)
     near(
-        jax.hessian(g, argnums)(W, DATA), jax.hessian(m.wrt_loss, argnums)(W, DATA),
+        jax.hessian(g, argnums)(W, DATA),
+        jax.hessian(m.wrt_loss, argnums)(W, DATA),
         rtol if rtol == EXACT else 1e-5,
     )
     datas = np.stack([DATA, 2 * DATA])
     near(
         jax.vmap(jax.grad(g, argnums), (None, 0))(W, datas),
-        jax.vmap(jax.grad(m.wrt_loss, argnums), (None, 0))(W, datas), rtol,
+        jax.vmap(jax.grad(m.wrt_loss, argnums), (None, 0))(W, datas),
+        rtol,
     )
-    near(
-        jax.jit(jax.grad(g, argnums))(W, DATA), jax.grad(m.wrt_loss, argnums)(W, DATA), rtol
-    )
+    near(jax.jit(jax.grad(g, argnums))(W, DATA), jax.grad(m.wrt_loss, argnums)(W, DATA), rtol)
 
 
-@pytest.mark.parametrize("piece, backend, rtol", [
-    (m.wrt_layer, "jax-reverse", EXACT), (np_layer, "finite-differences", FD),
-], ids=["jax", "numpy-fd"])
+@pytest.mark.parametrize(
+    "piece, backend, rtol",
+    [
+        (m.wrt_layer, "jax-reverse", EXACT),
+        (np_layer, "finite-differences", FD),
+    ],
+    ids=["jax", "numpy-fd"],
+)
 @pytest.mark.parametrize("argnums", [1, (0, 1, 2)], ids=str)
 def test_differentiate_with_argnums_array(piece, backend: str, rtol: float, argnums) -> None:
     g = DifferentiateWith(piece, backend)
     for transform in (jax.jacrev, jax.jacfwd):
         near(
             transform(g, argnums)(W, DATA, SCALE),
-            transform(m.wrt_layer, argnums)(W, DATA, SCALE), rtol,
+            transform(m.wrt_layer, argnums)(W, DATA, SCALE),
+            rtol,
         )
 
 
@@ -223,8 +256,11 @@ def test_what_cannot_be_differentiated_is_refused_naming_it() -> None:
 
 def test_a_prep_made_with_wrt_is_used_with_it() -> None:
     prep = dxserve.prepare_gradient(m.wrt_loss, "auto", W, DATA, wrt=1)
-    near(dxserve.gradient(m.wrt_loss, "auto", W, DATA, prep=prep, wrt=1),
-         jax.grad(m.wrt_loss, 1)(W, DATA), EXACT)
+    near(
+        dxserve.gradient(m.wrt_loss, "auto", W, DATA, prep=prep, wrt=1),
+        jax.grad(m.wrt_loss, 1)(W, DATA),
+        EXACT,
+    )
     with pytest.raises(PreparationMismatchError, match="wrt=1") as info:
         dxserve.gradient(m.wrt_loss, "auto", W, DATA, prep=prep)
     assert info.value.field == "wrt"
