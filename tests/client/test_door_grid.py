@@ -2,8 +2,10 @@
 
 Hypothesis draws a function as in the dtype grid (``tests/library/test_dtype_grid.py``:
 a random ``jnp`` composition of a vector x, float32 or float64, sometimes scaled by an
-int32 context). Each operator that applies (``gradient`` for a scalar function;
-``jacobian``, ``pushforward``, ``pullback`` for an array one) then goes through every
+int32 context ``k`` or a float context ``s``). Each operator that applies (``gradient``
+for a scalar function; ``jacobian``, ``pushforward``, ``pullback`` for an array one;
+with ``s``, the gradient in x and s and the Jacobian in s: ``wrt``, JAX's ``argnums``)
+then goes through every
 door that offers it, and each answer is checked against JAX's own transformation of
 the same function in the same dtype, with the dtype grid's bounds:
 
@@ -40,7 +42,7 @@ from dxserve.expressions import compile_expression
 from tests.library.test_dtype_grid import _check, _compositions
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
-FAST, LONG = 3, 40
+FAST, LONG = 6, 40
 FAST_TIMEOUT, LONG_TIMEOUT = 900, 3000
 TABLE: Counter = Counter()  # (door, dtype, operator) -> examples checked
 
@@ -51,16 +53,21 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 5))
     body = draw(_compositions())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    counts = draw(st.booleans())
-    if counts:
-        body = f"({body} * k)"
+    context = draw(st.sampled_from(["none", "int", "float"]))  # what scales every term
+    if context != "none":
+        body = f"({body} * {'k' if context == 'int' else 's'})"
     scalar = draw(st.booleans())
     text = f"jnp.sum({body})" if scalar else body
 
     def sample() -> np.ndarray:
         return rng.uniform(-1, 1, n).astype(dtype)
 
-    contexts = (rng.integers(1, 4, n).astype(np.int32),) if counts else ()
+    contexts = {
+        "none": (),
+        "int": (rng.integers(1, 4, n).astype(np.int32),),
+        "float": (rng.uniform(0.5, 1.5, n).astype(dtype),),  # differentiated with wrt
+    }[context]
+    args = {"none": ["x"], "int": ["x", "k"], "float": ["x", "s"]}[context]
     return {
         "dtype": dtype,
         "text": text,
@@ -68,20 +75,31 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "x": sample(),
         "t": sample(),
         "w": sample(),
-        "args": ["x", "k"] if counts else ["x"],
+        "args": args,
         "contexts": contexts,
     }
 
 
 def _references(case: dict[str, Any], f: Callable) -> dict[str, Any]:
     x, t, w, c = case["x"], case["t"], case["w"], case["contexts"]
+    float_context = case["args"] == ["x", "s"]
     if case["scalar"]:
-        return {"gradient": jax.grad(f)(x, *c)}
-    return {
+        refs = {"gradient": jax.grad(f)(x, *c)}
+        if float_context:  # with respect to x and the context: wrt / argnums (0, 1)
+            refs["gradient wrt (0, 1)"] = jax.grad(f, (0, 1))(x, *c)
+        return refs
+    refs = {
         "jacobian": jax.jacfwd(f)(x, *c),
         "pushforward": jax.jvp(lambda u: f(u, *c), (x,), (t,))[1],
         "pullback": jax.vjp(lambda u: f(u, *c), x)[1](w)[0],
     }
+    if float_context:  # with respect to the context alone: wrt / argnums 1
+        refs["jacobian wrt 1"] = jax.jacfwd(f, 1)(x, *c)
+    return refs
+
+
+#: the ``wrt`` (argnums) of an operator's name in the grid
+WRT = {"gradient wrt (0, 1)": (0, 1), "jacobian wrt 1": 1}
 
 
 def _served(call: Callable[..., Any]) -> Callable[[dict[str, Any], str], Any]:
@@ -93,6 +111,8 @@ def _served(call: Callable[..., Any]) -> Callable[[dict[str, Any], str], Any]:
             return call(op, x, (case["t"],), *c)[0]
         if op == "pullback":
             return call(op, x, (case["w"],), *c)[0]
+        if op in WRT:
+            return call(op.split()[0], x, None, *c, wrt=WRT[op])
         return call(op, x, None, *c)
 
     return door
@@ -107,6 +127,9 @@ def _traced(g: Callable) -> Callable[[dict[str, Any], str], Any]:
             return jax.grad(g)(x, *c)
         if op == "jacobian":
             return jax.jacfwd(g)(x, *c)
+        if op in WRT:
+            transform = jax.grad if op.startswith("gradient") else jax.jacfwd
+            return transform(g, WRT[op])(x, *c)
         if op == "pushforward":
             return jax.jvp(lambda u: g(u, *c), (x,), (t,))[1]
         return jax.vjp(lambda u: g(u, *c), x)[1](w)[0]
@@ -116,17 +139,21 @@ def _traced(g: Callable) -> Callable[[dict[str, Any], str], Any]:
 
 def _in_process(f: Callable) -> Callable[[dict[str, Any], str], Any]:
     return _served(
-        lambda op, x, tangents, *c: getattr(dxserve, op)(
-            f, "auto", x, *(() if tangents is None else (tangents,)), *c
+        lambda op, x, tangents, *c, wrt=None: getattr(dxserve, op)(
+            f, "auto", x, *(() if tangents is None else (tangents,)), *c, wrt=wrt
         )
     )
 
 
 def _nested(f: Callable) -> Callable[[dict[str, Any], str], Any]:
     def door(case: dict[str, Any], op: str) -> Any:
-        if op == "gradient":  # the operator itself under vmap (one point)
-            c = case["contexts"]
-            return jax.vmap(lambda u: dxserve.gradient(f, "auto", u, *c))(case["x"][None])[0]
+        c = case["contexts"]
+        if op in ("gradient", "gradient wrt (0, 1)"):  # the operator itself under vmap
+            wrt = WRT.get(op)
+            return jax.tree.map(
+                lambda v: v[0],
+                jax.vmap(lambda u: dxserve.gradient(f, "auto", u, *c, wrt=wrt))(case["x"][None]),
+            )
         return _traced(lambda u, *c: dxserve.value(f, "auto", u, *c))(case, op)
 
     return door
@@ -134,16 +161,16 @@ def _nested(f: Callable) -> Callable[[dict[str, Any], str], Any]:
 
 def _client(client: Client, name: str) -> Callable[[dict[str, Any], str], Any]:
     return _served(
-        lambda op, x, tangents, *c: getattr(client, op)(
-            name, "auto", x, *(() if tangents is None else (tangents,)), *c
+        lambda op, x, tangents, *c, wrt=None: getattr(client, op)(
+            name, "auto", x, *(() if tangents is None else (tangents,)), *c, wrt=wrt
         )
     )
 
 
 def _job(client: Client, name: str) -> Callable[[dict[str, Any], str], Any]:
     return _served(
-        lambda op, x, tangents, *c: getattr(client.submit, op)(
-            name, "auto", x, *(() if tangents is None else (tangents,)), *c
+        lambda op, x, tangents, *c, wrt=None: getattr(client.submit, op)(
+            name, "auto", x, *(() if tangents is None else (tangents,)), *c, wrt=wrt
         ).result(progress=False)
     )
 
