@@ -70,7 +70,7 @@ from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
-from .wrt import Selected, dotted, refuse_cotangent, select
+from .wrt import Dotted, Selected, dotted, refuse_cotangent, select
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
@@ -1027,8 +1027,9 @@ class PrepCache:
         self._resolved.clear()
 
     def forget(self, function: Callable) -> None:
-        self._items.discard_where(lambda key, _: key[0] is function)
-        for key in [key for key in list(self._resolved.keys()) if key[0] is function]:
+        """Drop the preps of ``function``, and of its ``wrt`` and cotangent wrappers."""
+        self._items.discard_where(lambda key, _: made_for(key[0], function))
+        for key in [k for k in list(self._resolved.keys()) if made_for(k[0], function)]:
             self._resolved.pop(key, None)
 
     def _grew(self, prep: Prep) -> None:
@@ -1040,6 +1041,13 @@ class PrepCache:
 
 
 CACHE = PrepCache()
+
+
+def made_for(f: Callable, function: Callable) -> bool:
+    """Is ``f`` ``function``, or a ``Selected``/``Dotted`` wrapper of it?"""
+    while f is not function and isinstance(f, Selected | Dotted):
+        f = f.f
+    return f is function
 
 
 @dataclass(slots=True)  # made per request: a frozen dataclass's __init__ costs ~2 us more

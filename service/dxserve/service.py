@@ -54,6 +54,7 @@ from .preparation import (
     Prep,
     PrepCache,
     lookup,
+    made_for,
     normalize,
     out_of_memory,
     prepare,
@@ -122,7 +123,7 @@ class PrepHandles:
         return prep
 
     def forget(self, function: Callable) -> None:
-        self._items.discard_where(lambda _, prep: prep.function is function)
+        self._items.discard_where(lambda _, prep: made_for(prep.function, function))
 
     def _grew(self, prep: Prep) -> None:
         self._items.remeasure(lambda _, held: held is prep)
