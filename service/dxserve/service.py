@@ -51,7 +51,17 @@ from .holomorphic import maybe as declare
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
-from .preparation import Lookup, Prep, PrepCache, lookup, normalize, out_of_memory, prepare
+from .preparation import (
+    Lookup,
+    Prep,
+    PrepCache,
+    lookup,
+    made_for,
+    normalize,
+    out_of_memory,
+    prepare,
+    with_cotangent,
+)
 from .registry import Registry
 from .request_batching import Batcher
 from .request_shapes import ShapeLimits
@@ -60,6 +70,7 @@ from .signature import Signature
 from .sparse_sandbox import ChildDetector, DetectionNeeded
 from .stores import open_store
 from .worker import DeviceWorker, Workers
+from .wrt import refuse_cotangent, select
 
 Action = Literal["compute", "write", "read"]
 
@@ -117,7 +128,7 @@ class PrepHandles:
         return prep
 
     def forget(self, function: Callable) -> None:
-        self._items.discard_where(lambda _, prep: prep.function is function)
+        self._items.discard_where(lambda _, prep: made_for(prep.function, function))
 
     def _grew(self, prep: Prep) -> None:
         self._items.remeasure(lambda _, held: held is prep)
@@ -348,6 +359,8 @@ class Service:
         hint: Hashable = None,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        wrt: Any = None,
+        cotangent: Any = None,
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
@@ -362,7 +375,10 @@ class Service:
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
         ``has_aux``: the function returns ``(output, aux)``; ``output`` is differentiated
-        and ``{"aux": ...}``, its aux at x, is one more result.
+        and ``{"aux": ...}``, its aux at x, is one more result. ``wrt``: the arguments
+        differentiated (``dxserve.wrt``: 0 is x, k is ``contexts[k-1]``; several give
+        tuples), ``batch_axis`` then applying to them. ``cotangent`` (the HVP family):
+        the HVPs of ``<cotangent, f>`` for an array-valued f (``preparation.with_cotangent``).
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
@@ -383,13 +399,22 @@ class Service:
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = entry or self.registry.loaded(function) or await self._load(function)
         ready_prep = self.handles.get(prep) if prep is not None else None
+        fn = entry.fn
+        if wrt is not None:  # the arguments wrt names become x: their signature is new
+            fn, x, contexts = select(fn, x, contexts, wrt)
+            signature = None
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
+            signature = None
         found = lookup(
-            op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts, ready_prep,
+            op.name, declare(fn, holomorphic), backend, x, tangents, contexts, ready_prep,
             self.cache, signature, batch_axis, has_aux,
         )
         # A batch is one job whose cost is its whole batch's: keyed apart from single
         # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic)
+        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic, wrt,
+               cotangent is not None)
         own_ticket = ticket is None
         ticket = self.budget.ticket() if ticket is None else ticket
         try:
@@ -557,16 +582,24 @@ class Service:
         batch_axis: int | None = None,
         has_aux: bool = False,
         holomorphic: bool = False,
+        wrt: Any = None,
+        cotangent: Any = None,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
         ``batch_axis=0`` prepares a batch of points, ``has_aux`` a function returning
-        ``(output, aux)`` (calls must say the same)."""
+        ``(output, aux)``, ``wrt`` the arguments differentiated (calls must say the same)."""
         op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        fn = entry.fn
+        if wrt is not None:
+            fn, x, contexts = select(fn, x, contexts, wrt)
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -575,7 +608,7 @@ class Service:
         def compile_it() -> Prep:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
-                    op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts,
+                    op.name, declare(fn, holomorphic), backend, x, tangents, contexts,
                     None, limit, limits, batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
@@ -714,12 +747,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
-        holomorphic: bool = False,
+        holomorphic: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux, holomorphic=holomorphic,
+            has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 
@@ -727,7 +760,7 @@ def _operator_method(op: OperatorSpec) -> Callable:
     method.__name__ = method.__qualname__ = op.name
     method.__doc__ = (
         f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None, "
-        "batch_axis=None, has_aux=False)``: "
+        "batch_axis=None, has_aux=False, wrt=None)``: "
         f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
     )
     return method

@@ -277,30 +277,31 @@ class _ClientBase(OperatorMethods):
     def _operator(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
-        progress: Any = None, has_aux: bool = False, *, holomorphic: bool = False,
+        progress: Any = None, has_aux: bool = False, *, holomorphic: bool = False, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
         if model is not None:
             return model.finish(operator, self._operator(
                 operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis,
-                progress, has_aux, holomorphic=holomorphic), has_aux)
+                progress, has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent), has_aux)
         if progress is not None and progress is not False:  # streamed: dxclient.progress
             call = _models.operator_call(
                 operator, f, backend, x, tangents, contexts, prep, self.encoding,
-                batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+                batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
             )
             return self._stream(operator, call, progress, has_aux)
         if prep is not None and prep.request is not None:
             def build(p: RemotePrep) -> Call:
                 return _models.operator_call(
                     operator, f, backend, x, tangents, contexts, p, self.encoding,
-                    batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+                    batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
                 )
 
             return self._run_prepared(operator, prep, build, has_aux)
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, prep, self.encoding,
-            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return self._run_operator(operator, call, has_aux)
 
@@ -322,14 +323,15 @@ class _ClientBase(OperatorMethods):
     def _prepare(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, batch_axis: int | None = None, has_aux: bool = False,
-        *, holomorphic: bool = False,
+        *, holomorphic: bool = False, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         model = models.model_call(x, tangents)
         if model is not None:
             x, tangents = model.x, model.tangents
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
-            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return self._run(call, self._url(call), _prep_answer, call)
 

@@ -187,6 +187,30 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             ),
         ),
     }
+    fields["wrt"] = (
+        int | list[int] | None,
+        Field(
+            None,
+            description="The arguments differentiated, numbered as JAX's argnums: 0 is x, "
+            "k is contexts[k-1]. null: x. One number k: argument k alone (results and "
+            "tangents shaped like it). A list: those arguments together, results and "
+            "tangents as `__tuple__`s with one entry per argument, in the list's order; "
+            "batch_axis then applies to them, the others shared. Integer and key "
+            "arguments cannot be named (422 naming `wrt`)",
+            examples=[[0, 1]],
+        ),
+    )
+    if op.family == "hvp":
+        fields["cotangent"] = (
+            Array | None,
+            Field(
+                None,
+                description="For an array-valued function: the HVPs (and gradient) of "
+                "<cotangent, f>, shaped like f(x): the derivative in x of f's pullback of "
+                "the cotangent (a JVP of the VJP), second order of array-valued functions. "
+                "null: f itself, scalar-valued",
+            ),
+        )
     if op.aux:
         fields["has_aux"] = (
             bool,
