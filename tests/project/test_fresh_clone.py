@@ -1,5 +1,6 @@
 """From a fresh clone, as a newcomer would: ``make serve`` sets everything up (no test
-tools), the server answers the README's curl, and its log names the functions it serves.
+tools), the server answers the README's curl, and its log names the functions it serves,
+the store's path and the API's pages, without install banners or warnings.
 Prints the time to the first gradient (clone, install, start, answer)."""
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def test_make_serve_from_a_fresh_clone_answers_the_readme_curl(tmp_path: Path) -
         served = (tmp_path / "serve.log").read_text()
         for name in ("rosenbrock", "sin_cumsum", "tanh_layer"):
             assert name in served, served[-3000:]
+        # a quiet log that says where things are: no setuptools banner from the project's
+        # own editable install, the store's full path, where the API's pages are
+        assert "BuildBackendWarning" not in served and "editable mode" not in served, served
+        assert "Deprecat" not in served, served
+        assert f"store: {clone / 'dxserve-store'} (the default)" in served, served[-3000:]
+        assert f"API documentation: {url}/docs" in served, served[-3000:]
+        assert "not pruned" not in served and "Unable to initialize backend" not in served
         pip = subprocess.run(
             [str(clone / ".venv/bin/python"), "-m", "pip", "show", "pytest"],
             capture_output=True,
