@@ -9,7 +9,8 @@
   shapes it requires; a string dimension is symbolic), ``example`` (a module function's
   registered example), ``annotations`` (its parameter annotations) or ``probe`` (an
   expression evaluated on small arrays at registration); null when unknown;
-* ``operators``: the operators these shapes allow (all of them when unknown or probed);
+* ``operators``: the operators these shapes allow (all of them when unknown; for an
+  expression, those that some shapes it was traced on allow);
 * ``example``: ``{"path", "body"}``, a request to POST as it is, or null.
 
 Shapes are JSON tree specs (``dxcontract.bundle.tree_spec``): ``{"shape": [3], "dtype":
@@ -160,8 +161,18 @@ def _shape_of(spec: Any) -> dict[str, Any]:
 
 
 def _operators(known: dict[str, Any] | None) -> list[str]:
-    # a probe's shapes are one guess among many (W @ x on two vectors is a scalar)
+    # a probe's shapes are one guess among many (W @ x on two vectors is a scalar): it
+    # lists what every shape it found allows
+    if known is not None and isinstance(known.get("operators"), list):
+        return [op for op in OPERATORS if op in known["operators"]]
     if known is None or known.get("from") == "probe":
+        return list(OPERATORS)
+    return allowed_operators(known)
+
+
+def allowed_operators(known: dict[str, Any] | None) -> list[str]:
+    """The operators that the shapes of ``known`` (``facts``) allow: all when unknown."""
+    if known is None:
         return list(OPERATORS)
     x, y = known["x"], known.get("output")
     x_array, y_array = "shape" in x, isinstance(y, dict) and "shape" in y
@@ -180,7 +191,11 @@ def _operators(known: dict[str, Any] | None) -> list[str]:
 def _example(name: str, known: dict[str, Any] | None, operators: list[str]) -> dict | None:
     if known is None:
         return None
-    operator = next((op for op in ("gradient", "jacobian", "value") if op in operators), None)
+    # the operator the shown shapes allow (a probe's list may hold others' operators)
+    fits = allowed_operators(known)
+    operator = next(
+        (op for op in ("gradient", "jacobian", "value") if op in operators and op in fits), None
+    )
     if operator is None or _elements(known["x"], known["contexts"]) > MAX_EXAMPLE_ELEMENTS:
         return None
     given = known.get("example")

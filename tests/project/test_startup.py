@@ -113,3 +113,33 @@ def test_help_states_the_store_default() -> None:
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "Default: dxserve-store in the working directory" in text, text
+
+
+def test_help_imports_no_jax() -> None:
+    """``dxserve --help`` answers at once: building the parser and printing help load
+    neither JAX nor the server (no timing here: what is imported is what costs)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "import dxserve.cli\n"
+        "parser = dxserve.cli.build_parser()\n"
+        "for argv in (['--help'], ['serve', '--help'], ['ray', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        dxserve.cli.main(argv)\n"
+        "heavy = sorted(m for m in ('jax', 'jaxlib', 'torch', 'fastapi', 'uvicorn')\n"
+        "               if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_lazy_names_are_the_operators() -> None:
+    import dxserve
+    import dxserve.operators
+
+    assert set(dxserve._OPERATOR_NAMES) == set(dxserve.operators.__all__)
+    for name in dxserve.__all__:
+        assert getattr(dxserve, name) is not None, name
+    assert "gradient" in dir(dxserve)
