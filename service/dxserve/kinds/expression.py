@@ -85,7 +85,9 @@ def probe(fn: Any, n_args: int) -> dict[str, Any] | None:
             working.append(found)
     if not working:
         return None
-    scalar = [f for f in working if isinstance(f["output"], dict) and f["output"].get("shape") == []]
+    scalar = [
+        f for f in working if isinstance(f["output"], dict) and f["output"].get("shape") == []
+    ]
     chosen = dict((scalar or working)[0])
     operators = {op for f in working for op in allowed_operators(f)}
     chosen["operators"] = [op for op in allowed_operators(None) if op in operators]
