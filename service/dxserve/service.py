@@ -303,6 +303,11 @@ class Service:
         """Is ``token`` one of the configured tokens? False when none is configured."""
         return any(hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens)
 
+    @property
+    def takes_tokens(self) -> bool:
+        """Is a bearer token configured (``DXSERVE_TOKEN``, ``DXSERVE_TOKENS_FILE``)?"""
+        return bool(self._tokens)
+
     def anonymous_writes(self) -> bool:
         """May callers without a token register and delete functions? Only with no token
         configured, on a loopback address or with ``allow_anonymous_registration``."""

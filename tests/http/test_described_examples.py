@@ -78,3 +78,18 @@ def test_an_expression_with_a_matrix_output_does_not_offer_a_gradient(
     firsts = httpx.get(described.url + "/functions/firsts").json()  # never a scalar output
     assert "gradient" not in firsts["operators"], firsts
     assert firsts["example"]["path"] == "/jacobian", firsts
+
+
+def test_the_list_is_a_summary_and_details_are_one_step_away(described: ServerProcess) -> None:
+    listed = httpx.get(described.url + "/functions")
+    functions = listed.json()["functions"]
+    assert all(set(f) == {"name", "kind", "description", "href"} for f in functions)
+    # a few hundred bytes a function, not every description's shapes and example
+    assert len(listed.content) < 400 * len(functions), len(listed.content)
+    for f in functions[:3]:
+        assert httpx.get(described.url + f["href"]).json()["name"] == f["name"]
+    detailed = httpx.get(described.url + "/functions", params={"details": "true"}).json()
+    assert [f["name"] for f in detailed["functions"]] == [f["name"] for f in functions]
+    assert all("operators" in f for f in detailed["functions"])
+    with Client(described.url) as client:
+        assert {f.name for f in client.functions()} == {f["name"] for f in functions}

@@ -475,8 +475,14 @@ def test_module_function_describes_itself(server: ServerProcess) -> None:
     assert "sparsity" not in squares["operators"]  # a pytree x
     assert set(_post_example(server.url, squares)["gradient"]) == {"w", "b"}
     # the list has the same descriptions
+    detailed = httpx.get(server.url + "/functions", params={"details": "true"}).json()
+    assert {f["name"]: f for f in detailed["functions"]}["normal_logpdf"] == d
+    # the plain list is a summary, with the address of each description
     listed = {f["name"]: f for f in httpx.get(server.url + "/functions").json()["functions"]}
-    assert listed["normal_logpdf"] == d
+    assert listed["normal_logpdf"] == {
+        "name": "normal_logpdf", "kind": "module", "description": d["description"],
+        "href": "/functions/normal_logpdf",
+    }
 
 
 def test_expression_describes_itself(server: ServerProcess) -> None:

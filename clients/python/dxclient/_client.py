@@ -378,7 +378,7 @@ class _ClientBase(OperatorMethods):
     @_plan
     def functions(self) -> Plan[list[RemoteFunction]]:
         """Every registered function."""
-        response = yield _get("/functions")
+        response = yield _get("/functions?details=true")
         return [_models.function_from(o) for o in response.json()["functions"]]
 
     @_plan
