@@ -78,3 +78,15 @@ def test_tanh_layer_with_a_bad_W_names_contexts_0_W(door: ServerProcess) -> None
     assert np.asarray(wide.json()["jacobian"]).shape == (5, 4)
     d = httpx.get(door.url + "/functions/tanh_layer").json()
     assert d["shapes_from"] == "example"
+
+
+def test_an_annotation_that_declares_nothing_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    from dxserve.kinds.module import MODULE
+
+    def f(x: "float64[3]"):  # noqa: F722, F821, UP037 - a string form dxserve does not read
+        return (x**2).sum()
+
+    with caplog.at_level("WARNING", logger="dxserve.registry"):
+        built = MODULE.wrap(f)
+    assert built.facts is None
+    assert "annotations declare no shapes" in caplog.text and "Float[Array" in caplog.text
