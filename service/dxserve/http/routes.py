@@ -59,8 +59,11 @@ async def list_functions(request: Request, details: bool = False) -> Any:
     lists the full descriptions instead, as ``GET /functions/{name}`` gives each."""
     authorize(request, "read")
     functions = service_of(request).functions()
-    if details:  # each already what GET /functions/{name} answers
-        return JSONResponse({"functions": functions})
+    if details:  # each as GET /functions/{name} answers it (its model's fields)
+        from .schemas import FunctionInfoModel
+
+        full = [FunctionInfoModel.model_validate(f).model_dump(mode="json") for f in functions]
+        return JSONResponse({"functions": full})
     return {
         "functions": [
             {"name": f["name"], "kind": f["kind"], "description": f["description"],
