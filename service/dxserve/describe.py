@@ -171,12 +171,19 @@ def _jaxtyping_spec(note: Any, scope: _SymbolicScope) -> int | None:
 
 
 def declared_shapes_problem(
-    facts: dict[str, Any] | None, names: Sequence[str], x: Any, contexts: Sequence[Any]
+    facts: dict[str, Any] | None,
+    names: Sequence[str],
+    x: Any,
+    contexts: Sequence[Any],
+    signature: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
     """``(field, detail)`` when an argument's shape is not the one its function declares
-    (``facts`` from its annotations); None when they agree or nothing is declared.
+    (``facts`` from its annotations, or an upload's signature); None when they agree or
+    nothing is declared (pytrees are left to the upload's own leaf checks).
     Example shapes are only an example and are not checked here (``example_shapes_hint``)."""
-    if not isinstance(facts, dict) or facts.get("from") != "annotations":
+    source = {"annotations": "its annotations", "export": "its upload's signature"}
+    facts = _known(signature or {}, facts)  # an upload's shapes are in its signature
+    if not isinstance(facts, dict) or facts.get("from") not in source:
         return None
     found = _first_difference(facts, x, contexts)
     if found is None:
@@ -185,15 +192,20 @@ def declared_shapes_problem(
     field, who = _argument(i, names)
     return field, (
         f"{who} has shape {_shape_words(given)}, but the function declares "
-        f"{_shape_words(declared)} (its annotations); send an array of that shape"
+        f"{_shape_words(declared)} ({source[facts['from']]}); send an array of that shape"
     )
 
 
 def example_shapes_hint(
-    facts: dict[str, Any] | None, names: Sequence[str], x: Any, contexts: Sequence[Any]
+    facts: dict[str, Any] | None,
+    names: Sequence[str],
+    x: Any,
+    contexts: Sequence[Any],
+    signature: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
     """``(field, words)`` naming the argument whose shape differs from the function's
     example (or declaration), for an evaluation that failed; None if all agree."""
+    facts = _known(signature or {}, facts)
     if not isinstance(facts, dict) or not isinstance(facts.get("x"), dict):
         return None
     found = _first_difference(facts, x, contexts)

@@ -379,7 +379,7 @@ class Service:
         names = entry.signature.get("args") if isinstance(entry.signature, dict) else None
         names = names if isinstance(names, list) else []
         if batch_axis is None:  # declared shapes are a contract: refused at the door
-            problem = declared_shapes_problem(entry.facts, names, x, contexts)
+            problem = declared_shapes_problem(entry.facts, names, x, contexts, entry.signature)
             if problem is not None:
                 raise ShapeMismatchError(problem[1], field=problem[0])
         ready_prep = self.handles.get(prep) if prep is not None else None
@@ -407,7 +407,7 @@ class Service:
                     ticket.release()
         except FunctionEvaluationError as exc:
             named = None if batch_axis is not None else example_shapes_hint(
-                entry.facts, names, x, contexts
+                entry.facts, names, x, contexts, entry.signature
             )
             if named is None:
                 raise

@@ -93,3 +93,15 @@ def test_the_list_is_a_summary_and_details_are_one_step_away(described: ServerPr
     assert all("operators" in f for f in detailed["functions"])
     with Client(described.url) as client:
         assert {f.name for f in client.functions()} == {f["name"] for f in functions}
+
+
+def test_an_uploads_shapes_are_enforced_naming_the_argument(described: ServerProcess) -> None:
+    """An upload's signature is a contract: a symbolic (n,) is any length, not a matrix."""
+    r = httpx.post(described.url + "/gradient", json={"function": "my_rosen",
+                                                      "x": [[1.0, 2.0], [3.0, 4.0]]})  # fmt: skip
+    assert r.status_code == 422, r.text
+    problem = r.json()
+    assert problem["field"] == "x", problem
+    assert problem["detail"].startswith("x has shape (2, 2), but the function declares (n,)")
+    ok = httpx.post(described.url + "/gradient", json={"function": "my_rosen", "x": [1.0] * 7})
+    assert ok.status_code == 200, ok.text
