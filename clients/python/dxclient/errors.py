@@ -31,3 +31,7 @@ class ServerUnreachableError(DxError, httpx.ConnectError):
         self.url = url
         self.tries = tries
         self.retries = retries
+
+
+#: The client's own errors: raised where no answer came, never sent by a server.
+CLIENT_ONLY: tuple[type[DxError], ...] = (ServerUnreachableError,)
