@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from typing import Any
 
 import numpy as np
@@ -159,7 +160,19 @@ class Family:
     build: Builder
 
 
-FAMILIES: dict[str, Family] = {}
+class _Families(dict):
+    """The registered families. Each operator module registers its own when it loads;
+    a lookup before any has loaded (a server that never imported ``dxserve.operators``,
+    since ``import dxserve`` loads it lazily) loads them all first."""
+
+    def __missing__(self, name: str) -> Family:
+        import_module(f"{__package__}.operators")
+        if name in self:
+            return self[name]
+        raise KeyError(name)
+
+
+FAMILIES: dict[str, Family] = _Families()
 
 
 def register_family(family: Family) -> Family:

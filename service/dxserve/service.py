@@ -31,7 +31,9 @@ from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
+    FunctionEvaluationError,
     OverloadedError,
+    ShapeMismatchError,
     UnauthorizedError,
     UnknownPreparationError,
 )
@@ -46,6 +48,7 @@ from .backends.sparse import BCOO, sparse_wire
 from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .compiling import Compiler
+from .describe import declared_shapes_problem, example_shapes_hint
 from .export_gate import ExportGate, GateConfig
 from .holomorphic import maybe as declare
 from .jobs import Job, JobCancelled
@@ -319,6 +322,11 @@ class Service:
         """Is ``token`` one of the configured tokens? False when none is configured."""
         return any(hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens)
 
+    @property
+    def takes_tokens(self) -> bool:
+        """Is a bearer token configured (``DXSERVE_TOKEN``, ``DXSERVE_TOKENS_FILE``)?"""
+        return bool(self._tokens)
+
     def anonymous_writes(self) -> bool:
         """May callers without a token register and delete functions? Only with no token
         configured, on a loopback address or with ``allow_anonymous_registration``."""
@@ -398,7 +406,14 @@ class Service:
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = entry or self.registry.loaded(function) or await self._load(function)
+        names = entry.signature.get("args") if isinstance(entry.signature, dict) else None
+        names = names if isinstance(names, list) else []
+        if batch_axis is None:  # declared shapes are a contract: refused at the door
+            problem = declared_shapes_problem(entry.facts, names, x, contexts, entry.signature)
+            if problem is not None:
+                raise ShapeMismatchError(problem[1], field=problem[0])
         ready_prep = self.handles.get(prep) if prep is not None else None
+        sent_x, sent_contexts = x, contexts  # as the request named them (for messages)
         fn = entry.fn
         if wrt is not None:  # the arguments wrt names become x: their signature is new
             fn, x, contexts = select(fn, x, contexts, wrt)
@@ -407,26 +422,37 @@ class Service:
             refuse_cotangent(op.name, has_aux)
             fn, contexts = with_cotangent(fn, x, contexts, cotangent)
             signature = None
-        found = lookup(
-            op.name, declare(fn, holomorphic), backend, x, tangents, contexts, ready_prep,
-            self.cache, signature, batch_axis, has_aux,
-        )
-        # A batch is one job whose cost is its whole batch's: keyed apart from single
-        # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic, wrt,
-               cotangent is not None)
-        own_ticket = ticket is None
-        ticket = self.budget.ticket() if ticket is None else ticket
         try:
-            results = await self._call(op, found, key, ticket, info=info, job=job, timeout=timeout)
-        except BaseException:  # a deadline, or the caller gone: stop at the next chunk
-            if job is not None:
-                job.cancel()
-            raise
-        finally:
-            ticket.computed()
-            if own_ticket:
-                ticket.release()
+            found = lookup(
+                op.name, declare(fn, holomorphic), backend, x, tangents, contexts, ready_prep,
+                self.cache, signature, batch_axis, has_aux,
+            )
+            # A batch is one job whose cost is its whole batch's: keyed apart from single
+            # points, so its expected cost never comes from (nor is taken for) theirs.
+            key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic, wrt,
+                   cotangent is not None)
+            own_ticket = ticket is None
+            ticket = self.budget.ticket() if ticket is None else ticket
+            try:
+                results = await self._call(
+                    op, found, key, ticket, info=info, job=job, timeout=timeout
+                )
+            except BaseException:  # a deadline, or the caller gone: stop at the next chunk
+                if job is not None:
+                    job.cancel()
+                raise
+            finally:
+                ticket.computed()
+                if own_ticket:
+                    ticket.release()
+        except FunctionEvaluationError as exc:
+            named = None if batch_axis is not None else example_shapes_hint(
+                entry.facts, names, sent_x, sent_contexts, entry.signature
+            )
+            if named is None:
+                raise
+            # the argument whose shape is new, in words, before JAX's own text
+            raise FunctionEvaluationError(f"{named[1]}: {exc.detail}", field=named[0]) from exc
         if info is not None:
             info.call_end = time.perf_counter()
         return results

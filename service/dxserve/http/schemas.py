@@ -359,8 +359,18 @@ class FunctionInfoModel(BaseModel):
     example: ExampleRequest | None = Field(None, description="A request to try, where shapes are known")
 
 
+class FunctionSummary(BaseModel):
+    name: str
+    kind: str = Field(json_schema_extra=_kind_names)
+    description: str
+    href: str = Field(description="Its full description: `GET /functions/{name}`")
+
+
 class FunctionList(BaseModel):
-    functions: list[FunctionInfoModel]
+    functions: list[FunctionSummary] = Field(
+        description="By name; with `?details=true`, each function's full description "
+        "(what `GET /functions/{name}` answers) instead"
+    )
 
 
 class PrepareResponse(BaseModel):
