@@ -330,17 +330,21 @@ class Prep:
 
         if not self.traced:
             return self._packed(run, results, tangents)
-        # the tangents stacked, one argument per leaf: compile time independent of k
-        packed = packing.pack(tangents, self.signature.batch_axis)
+        batch_axis = self.signature.batch_axis
+        batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
+        one = tangents is not None and len(tangents) == 1 and not chunk and only is None
+        if one:  # one tangent: passed and answered as it is, nothing stacked or cut
+            program, args = packing.single(run, batched, batch_axis), tangents[0]
+        else:  # the tangents stacked, one argument per leaf: compile time independent of k
+            program, args = run, packing.pack(tangents, batch_axis)
         key = self.framework.executable_key(
-            self.function, self.resolved, results, x, packed, contexts,
-            self.signature.batch_axis,
+            self.function, self.resolved, results, x, args, contexts, batch_axis,
         )
         start = time.perf_counter()
         try:
-            exe = self._packed(
-                self.compiler.compile(run, (x, packed, contexts), key), results, tangents
-            )
+            compiled = self.compiler.compile(program, (x, args, contexts), key)
+            exe = (packing.Single(compiled, batched) if one
+                   else self._packed(compiled, results, tangents))
         except DxError:
             raise
         except Exception as exc:
@@ -1190,7 +1194,7 @@ def call(
         from_host = getattr(prep.framework, "from_host", None)
         if from_host is not None:  # a framework whose programs answer on the host (torch)
             out = from_host(out)
-        elif found.tangents is not None and prep.traced:
+        elif found.tangents is not None and prep.traced and len(found.tangents) > 1:
             out = _on_device(prep.framework, prep.results(found.operator), out)
     return returned(OPERATORS[operator], out, prep.has_aux)
 
