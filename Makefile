@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # editable installs of the three packages of this repository (the contract, the client,
 # the server), without any extra
-SERVE_INSTALL := $(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e ./clients/python -e .
+SERVE_INSTALL := $(PY) -m pip install -q -e ./contract -e ./clients/python -e .
 SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
@@ -23,7 +23,7 @@ $(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e './clients/python[test,jax]' -e '.[test]'
+	$(PY) -m pip install -q -e ./contract -e './clients/python[test,jax]' -e '.[test]'
 	touch $(STAMP)
 
 serve: $(SERVE_STAMP)
@@ -47,7 +47,7 @@ TORCH_STAMP := $(TORCH_VENV)/.installed
 $(TORCH_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.toml
 	test -x $(TORCH_PY) || $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_PY) -m pip install -q --upgrade pip
-	$(TORCH_PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e './clients/python[test,jax]' -e '.[test,torch]'
+	$(TORCH_PY) -m pip install -q -e ./contract -e './clients/python[test,jax]' -e '.[test,torch]'
 	touch $(TORCH_STAMP)
 
 test-torch: $(TORCH_STAMP)
@@ -69,7 +69,7 @@ test-protocol: $(STAMP)
 # Debian's binaries), --workers, and a local Ray cluster: the extras they need first.
 CLUSTER_STAMP := $(VENV)/.installed-cluster
 $(CLUSTER_STAMP): $(STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e '.[test,postgres,ray]'
+	$(PY) -m pip install -q -e ./contract -e '.[test,postgres,ray]'
 	touch $(CLUSTER_STAMP)
 
 test-cluster: $(CLUSTER_STAMP)
@@ -86,7 +86,7 @@ docker-test: $(STAMP)
 # page or an API reference that no longer resolves fails the build.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q --config-settings editable_mode=compat -e ./contract -e '.[docs]'
+	$(PY) -m pip install -q -e ./contract -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

@@ -28,6 +28,23 @@ REPO = Path(__file__).resolve().parents[1]
 FUNCTION_MODULES: tuple[str, ...] = ("dxserve.examples", "tests.scenarios")
 STARTUP_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
+#: httpx's default for every test client that does not choose its own: as long as the
+#: server's own deadline (``Settings.request_timeout``), not httpx's 5 s, which a
+#: loaded machine passes on a slow but healthy answer. Set through the functions'
+#: keyword defaults, so ``httpx.get(url)`` and ``httpx.Client()`` take it alike.
+HTTP_TIMEOUT = httpx.Timeout(300.0)
+
+
+def _test_http_timeout() -> None:
+    for fn in (httpx.request, httpx.stream, httpx.get, httpx.post, httpx.put, httpx.patch,
+               httpx.delete, httpx.head, httpx.options, httpx.Client.__init__,
+               httpx.AsyncClient.__init__):
+        fn = getattr(fn, "__wrapped__", fn)  # httpx.stream is a context manager's
+        if fn.__kwdefaults__ and "timeout" in fn.__kwdefaults__:
+            fn.__kwdefaults__["timeout"] = HTTP_TIMEOUT
+
+
+_test_http_timeout()
 
 
 @dataclass

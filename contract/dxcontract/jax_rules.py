@@ -24,10 +24,15 @@ tracing the function:
   (``Caller.derivatives``), those are linear maps too: second order of an array-valued
   function.
 
-A derivative the caller does not serve (third order; second order of an array-valued
-function without ``derivatives``) raises ``TypeError(caller.beyond)`` at trace time
-rather than returning a wrong zero. A derivative with respect to a context raises
-``TypeError(caller.fixed)``, or is zero where ``fixed`` is None.
+Every floating-point argument is differentiated, x and contexts alike: a rule sees
+which arguments its JVP moves (JAX's ``argnums``, from the tangents that are not
+symbolic zeros) and asks the caller for the derivatives in those, with ``wrt``
+(``dxcontract.arguments``): ``value_and_gradient`` and the linear maps over a tuple of
+those arguments, and for the gradient's own derivative one ``hvp`` over the arguments
+of both (its mixed blocks). A derivative the caller does not serve (third order;
+second order of an array-valued function without ``derivatives``, or of a linear map
+in an argument it holds fixed) raises ``TypeError(caller.beyond)`` (or ``fixed``) at
+trace time rather than returning a wrong zero.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir
 
+from .arguments import Wrt, argument_name, merge, positions, split
+
 #: The name of the linear-map primitive (what a program that holds one shows).
 LINEAR_MAP = "dx_linear_map"
 
@@ -59,6 +66,9 @@ class Caller(Protocol):
     ``batch_axis=0``, x and the tangents lead with an axis of points, contexts shared.
     ``batch_op(op, x, tangents, contexts, batch_axis)`` returns one result per tangent:
     ``hvp``, ``pushforward``, ``pullback``, and the ops ``derivatives`` names.
+    ``wrt`` (``dxcontract.arguments``): the arguments differentiated, as the operators
+    take it; the gradient, tangents and results are then tuples over them, and
+    ``batch_axis`` applies to those arguments, the others shared.
     """
 
     #: ``value_and_gradient`` and ``batch_op`` take traced arrays and return JAX
@@ -68,22 +78,26 @@ class Caller(Protocol):
     value_traces: bool
     #: the message of the ``TypeError`` for a derivative the caller does not serve
     beyond: str
-    #: the message of the ``TypeError`` for a derivative with respect to a context;
-    #: None: contexts are not differentiated (their tangents are ignored)
+    #: the message of the ``TypeError`` for a derivative of a linear map with respect
+    #: to a context (None: ``beyond``'s); the function itself is differentiated in any
+    #: floating-point argument, through ``wrt``
     fixed: str | None
     #: for a linear map ``op``, ``(d, d_transpose)``: the ops of its derivative with
     #: respect to x, as a linear map of x's tangent (the map's own tangent becomes the
     #: first context), and of that map's transpose
     derivatives: Mapping[str, tuple[str, str]]
 
-    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any: ...
+    def value(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Wrt | None = None
+    ) -> Any: ...
 
     def value_and_gradient(
-        self, x: Any, contexts: tuple, batch_axis: int | None = None
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Wrt | None = None
     ) -> tuple[Any, Any]: ...
 
     def batch_op(
-        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        wrt: Wrt | None = None,
     ) -> list: ...
 
 
@@ -111,20 +125,28 @@ class Function:
     def __call__(self, x: Any, *contexts: Any) -> Any:
         x = jax.tree.map(jnp.asarray, x)
         contexts = tuple(jax.tree.map(jnp.asarray, c) for c in contexts)
-        out = self._result_shape(x, contexts)
+        # typed PRNG keys cross the callbacks as their words (uint32), made keys again
+        # on the caller's side (``_Keys``)
+        contexts, keys = _key_words(contexts)
+        caller = self.caller if keys is None else _Keys(self.caller, *keys)
+        out = self._result_shape(x, contexts, caller, keys)
         x_struct = _struct(x)
         leaves, tree = jax.tree.flatten((out, x_struct, _struct(contexts)))
-        key = (tree, tuple(leaves))
+        key = (tree, tuple(leaves), None if keys is None else keys[1])
         g = self._rules.get(key)
         if g is None:
-            g = self._rules[key] = _rules(self.caller, out, x_struct)
+            g = self._rules[key] = _rules(caller, out, x_struct)
         return g(x, *contexts)
 
-    def _result_shape(self, x: Any, contexts: tuple) -> Any:
+    def _result_shape(
+        self, x: Any, contexts: tuple, caller: Caller | None = None, keys: Any = None
+    ) -> Any:
         if self.result_shape is not None:
             return self.result_shape
+        caller = self.caller if caller is None else caller
         key = (jax.tree.structure((x, contexts)),
-               tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves((x, contexts))))
+               tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves((x, contexts))),
+               None if keys is None else keys[1])
         out = self._shapes.get(key)
         if out is None:
             def concrete(a: Any) -> np.ndarray:
@@ -132,13 +154,65 @@ class Function:
                     return np.zeros(np.shape(a), a.dtype)
                 return np.asarray(a)
 
-            y = self.caller.value(
+            y = caller.value(
                 jax.tree.map(concrete, x), tuple(jax.tree.map(concrete, c) for c in contexts)
             )
             out = self._shapes[key] = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), y
             )
         return out
+
+
+def _key_words(contexts: tuple) -> tuple[tuple, tuple[Any, tuple] | None]:
+    """``(contexts with each typed PRNG key as its words, (their structure, each leaf's
+    key impl or None))``; ``(contexts, None)`` when they hold no key."""
+    leaves, tree = jax.tree.flatten(contexts)
+    impls = tuple(
+        str(jax.random.key_impl(v)) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        else None
+        for v in leaves
+    )
+    if all(i is None for i in impls):
+        return contexts, None
+    words = [v if i is None else jax.random.key_data(v) for v, i in zip(leaves, impls, strict=True)]
+    return jax.tree.unflatten(tree, words), (tree, impls)
+
+
+class _Keys:
+    """``caller`` given its typed PRNG keys back: the contexts it is handed (the last
+    ones, after a derivative map's own tangent) hold their words; each is wrapped into
+    a key of its impl (``jax.random.wrap_key_data``) before the caller sees it."""
+
+    def __init__(self, caller: Caller, tree: Any, impls: tuple) -> None:
+        self.caller, self.tree, self.impls = caller, tree, impls
+        self.count = len(jax.tree.unflatten(tree, [0] * len(impls)))  # the contexts
+        self.traces, self.value_traces = caller.traces, caller.value_traces
+        self.beyond, self.fixed = caller.beyond, caller.fixed
+        self.derivatives = caller.derivatives
+        self.derivatives_take_wrt = getattr(caller, "derivatives_take_wrt", False)
+
+    def _keys(self, contexts: tuple, batch_axis: int | None = None) -> tuple:
+        head, own = contexts[: len(contexts) - self.count], contexts[len(contexts) - self.count :]
+        leaves = jax.tree.leaves(tuple(own))
+        wrapped = [
+            v if impl is None else jax.random.wrap_key_data(np.asarray(v), impl=impl)
+            for v, impl in zip(leaves, self.impls, strict=True)
+        ]
+        return (*head, *jax.tree.unflatten(self.tree, wrapped))
+
+    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None, **kw: Any) -> Any:
+        return self.caller.value(x, self._keys(contexts), batch_axis, **kw)
+
+    def value_and_gradient(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, **kw: Any
+    ) -> tuple[Any, Any]:
+        return self.caller.value_and_gradient(x, self._keys(contexts), batch_axis, **kw)
+
+    def batch_op(
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        **kw: Any,
+    ) -> list:
+        return self.caller.batch_op(op, x, tangents, self._keys(contexts), batch_axis, **kw)
 
 
 def apply(caller: Caller, out: Any, x: Any, contexts: tuple) -> Any:
@@ -148,7 +222,7 @@ def apply(caller: Caller, out: Any, x: Any, contexts: tuple) -> Any:
 
 def value_and_gradient(caller: Caller, out: Any, x: Any, contexts: tuple) -> tuple[Any, Any]:
     """``(g(x), ∇g(x))`` for a scalar ``g``: the gradient's JVP is ``caller``'s hvp."""
-    return _value_and_gradient_rules(caller, out, _struct(x))(x, *contexts)
+    return _value_and_gradient_rules(caller, out, 0)(x, *contexts)
 
 
 def _rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
@@ -263,20 +337,79 @@ def _flatten_points(tree: Any, nb: int, batch: tuple[int, ...]) -> Any:
     return jax.tree.map(flat, tree)
 
 
-def _tangent_of_x(caller: Caller, tangents: tuple) -> Any:
-    """x's tangent (symbolic zeros made zeros), None where x is not perturbed; raises
-    ``caller.fixed`` for a perturbed context."""
-    tx, *tc = tangents
-    if caller.fixed is not None and any(
-        not isinstance(t, SymbolicZero) for t in jax.tree.leaves(tc)
-    ):
-        raise TypeError(caller.fixed)
-    leaves = jax.tree.leaves(tx)
-    if all(isinstance(t, SymbolicZero) for t in leaves):
-        return None
-    return jax.tree.map(
-        lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, tx
+def _perturbed(tangents: Sequence[Any]) -> tuple[int, ...]:
+    """The positions of the arguments whose tangent is not all symbolic zeros: those a
+    JVP moves (JAX's ``argnums`` of the transformation around)."""
+    return tuple(
+        k for k, t in enumerate(tangents)
+        if any(not isinstance(v, SymbolicZero) for v in jax.tree.leaves(t))
     )
+
+
+def _instantiate(tangent: Any) -> Any:
+    """``tangent`` with its symbolic zeros made arrays of zeros."""
+    return jax.tree.map(
+        lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, tangent
+    )
+
+
+def _wrt_of(active: tuple[int, ...]) -> Wrt:
+    """``wrt`` for the arguments ``active`` names: 0 for x alone (x itself, not a tuple)."""
+    return 0 if active == (0,) else active
+
+
+def _selection(caller: Caller, wrt: Wrt) -> Caller:
+    """``caller`` differentiating the arguments ``wrt`` names (itself for x alone)."""
+    return caller if wrt == 0 else _Selected(caller, wrt)
+
+
+class _Selected:
+    """``caller``'s function as one of the arguments ``wrt`` names (a tuple, ``xs``) and
+    the others (``rest``): ``g(xs, *rest)``. Each call puts the arguments back in their
+    places and asks the caller with ``wrt``, so its results for ``xs`` are tuples."""
+
+    def __init__(self, caller: Caller, wrt: tuple[int, ...]) -> None:
+        self.caller, self.wrt = caller, wrt
+        self.traces, self.value_traces = caller.traces, caller.value_traces
+        names = ", ".join(argument_name(k) for k in wrt)
+        self.beyond = (
+            f"{caller.beyond}; with respect to {names} (not x alone) the second "
+            "derivatives of an array-valued function are not available either"
+        )
+        #: a map's derivative in an argument held fixed: not served (see ``_linear_jvp``)
+        self.fixed = (
+            f"{caller.beyond}; a derivative of the linear maps taken with respect to "
+            f"{names} in the direction of another argument is not available either: "
+            "differentiate with respect to all of them at once"
+        )
+        # a caller whose derivative maps take wrt (``derivatives_take_wrt``) serves them
+        # for these arguments too; for another they are not available
+        self.derivatives: Mapping[str, tuple[str, str]] = (
+            caller.derivatives if getattr(caller, "derivatives_take_wrt", False) else {}
+        )
+        self.derivatives_take_wrt = False
+
+    def _args(self, xs: Any, rest: tuple) -> tuple[Any, tuple]:
+        x, *contexts = merge(xs, rest, self.wrt)
+        return x, tuple(contexts)
+
+    def value(self, xs: Any, rest: tuple, batch_axis: int | None = None) -> Any:
+        return self.caller.value(*self._args(xs, rest), batch_axis, wrt=self.wrt)
+
+    def value_and_gradient(
+        self, xs: Any, rest: tuple, batch_axis: int | None = None
+    ) -> tuple[Any, Any]:
+        return self.caller.value_and_gradient(*self._args(xs, rest), batch_axis, wrt=self.wrt)
+
+    def batch_op(
+        self, op: str, xs: Any, tangents: list, rest: tuple, batch_axis: int | None = None
+    ) -> list:
+        if op in ("hvp", "pushforward", "pullback"):
+            x, contexts = self._args(xs, rest)
+        else:  # a derivative map: its own tangent first, then the arguments held fixed
+            x, contexts = self._args(xs, tuple(rest[1:]))
+            contexts = (rest[0], *contexts)
+        return self.caller.batch_op(op, x, tangents, contexts, batch_axis, wrt=self.wrt)
 
 
 def _zeros_like(tree: Any) -> Any:
@@ -386,8 +519,8 @@ class _LinearOp:
         ]
 
     def out_avals(self, args: Sequence[Any]) -> list[jax.core.ShapedArray]:
-        nb = len(args[0].shape) - self.x_ndim
-        batch = tuple(np.broadcast_shapes(*(tuple(a.shape[:nb]) for a in args)))
+        nb = len(np.shape(args[0])) - self.x_ndim
+        batch = tuple(np.broadcast_shapes(*(tuple(np.shape(a)[:nb]) for a in args)))
         return [jax.core.ShapedArray(batch + tuple(s.shape), s.dtype) for s in self.out_leaves]
 
 
@@ -489,9 +622,10 @@ def linear(
     own JAX expression."""
     if caller.traces:
         return caller.batch_op(op, x, [t], tuple(contexts))[0]
-    x_leaves, x_tree = jax.tree.flatten(x)
-    c_leaves, c_tree = jax.tree.flatten(tuple(contexts))
-    t_leaves, t_tree = jax.tree.flatten(t)
+    # Python numbers as arrays: every operand of the primitive has a shape and a dtype
+    x_leaves, x_tree = jax.tree.flatten(jax.tree.map(jnp.asarray, x))
+    c_leaves, c_tree = jax.tree.flatten(jax.tree.map(jnp.asarray, tuple(contexts)))
+    t_leaves, t_tree = jax.tree.flatten(jax.tree.map(jnp.asarray, t))
     out_structs, out_tree = jax.tree.flatten(out)
     lin = _LinearOp(
         caller, op, transpose_op, x_tree, c_tree, t_tree, out_tree, tuple(out_structs),
@@ -506,35 +640,53 @@ def linear(
 # --- the functions -----------------------------------------------------------------
 
 
-def _value_and_gradient_rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
-    """``(g(x), ∇g(x))`` for scalar g: its JVP is ``(<∇g, t>, hvp(t))``."""
-
-    def hvp(x: Any, t: Any, contexts: tuple) -> Any:
-        # linear in t; the Hessian is symmetric, so its transpose is itself
-        return linear(caller, "hvp", "hvp", x, t, contexts, x_struct)
+def _value_and_gradient_rules(caller: Caller, out: Any, wrt: Wrt) -> Callable:
+    """``(g(*args), ∇g)`` for scalar g, the gradient in the arguments ``wrt`` names. Its
+    JVP moving arguments ``A``: ``<∇g, t>`` and the rows of ``wrt`` of the Hessian in
+    the arguments ``wrt`` and ``A`` together, times t (one ``hvp``, mixed blocks too)."""
+    sub = _selection(caller, wrt)
+    named = positions(wrt)
 
     @jax.custom_jvp
-    def value_and_gradient(x: Any, *contexts: Any) -> Any:
+    def value_and_gradient(*args: Any) -> Any:
+        xs, rest = split(args, wrt)
         return _evaluate(
-            caller.traces, x, contexts, (out, x_struct),
-            lambda x1, c1, axis: tuple(caller.value_and_gradient(x1, c1, axis)),
+            sub.traces, xs, rest, (out, _struct(xs)),
+            lambda x1, c1, axis: tuple(sub.value_and_gradient(x1, c1, axis)),
         )
 
     def vg_jvp(primals: tuple, tangents: tuple) -> Any:
-        x, *contexts = primals
-        tx = _tangent_of_x(caller, tangents)
-        y, g = value_and_gradient(x, *contexts)
-        if tx is None:
+        active = _perturbed(tangents)
+        y, g = value_and_gradient(*primals)
+        if not active:
             return (y, g), (jnp.zeros_like(y), _zeros_like(g))
-        return (y, g), (_dot(g, tx), hvp(x, tx, tuple(contexts)))
+        union = _wrt_of(named + tuple(k for k in active if k not in named))
+        t = [_instantiate(tangents[k]) if k in active else None for k in range(len(primals))]
+        for k in positions(union):  # an argument of wrt that does not move: zeros
+            if t[k] is None:
+                t[k] = _zeros_like(primals[k])
+        xs, rest = split(primals, union)
+        h = hvp(_selection(caller, union), xs, split(t, union)[0], rest)
+        if union == wrt:
+            dg, grad, t_grad = h, g, split(t, wrt)[0]
+        else:  # the rows of wrt; y moves with the other arguments too
+            dg = h[0] if wrt == 0 else tuple(h[: len(named)])
+            grad = _value_and_gradient_rules(caller, out, union)(*primals)[1]
+            t_grad = split(t, union)[0]
+        return (y, g), (_dot(grad, t_grad), dg)
 
     value_and_gradient.defjvp(vg_jvp, symbolic_zeros=True)
     return value_and_gradient
 
 
+def hvp(caller: Caller, x: Any, t: Any, contexts: tuple) -> Any:
+    """``∇²g(x) t``, linear in t; the Hessian is symmetric, so its transpose is itself."""
+    return linear(caller, "hvp", "hvp", x, t, contexts, _struct(x))
+
+
 def _scalar_rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
-    """``g`` for a scalar output: value_and_gradient for first order, hvp for second."""
-    value_and_gradient = _value_and_gradient_rules(caller, out, x_struct)
+    """``g`` for a scalar output: value_and_gradient for first order, hvp for second,
+    in whichever arguments move."""
 
     @jax.custom_jvp
     def g(x: Any, *contexts: Any) -> Any:
@@ -543,13 +695,13 @@ def _scalar_rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
         )
 
     def g_jvp(primals: tuple, tangents: tuple) -> Any:
-        x, *contexts = primals
-        tx = _tangent_of_x(caller, tangents)
-        if tx is None:
-            y = g(x, *contexts)
+        active = _perturbed(tangents)
+        if not active:
+            y = g(*primals)
             return y, jnp.zeros_like(y)
-        y, grad = value_and_gradient(x, *contexts)
-        return y, _dot(grad, tx)
+        wrt = _wrt_of(active)
+        y, grad = _value_and_gradient_rules(caller, out, wrt)(*primals)
+        return y, _dot(grad, split([_instantiate(t) for t in tangents], wrt)[0])
 
     g.defjvp(g_jvp, symbolic_zeros=True)
     return g
@@ -564,10 +716,6 @@ def _dot(a: Any, b: Any) -> Any:
 def _array_rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
     """``g`` for an array output: pushforward forward, its transpose the pullback."""
 
-    def push(x: Any, t: Any, contexts: tuple) -> Any:
-        # linear in t: JAX transposes it to the pullback
-        return linear(caller, "pushforward", "pullback", x, t, contexts, out)
-
     @jax.custom_jvp
     def g(x: Any, *contexts: Any) -> Any:
         return _evaluate(
@@ -575,12 +723,16 @@ def _array_rules(caller: Caller, out: Any, x_struct: Any) -> Callable:
         )
 
     def g_jvp(primals: tuple, tangents: tuple) -> Any:
-        x, *contexts = primals
-        tx = _tangent_of_x(caller, tangents)
-        y = g(x, *contexts)
-        if tx is None:
+        active = _perturbed(tangents)
+        y = g(*primals)
+        if not active:
             return y, _zeros_like(y)
-        return y, push(x, tx, tuple(contexts))
+        wrt = _wrt_of(active)
+        xs, rest = split(primals, wrt)
+        t = split([_instantiate(t) for t in tangents], wrt)[0]
+        return y, linear(
+            _selection(caller, wrt), "pushforward", "pullback", xs, t, tuple(rest), out
+        )
 
     g.defjvp(g_jvp, symbolic_zeros=True)
     return g

@@ -9,8 +9,10 @@ it changes nothing in the caller's JAX configuration.
     dxserve.gradient(lambda x: (x**2).sum(), JaxReverse(), np.arange(3.0))
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
 
 from dxcontract.backends import (
     Auto,
@@ -34,13 +36,52 @@ from dxcontract.errors import (
     UnsupportedOperatorError,
 )
 
-from .backends import Engine, register_backend
-from .differentiate_with import DifferentiateWith
-from .functions import function
-from .operators import *  # noqa: F403
-from .operators import __all__ as _operator_names
-from .precision import float64_scope
-from .preparation import CACHE, Prep, resolve
+# Everything that needs JAX loads on first use (PEP 562), so ``dxserve --help`` and the
+# command line's flag checks answer without importing it.
+if TYPE_CHECKING:
+    from .backends import Engine, register_backend
+    from .differentiate_with import DifferentiateWith
+    from .functions import function
+    from .operators import *  # noqa: F403
+    from .precision import float64_scope
+    from .preparation import CACHE, Prep, resolve
+
+#: The operators of ``dxserve.operators`` (checked against its ``__all__`` by a test).
+_OPERATOR_NAMES = (
+    "derivative", "gradient", "gradient_and_hvp", "hessian", "hvp", "jacobian",
+    "prepare_derivative", "prepare_gradient", "prepare_gradient_and_hvp", "prepare_hessian",
+    "prepare_hvp", "prepare_jacobian", "prepare_pullback", "prepare_pushforward",
+    "prepare_second_derivative", "prepare_sparsity", "prepare_value",
+    "prepare_value_and_derivative", "prepare_value_and_gradient", "prepare_value_and_jacobian",
+    "prepare_value_and_pullback", "prepare_value_and_pushforward",
+    "prepare_value_derivative_and_second_derivative", "prepare_value_gradient_and_hessian",
+    "pullback", "pushforward", "second_derivative", "sparsity", "value",
+    "value_and_derivative", "value_and_gradient", "value_and_jacobian", "value_and_pullback",
+    "value_and_pushforward", "value_derivative_and_second_derivative",
+    "value_gradient_and_hessian",
+)  # fmt: skip
+#: Where each lazily loaded name lives.
+_LAZY = {
+    "Engine": "backends", "register_backend": "backends",
+    "DifferentiateWith": "differentiate_with", "function": "functions",
+    "float64_scope": "precision", "CACHE": "preparation", "Prep": "preparation",
+    "resolve": "preparation", **dict.fromkeys(_OPERATOR_NAMES, "operators"),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """A name of ``__all__`` that needs JAX, imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dxserve' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 try:
     __version__ = _version("dxserve")
@@ -54,5 +95,5 @@ __all__ = [
     "PreparationMismatchError", "SecondOrder", "ShapeMismatchError", "Sparse", "SparsePattern",
     "TorchForward", "TorchReverse",
     "UnsupportedOperatorError", "backend_from_json", "float64_scope", "function",
-    "register_backend", "resolve", "__version__", *_operator_names,
-]
+    "register_backend", "resolve", "__version__", *_OPERATOR_NAMES,
+]  # fmt: skip

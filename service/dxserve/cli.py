@@ -28,6 +28,15 @@ FUNCTIONS_HELP = (
 )
 
 
+#: ``--store``: what it takes, and where the default puts it.
+STORE_HELP = (
+    "where uploaded functions, jobs and compiled programs are kept: a path (an SQLite "
+    "database), postgresql://... or dir:///path (DXSERVE_STORE). Default: dxserve-store "
+    "in the working directory (with make serve: the clone's root); the start-up log "
+    "prints the full path."
+)
+
+
 def module_list(values: list[str]) -> list[str]:
     """The modules of repeated ``--functions`` flags, each a comma list, in order and
     once each: ``["a,b", "c"]`` -> ``["a", "b", "c"]``."""
@@ -51,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``dxserve`` parser: its ``serve`` and ``ray`` commands and their flags."""
     parser = argparse.ArgumentParser(
-        prog="dxserve", description="Differentiation as a service",
+        prog="dxserve",
+        description="Differentiation as a service",
         epilog="Every flag has a DXSERVE_* environment variable; see 'dxserve serve --help'.",
     )
     parser.add_argument("--version", action="version", version=f"dxserve {__version__}")
@@ -63,18 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
-        "serve", help="start the HTTP server",
+        "serve",
+        help="start the HTTP server",
         description="Start the HTTP server. Every flag has a DXSERVE_* environment variable "
         "(the flag wins). Without --functions the example functions are served.",
     )
     serve.add_argument("--host", help="bind address (DXSERVE_HOST or HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (DXSERVE_PORT or PORT, default 8000)")
     serve.add_argument("--functions", action="append", metavar="MODULES", help=FUNCTIONS_HELP)
+    serve.add_argument("--store", help=STORE_HELP)
     serve.add_argument(
-        "--store", help="registry: a path (SQLite), postgresql://... or dir:///path (DXSERVE_STORE)"
-    )
-    serve.add_argument(
-        "--workers", type=int,
+        "--workers",
+        type=int,
         help="server processes sharing the port and the store (DXSERVE_WORKERS, default 1)",
     )
     serve.add_argument(
@@ -87,9 +97,12 @@ def _add_serve_parser(sub: Any) -> None:
 
 
 def _add_ray_parser(sub: Any) -> None:
-    ray = sub.add_parser("ray", help="serve on Ray Serve: replicas, GPUs, autoscaling "
-                         "(needs the ray extra: pip install -e '.[ray]' at the repository "
-                         "root; see dxserve.ray_serve)")
+    ray = sub.add_parser(
+        "ray",
+        help="serve on Ray Serve: replicas, GPUs, autoscaling "
+        "(needs the ray extra: pip install -e '.[ray]' at the repository "
+        "root; see dxserve.ray_serve)",
+    )
     ray.add_argument("--address", help="Ray cluster to join (default: start a local one)")
     ray.add_argument("--host", default="127.0.0.1", help="Ray Serve's HTTP proxy address")
     ray.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP proxy port")
@@ -114,8 +127,16 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     settings = _serve_settings(args)
     if settings is None:
         return 2
-    configure_logging(settings.log_level, settings.log_format)
     worker = os.environ.get(WORKER_INDEX)
+    if worker is None:  # a worker shares its supervisor's port on purpose
+        problem = port_problem(settings.host, settings.port)
+        if problem is not None:  # before any start-up line, so it is the last word
+            print(f"dxserve: {problem}", file=sys.stderr)
+            return 1
+    configure_logging(settings.log_level, settings.log_format)
+    log = logging.getLogger("dxserve")
+    if worker is None:
+        log.info("store: %s", store_location(settings))
     if settings.workers > 1 and worker is None:
         from .supervisor import supervise
 
@@ -126,12 +147,16 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     app = _load_app(settings)
     if app is None:
         return 2
-    log = logging.getLogger("dxserve")
     log.info("access: %s", app.state.service.access_mode())
     app.state.close_grace = CLOSE_GRACE  # this process exits even if closing hangs
     options = _uvicorn_options(settings, log)
     try:
         if worker is None:
+            log.info(
+                "API documentation: %s/docs (Swagger UI), %s/openapi.json",
+                base_url(settings),
+                base_url(settings),
+            )
             uvicorn.run(app, **options)
         else:
             _run_worker(app, options, settings, worker, log)
@@ -145,12 +170,71 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     return 0
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``dxserve serve`` cannot listen on ``(host, port)``, with the fix; None when
+    it can (checked by binding as uvicorn will, then letting go)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror}; check --host (HOST)"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # as uvicorn binds: a port whose old connections linger in TIME_WAIT is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} on {host} is already in use (another server, perhaps "
+                    f"`make serve`, is listening there). Stop it, or choose another port: "
+                    f"PORT={port + 1} make serve, or dxserve serve --port {port + 1}"
+                )
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def store_location(settings: Settings) -> str:
+    """Where ``settings.store`` is, in words for the start-up log: a local store's full
+    path (a relative one is in the working directory, which the line says), or the
+    database's address without its password."""
+    store = settings.store
+    if "://" in store and not store.lower().startswith("dir:"):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(store)
+        host = parts.hostname or ""
+        return f"{parts.scheme}://{host}{parts.path} (a shared database)"
+    path = store[len("dir://") :] if store.lower().startswith("dir:") else store
+    full = os.path.abspath(path)
+    if os.path.isabs(path):
+        return full
+    default = " (the default)" if store == Settings.model_fields["store"].default else ""
+    return (
+        f"{full}{default}: relative to the working directory, so a server started "
+        "elsewhere has another store; --store or DXSERVE_STORE chooses one"
+    )
+
+
+def base_url(settings: Settings) -> str:
+    """The address a browser on this machine opens: ``http://host:port``."""
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
 def _serve_settings(args: argparse.Namespace) -> Settings | None:
     """``Settings`` from the environment and ``serve``'s flags (the flags win); None,
     after saying why on stderr, where a setting is bad."""
-    overrides = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
-    }
+    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     if "functions" in overrides:
         overrides["functions"] = module_list(overrides["functions"])
     try:
@@ -202,13 +286,18 @@ def _run_worker(
     from .supervisor import reuse_port_socket
 
     # which process answered a scrape: one series per worker (index, pid)
-    Gauge("dxserve_worker", "This --workers process (always 1)", ["index", "pid"],
-          registry=app.state.metrics.registry).labels(worker, str(os.getpid())).set(1)
+    Gauge(
+        "dxserve_worker",
+        "This --workers process (always 1)",
+        ["index", "pid"],
+        registry=app.state.metrics.registry,
+    ).labels(worker, str(os.getpid())).set(1)
     # its own listening socket on the shared port (SO_REUSEPORT), so the kernel spreads
     # new connections over the processes
     sock = reuse_port_socket(settings.host, settings.port, settings.backlog)
-    log.info("worker %s (pid %d) listening on %s:%d", worker, os.getpid(), settings.host,
-             settings.port)
+    log.info(
+        "worker %s (pid %d) listening on %s:%d", worker, os.getpid(), settings.host, settings.port
+    )
     uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=[sock])
 
 
@@ -243,13 +332,20 @@ def run_ray(args: argparse.Namespace) -> int:
     except ImportError:
         from dxcontract.extras import SERVER, install_hint
 
-        print(f"dxserve: Ray Serve is not installed: {install_hint('ray', SERVER)}",
-              file=sys.stderr)
+        print(
+            f"dxserve: Ray Serve is not installed: {install_hint('ray', SERVER)}", file=sys.stderr
+        )
         return 2
     ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True)
     ray_serve.start(
-        host=args.host, port=args.port, replicas=args.replicas, num_gpus=args.num_gpus,
-        num_cpus=args.num_cpus, autoscaling=autoscaling, settings=settings, settings_env=env,
+        host=args.host,
+        port=args.port,
+        replicas=args.replicas,
+        num_gpus=args.num_gpus,
+        num_cpus=args.num_cpus,
+        autoscaling=autoscaling,
+        settings=settings,
+        settings_env=env,
     )
     print(f"dxserve on Ray Serve: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     stop = threading.Event()
@@ -306,8 +402,11 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
 
     _raise_open_files(settings.max_connections + 256, log)
     limits = ConnectionLimits(
-        settings.header_timeout, settings.body_timeout, settings.max_header_bytes,
-        settings.max_connections, settings.write_timeout,
+        settings.header_timeout,
+        settings.body_timeout,
+        settings.max_header_bytes,
+        settings.max_connections,
+        settings.write_timeout,
     )
     if settings.http == "h11":
         protocol = bounded_h11_protocol(limits)
@@ -316,13 +415,16 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
     else:
         protocol = bounded_protocol(limits)
     if protocol is None:
-        why = "DXSERVE_HTTP=h11" if settings.http == "h11" else (
-            "httptools is missing or this uvicorn is not one http/protocol.py supports"
+        why = (
+            "DXSERVE_HTTP=h11"
+            if settings.http == "h11"
+            else ("httptools is missing or this uvicorn is not one http/protocol.py supports")
         )
         log.warning("connections: %s: %s", why, UNPROTECTED)
     elif settings.http != "h11":
-        log.info("connections: %s, idle keep-alive %d s",
-                 limits.describe(), settings.keep_alive_timeout)
+        log.info(
+            "connections: %s, idle keep-alive %d s", limits.describe(), settings.keep_alive_timeout
+        )
     return {
         "http": protocol or ("h11" if settings.http == "h11" else "auto"),
         "limit_concurrency": settings.max_connections,

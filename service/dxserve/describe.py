@@ -9,7 +9,8 @@
   shapes it requires; a string dimension is symbolic), ``example`` (a module function's
   registered example), ``annotations`` (its parameter annotations) or ``probe`` (an
   expression evaluated on small arrays at registration); null when unknown;
-* ``operators``: the operators these shapes allow (all of them when unknown or probed);
+* ``operators``: the operators these shapes allow (all of them when unknown; for an
+  expression, those that some shapes it was traced on allow);
 * ``example``: ``{"path", "body"}``, a request to POST as it is, or null.
 
 Shapes are JSON tree specs (``dxcontract.bundle.tree_spec``): ``{"shape": [3], "dtype":
@@ -73,7 +74,8 @@ def facts(
     if example is not None and _elements(found["x"], found["contexts"]) <= MAX_EXAMPLE_ELEMENTS:
         try:
             found["example"] = {
-                "x": _json(example[0]), "contexts": [_json(c) for c in example[1:]],
+                "x": _json(example[0]),
+                "contexts": [_json(c) for c in example[1:]],
             }
         except Exception:  # values the wire cannot carry: the shapes alone are shown
             pass
@@ -82,8 +84,11 @@ def facts(
 
 def annotated_args(fn: Callable) -> list[Any] | None:
     """``fn``'s parameters as ``jax.ShapeDtypeStruct``s from their annotations, when every
-    one has such an annotation (a ``ShapeDtypeStruct``, an array, or ``float``: a float64
-    scalar); else None."""
+    one has such an annotation; else None. The documented form is jaxtyping's,
+    ``Float[Array, "3"]`` (``Float64[Array, "n 2"]``: a named dimension is symbolic, and
+    a float annotation that allows float64 is float64); a ``ShapeDtypeStruct``, an
+    array, and ``float`` (a float64 scalar) are read too. Anything else (a bare type, a
+    string such as ``"float64[3]"``) declares no shapes, and the server's log says so."""
     import jax
 
     try:
@@ -91,6 +96,7 @@ def annotated_args(fn: Callable) -> list[Any] | None:
     except Exception:  # unresolvable string annotations, builtins without a signature
         return None
     out = []
+    scope = _SymbolicScope()
     for p in params:
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty:
             continue
@@ -98,13 +104,162 @@ def annotated_args(fn: Callable) -> list[Any] | None:
         if note is float:
             out.append(jax.ShapeDtypeStruct((), np.float64))
             continue
+        if _is_jaxtyping(note):
+            index = _jaxtyping_spec(note, scope)
+            if index is None:
+                return None
+            out.append(index)  # replaced by its spec once every name is known
+            continue
         if isinstance(note, type) or not (hasattr(note, "shape") and hasattr(note, "dtype")):
             return None  # a type (jax.Array, np.ndarray) says no shape
         try:
             out.append(jax.ShapeDtypeStruct(tuple(note.shape), np.dtype(note.dtype)))
         except (TypeError, ValueError):
             return None
+    if scope.pending:
+        try:
+            specs = scope.specs()
+        except Exception:  # a name jax.export cannot parse
+            return None
+        out = [specs[a] if isinstance(a, int) else a for a in out]
     return out or None
+
+
+def _is_jaxtyping(note: Any) -> bool:
+    """A jaxtyping array annotation (``Float[Array, "3"]``), read by its documented
+    attributes (``dim_str``, ``dtypes``) so the server needs no jaxtyping itself."""
+    return isinstance(getattr(note, "dim_str", None), str) and isinstance(
+        getattr(note, "dtypes", None), (tuple, list)
+    )
+
+
+class _SymbolicScope:
+    """Named dimensions of one function's annotations: the same name, the same symbol
+    (``jax.export`` symbols compare equal only within one scope)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[list[str], Any]] = []  # (dims, dtype) per argument
+
+    def add(self, dims: list[str], dtype: Any) -> int:
+        self.pending.append((dims, dtype))
+        return len(self.pending) - 1
+
+    def specs(self) -> list[Any]:
+        import jax
+        from jax import export
+
+        names = list(dict.fromkeys(d for dims, _ in self.pending for d in dims if not d.isdigit()))
+        symbols = (
+            dict(zip(names, export.symbolic_shape(", ".join(names)), strict=True)) if names else {}
+        )
+        return [
+            jax.ShapeDtypeStruct(tuple(int(d) if d.isdigit() else symbols[d] for d in dims), dtype)
+            for dims, dtype in self.pending
+        ]
+
+
+def _jaxtyping_spec(note: Any, scope: _SymbolicScope) -> int | None:
+    """Where ``note``'s shape waits in ``scope`` (its index), or None if it declares none."""
+    dims = note.dim_str.split()
+    if any(not (d.isdigit() or d.isidentifier()) for d in dims):
+        return None  # "*batch", "n+1", "...": not a declared shape
+    dtypes = [str(d) for d in note.dtypes]
+    dtype = next((d for d in ("float64", "float32", "int64", "int32", "bool") if d in dtypes), None)
+    if dtype is None:
+        return None
+    return scope.add(dims, np.dtype(dtype))
+
+
+def declared_shapes_problem(
+    facts: dict[str, Any] | None,
+    names: Sequence[str],
+    x: Any,
+    contexts: Sequence[Any],
+    signature: dict[str, Any] | None = None,
+) -> tuple[str, str] | None:
+    """``(field, detail)`` when an argument's shape is not the one its function declares
+    (``facts`` from its annotations, or an upload's signature); None when they agree or
+    nothing is declared (pytrees are left to the upload's own leaf checks).
+    Example shapes are only an example and are not checked here (``example_shapes_hint``)."""
+    source = {"annotations": "its annotations", "export": "its upload's signature"}
+    facts = _known(signature or {}, facts)  # an upload's shapes are in its signature
+    if not isinstance(facts, dict) or facts.get("from") not in source:
+        return None
+    found = _first_difference(facts, x, contexts)
+    if found is None:
+        return None
+    i, given, declared = found
+    field, who = _argument(i, names)
+    return field, (
+        f"{who} has shape {_shape_words(given)}, but the function declares "
+        f"{_shape_words(declared)} ({source[facts['from']]}); send an array of that shape"
+    )
+
+
+def example_shapes_hint(
+    facts: dict[str, Any] | None,
+    names: Sequence[str],
+    x: Any,
+    contexts: Sequence[Any],
+    signature: dict[str, Any] | None = None,
+) -> tuple[str, str] | None:
+    """``(field, words)`` naming the argument whose shape differs from the function's
+    example (or declaration), for an evaluation that failed; None if all agree."""
+    facts = _known(signature or {}, facts)
+    if not isinstance(facts, dict) or not isinstance(facts.get("x"), dict):
+        return None
+    found = _first_difference(facts, x, contexts)
+    if found is None:
+        return None
+    i, given, expected = found
+    field, who = _argument(i, names)
+    source = {"example": "its example", "annotations": "its annotations"}.get(
+        str(facts.get("from")), "the shapes it was described with"
+    )
+    return field, (
+        f"{who} has shape {_shape_words(given)}, where {source} has "
+        f"{_shape_words(expected)}, and the function fails on it"
+    )
+
+
+def _argument(i: int, names: Sequence[str]) -> tuple[str, str]:
+    field = "x" if i == 0 else f"contexts[{i - 1}]"
+    name = names[i] if i < len(names) else None
+    return field, field if name in (None, field) else f"{field} ({name})"
+
+
+def _shape_words(shape: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _first_difference(
+    facts: dict[str, Any], x: Any, contexts: Sequence[Any]
+) -> tuple[int, list, list] | None:
+    """The first argument (0: x, i: contexts[i - 1]) whose array shape differs from its
+    spec in ``facts``: ``(i, given, expected)``; named dimensions must agree across
+    arguments. Pytrees and arguments without a spec are not compared."""
+    specs = [facts.get("x"), *list(facts.get("contexts") or [])]
+    sizes: dict[str, int] = {}
+    for i, (value, spec) in enumerate(zip([x, *contexts], specs, strict=False)):
+        if not isinstance(spec, dict) or "shape" not in spec or not isinstance(spec["shape"], list):
+            continue
+        given = getattr(value, "shape", None)
+        if given is None:
+            try:
+                given = np.shape(value)
+            except Exception:  # not an array: the function's own checks apply
+                continue
+        given = [int(d) for d in given]
+        expected = spec["shape"]
+        if len(given) != len(expected):
+            return i, given, expected
+        for g, e in zip(given, expected, strict=True):
+            if isinstance(e, int) and g != e:
+                return i, given, expected
+            if isinstance(e, str) and e.isidentifier():
+                if sizes.setdefault(e, g) != g:
+                    return i, given, expected
+    return None
 
 
 def describe(
@@ -118,7 +273,11 @@ def describe(
     for i, arg in enumerate(names):
         spec = None
         if known is not None:
-            spec = known["x"] if i == 0 else (known["contexts"][i - 1] if i - 1 < len(known["contexts"]) else None)
+            spec = (
+                known["x"]
+                if i == 0
+                else (known["contexts"][i - 1] if i - 1 < len(known["contexts"]) else None)
+            )
         arguments.append({"name": arg, "role": "x" if i == 0 else "context", **_shape_of(spec)})
     operators = _operators(known)
     return {
@@ -137,8 +296,10 @@ def _known(signature: dict[str, Any], facts: dict[str, Any] | None) -> dict[str,
     manifest = signature.get("signature")  # an export's: its manifest's signature
     if isinstance(manifest, dict) and isinstance(manifest.get("x"), dict):
         return {
-            "x": manifest["x"], "contexts": list(manifest.get("contexts") or []),
-            "output": manifest.get("output"), "from": "export",
+            "x": manifest["x"],
+            "contexts": list(manifest.get("contexts") or []),
+            "output": manifest.get("output"),
+            "from": "export",
         }
     return None
 
@@ -160,8 +321,18 @@ def _shape_of(spec: Any) -> dict[str, Any]:
 
 
 def _operators(known: dict[str, Any] | None) -> list[str]:
-    # a probe's shapes are one guess among many (W @ x on two vectors is a scalar)
+    # a probe's shapes are one guess among many (W @ x on two vectors is a scalar): it
+    # lists what every shape it found allows
+    if known is not None and isinstance(known.get("operators"), list):
+        return [op for op in OPERATORS if op in known["operators"]]
     if known is None or known.get("from") == "probe":
+        return list(OPERATORS)
+    return allowed_operators(known)
+
+
+def allowed_operators(known: dict[str, Any] | None) -> list[str]:
+    """The operators that the shapes of ``known`` (``facts``) allow: all when unknown."""
+    if known is None:
         return list(OPERATORS)
     x, y = known["x"], known.get("output")
     x_array, y_array = "shape" in x, isinstance(y, dict) and "shape" in y
@@ -180,7 +351,11 @@ def _operators(known: dict[str, Any] | None) -> list[str]:
 def _example(name: str, known: dict[str, Any] | None, operators: list[str]) -> dict | None:
     if known is None:
         return None
-    operator = next((op for op in ("gradient", "jacobian", "value") if op in operators), None)
+    # the operator the shown shapes allow (a probe's list may hold others' operators)
+    fits = allowed_operators(known)
+    operator = next(
+        (op for op in ("gradient", "jacobian", "value") if op in operators and op in fits), None
+    )
     if operator is None or _elements(known["x"], known["contexts"]) > MAX_EXAMPLE_ELEMENTS:
         return None
     given = known.get("example")
@@ -230,7 +405,9 @@ def _size(dim: Any) -> int:
 
 def _elements(x: Any, contexts: Sequence[Any]) -> int:
     return sum(
-        math.prod(_size(d) for d in leaf["shape"]) for spec in (x, *contexts) for leaf in _leaves(spec)
+        math.prod(_size(d) for d in leaf["shape"])
+        for spec in (x, *contexts)
+        for leaf in _leaves(spec)
     )
 
 

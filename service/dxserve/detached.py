@@ -46,6 +46,7 @@ import numpy as np
 
 from dxcontract import codec
 from dxcontract.encodings import ENCODINGS, costs_of
+from dxcontract.encodings.common import LIST_MARKER, TUPLE_MARKER, SeqNode
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.errors import (
     DeadlineExceededError,
@@ -448,7 +449,7 @@ class Detached:
 
         def encode() -> tuple[bytes, str, dict]:
             payload = codec.decode_body(data, codec.BINARY_TYPE, rec.result_header)
-            return codec.encode_body(payload, encoding)
+            return codec.encode_body(_sequences(payload), encoding)
 
         body, media, headers = (
             encode() if len(data) <= 1 << 16 else await asyncio.to_thread(encode)
@@ -829,3 +830,17 @@ def _cursor_from(text: str) -> tuple[float, str]:
         raise InvalidArgumentError(
             "after must be the 'next' of the previous GET /jobs page", field="after"
         ) from exc
+
+
+def _sequences(tree: Any) -> Any:
+    """A decoded result with its tuple and list nodes (``{"__tuple__": [...]}``) made
+    ``SeqNode``s again, so that it encodes as it was stored."""
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            marker = next(iter(tree))
+            if marker in (TUPLE_MARKER, LIST_MARKER) and isinstance(tree[marker], list):
+                return SeqNode(marker, [_sequences(v) for v in tree[marker]])
+        return {k: _sequences(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_sequences(v) for v in tree]
+    return tree

@@ -16,10 +16,12 @@ dxserve's operators with ``backend``, not JAX's differentiation of ``f``:
   piece): ``f``'s value directly, its derivatives the operators' own JAX expressions
   on the traced values, so ``jit`` compiles them with the rest and JAX batches them.
 
-Outside a transformation ``g(x, *contexts)`` is ``f(x, *contexts)``. The contexts are
-not differentiated: a derivative with respect to one raises a ``TypeError``. The rules
-serve up to second order of ``f`` when it runs outside JAX; past that they raise a
-``TypeError`` naming the wrapper and its backend.
+Outside a transformation ``g(x, *contexts)`` is ``f(x, *contexts)``. Every
+floating-point argument is differentiated as JAX's ``argnums`` asks
+(``jax.grad(g, argnums=(0, 1))``): the backend is asked with ``wrt`` for the arguments
+a transformation moves, never a zero in their place. The rules serve up to second
+order of ``f`` when it runs outside JAX (for an array-valued ``f``, second order in x
+alone); past that they raise a ``TypeError`` naming the wrapper and its backend.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ engine) runs outside the transformation instead: each result is the framework's
 substitute (``Framework.substitute``), computed on concrete arrays by the operator
 itself through ``BackendCaller``, its derivatives the next operators of the same
 backend: the gradient's derivative is that backend's HVP, a pushforward's a
-second-order pushforward, a pullback's the HVP of ``<c, f>``. Up to second order of
-the function; past that (and for a derivative with respect to a context) the rules
-raise a ``TypeError`` naming the operator and the backend.
+second-order pushforward, a pullback's the HVP of ``<c, f>``. A context the outer
+transformation moves is differentiated too, through ``wrt`` (the gradient's derivative
+in it: one HVP over x and that context). Up to second order of the function; past
+that (and for the second derivatives of an array-valued function in a context) the
+rules raise a ``TypeError`` naming the operator and the backend.
 """
 
 from __future__ import annotations
@@ -52,18 +54,28 @@ from .preparation import (
     split_aux,
     tree_size,
     with_aux,
+    with_cotangent,
 )
 from .preparation import call as call_prepared
+from .wrt import refuse_cotangent, select
 
 
 def call(
     operator: str, f: Callable, backend: Backend | str, x: Any, tangents: Sequence | None,
     contexts: Sequence, prep: Prep | None = None, cache: PrepCache = CACHE,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> Any:
     """``preparation.call``, or ``traced_call`` when some input is traced: what every
     operator calls. Returns one result, or a tuple of them (DI's order; with ``has_aux``,
-    JAX's shapes, see ``dxcontract.operators.returned``)."""
+    JAX's shapes, see ``dxcontract.operators.returned``). ``wrt``: the arguments
+    differentiated (``dxserve.wrt``; None: x). ``cotangent`` (the HVP family): f is
+    array-valued and ``<cotangent, f>`` is differentiated (``preparation.with_cotangent``)."""
+    if wrt is not None:
+        f, x, contexts = select(f, x, contexts, wrt)
+    if cotangent is not None:
+        refuse_cotangent(operator, has_aux)
+        f, contexts = with_cotangent(f, x, contexts, cotangent)
     fw = framework_of(f)
     if not fw.is_traced((x, tangents, contexts)):
         return call_prepared(
@@ -217,34 +229,46 @@ class BackendCaller:
             "an HVP or of a second derivative) is not available"
         )
         self.fixed = (
-            f"{where}: inside a {framework.name} transformation this backend "
-            "differentiates x, not the contexts; pass what you differentiate as x, or "
-            "use a backend that traces the function"
+            f"{where}: inside a {framework.name} transformation the derivatives of this "
+            "backend's pushforwards, pullbacks and HVPs with respect to a context are not "
+            "available; differentiate that context together with x (wrt), or use a "
+            "backend that traces the function"
         )
 
-    def value(self, x: Any, contexts: tuple, batch_axis: int | None = None) -> Any:
+    def value(
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
+    ) -> Any:
         if self.value_traces and batch_axis is None:
             return self.f(x, *contexts)
-        return call("value", self.f, self.first, x, None, contexts, batch_axis=batch_axis)
+        return call(
+            "value", self.f, self.first, x, None, contexts, batch_axis=batch_axis, wrt=wrt
+        )
 
     def value_and_gradient(
-        self, x: Any, contexts: tuple, batch_axis: int | None = None
+        self, x: Any, contexts: tuple, batch_axis: int | None = None, wrt: Any = None
     ) -> tuple[Any, Any]:
         return call(
-            "value_and_gradient", self.f, self.first, x, None, contexts, batch_axis=batch_axis
+            "value_and_gradient", self.f, self.first, x, None, contexts, batch_axis=batch_axis,
+            wrt=wrt,
         )
 
     def batch_op(
-        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None
+        self, op: str, x: Any, tangents: list, contexts: tuple, batch_axis: int | None = None,
+        wrt: Any = None,
     ) -> list:
         """``op`` at x for each tangent; the derivative maps find the map's own tangent
-        (or cotangent) first among ``contexts``."""
+        (or cotangent) first among ``contexts``. ``wrt``: the arguments differentiated
+        (hvp, pushforward and pullback; the derivative maps are asked in x alone)."""
         if not tangents:
             return []
         tangents = tuple(tangents)
         if op in ("hvp", "pushforward", "pullback"):
             backend = self.backend if op == "hvp" else self.first
-            return list(call(op, self.f, backend, x, tangents, contexts, batch_axis=batch_axis))
+            return list(call(
+                op, self.f, backend, x, tangents, contexts, batch_axis=batch_axis, wrt=wrt
+            ))
+        if wrt is not None and wrt != 0:
+            raise TypeError(self.beyond)
         head, rest = contexts[0], tuple(contexts[1:])
         if op == "pullback_derivative":  # s -> H s, H the Hessian of <c, f> (c: head)
             return list(call(

@@ -17,7 +17,9 @@ from typing import Any
 
 #: Fields of a ``LogRecord`` itself; anything else on a record came from ``extra=``.
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
-    "message", "asctime", "taskName",
+    "message",
+    "asctime",
+    "taskName",
 }
 
 
@@ -77,3 +79,7 @@ def configure_logging(level: str, log_format: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # JAX says at INFO which accelerator backends it could not start (TPU on every
+    # machine without one): noise at the default level, kept for --log-level debug
+    quiet = level.upper() != "DEBUG"
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING if quiet else logging.NOTSET)

@@ -12,7 +12,12 @@ def document() -> dict:
     from .settings import Settings
 
     with tempfile.TemporaryDirectory() as tmp:
-        app = create_app(Settings(store=tmp, compilation_cache="", functions=["dxserve.examples"]))
+        # documented as a server with a token: the document shows where one goes (a
+        # server without one serves its own, without the bearer scheme)
+        settings = Settings(
+            store=tmp, compilation_cache="", functions=["dxserve.examples"], token="documented"
+        )
+        app = create_app(settings)
         spec = app.openapi()
         app.state.service.close()
         return spec

@@ -65,6 +65,44 @@ def unpack_results(outputs: tuple, batched: Iterable[int], k: int, batch_axis: i
     )
 
 
+def single(run: Callable, batched: Iterable[int], batch_axis: int | None) -> Callable:
+    """``run`` (which takes packed tangents) as a function of one tangent: the program
+    compiled from it takes the tangent and returns its results as they are, so a call
+    stacks nothing on the host and cuts nothing after (see ``Single``)."""
+    axis = axis_of(batch_axis)
+    at = frozenset(batched)
+
+    def one(x: Tree, tangent: Tree, contexts: tuple) -> tuple:
+        out = run(x, jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, axis), tangent),
+                  contexts)
+        return tuple(
+            jax.tree_util.tree_map(lambda v: jnp.squeeze(v, axis), o) if i in at else o
+            for i, o in enumerate(out)
+        )
+
+    return one
+
+
+class Single:
+    """An executable compiled from ``single(run, ...)``, called with a 1-tuple of tangents.
+
+    Its per-tangent results come back as 1-tuples of the program's own arrays.
+    """
+
+    __slots__ = ("executable", "batched")
+
+    def __init__(self, executable: Callable, batched: tuple[int, ...]):
+        self.executable = executable
+        self.batched = frozenset(batched)
+
+    def __call__(self, x: Tree, tangents: tuple, contexts: tuple) -> tuple:
+        out = self.executable(x, tangents[0], contexts)
+        return tuple((o,) if i in self.batched else o for i, o in enumerate(out))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.executable, name)
+
+
 class Packed:
     """An executable that takes packed tangents, called with a tuple of them.
 

@@ -30,14 +30,17 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from typing import Any
 
 import numpy as np
 
+from dxcontract import dtypes
 from dxcontract.backends import Auto, Backend, SecondOrder, backend_from_json
 from dxcontract.encodings.common import is_array_list
 from dxcontract.errors import (
     FIX,
+    DtypeMismatchError,
     DxError,
     FunctionEvaluationError,
     InvalidArgumentError,
@@ -68,6 +71,7 @@ from .footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from .frameworks import Framework, framework_of, get_framework, host_array
 from .jobs import Job, JobCancelled
 from .signature import Signature
+from .wrt import Dotted, Selected, dotted, refuse_cotangent, select
 
 Tree = Any
 _log = logging.getLogger("dxserve.compile")
@@ -156,7 +160,19 @@ class Family:
     build: Builder
 
 
-FAMILIES: dict[str, Family] = {}
+class _Families(dict):
+    """The registered families. Each operator module registers its own when it loads;
+    a lookup before any has loaded (a server that never imported ``dxserve.operators``,
+    since ``import dxserve`` loads it lazily) loads them all first."""
+
+    def __missing__(self, name: str) -> Family:
+        import_module(f"{__package__}.operators")
+        if name in self:
+            return self[name]
+        raise KeyError(name)
+
+
+FAMILIES: dict[str, Family] = _Families()
 
 
 def register_family(family: Family) -> Family:
@@ -260,6 +276,13 @@ class Prep:
                 f"prep was made for {self.operator}, not a {family} operator", field="prep"
             )
         if f is not self.function:
+            made, given = (
+                (g.f, g.wrt) if isinstance(g, Selected) else (g, None) for g in (self.function, f)
+            )
+            if made[0] is given[0]:  # the same function, differentiated in other arguments
+                raise PreparationMismatchError(
+                    f"prep was made with wrt={made[1]!r}, not wrt={given[1]!r}", field="wrt"
+                )
             raise PreparationMismatchError("prep was made for another function", field="function")
         if backend != self.backend:
             raise PreparationMismatchError(
@@ -307,17 +330,21 @@ class Prep:
 
         if not self.traced:
             return self._packed(run, results, tangents)
-        # the tangents stacked, one argument per leaf: compile time independent of k
-        packed = packing.pack(tangents, self.signature.batch_axis)
+        batch_axis = self.signature.batch_axis
+        batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
+        one = tangents is not None and len(tangents) == 1 and not chunk and only is None
+        if one:  # one tangent: passed and answered as it is, nothing stacked or cut
+            program, args = packing.single(run, batched, batch_axis), tangents[0]
+        else:  # the tangents stacked, one argument per leaf: compile time independent of k
+            program, args = run, packing.pack(tangents, batch_axis)
         key = self.framework.executable_key(
-            self.function, self.resolved, results, x, packed, contexts,
-            self.signature.batch_axis,
+            self.function, self.resolved, results, x, args, contexts, batch_axis,
         )
         start = time.perf_counter()
         try:
-            exe = self._packed(
-                self.compiler.compile(run, (x, packed, contexts), key), results, tangents
-            )
+            compiled = self.compiler.compile(program, (x, args, contexts), key)
+            exe = (packing.Single(compiled, batched) if one
+                   else self._packed(compiled, results, tangents))
         except DxError:
             raise
         except Exception as exc:
@@ -548,6 +575,8 @@ def prepare(
     limits: ComputeLimits | None = None,
     batch_axis: int | None = None,
     has_aux: bool = False,
+    wrt: Any = None,
+    cotangent: Any = None,
 ) -> Prep:
     """Probe, resolve, validate, build and compile ``operator`` for these inputs.
 
@@ -559,8 +588,15 @@ def prepare(
     default; the server passes its settings). ``batch_axis=0``: x's leaves and the
     tangents' lead with an axis of B points, results come back stacked as (B, ...).
     ``has_aux``: f returns ``(output, aux)``; ``output`` is differentiated and aux
-    returned as the last result.
+    returned as the last result. ``wrt``: the arguments differentiated (``dxserve.wrt``;
+    None: x); the prep is made for their ``Selected`` function, which later calls with
+    the same ``wrt`` find again.
     """
+    if wrt is not None:
+        f, x, contexts = select(f, x, contexts, wrt)
+    if cotangent is not None:  # the HVP family: <cotangent, f> (see ``wrt``)
+        refuse_cotangent(operator, has_aux)
+        f, contexts = with_cotangent(f, x, contexts, cotangent)
     if max_result_elements is None:
         max_result_elements = MAX_RESULT_ELEMENTS
     backend = backend_from_json(backend)  # parsed here, once: below it is a descriptor
@@ -929,6 +965,43 @@ def normalize(x: Any, tangents: Sequence | None, contexts: Sequence) -> tuple:
     return x, tangents, tuple(as_tree(c) for c in contexts)
 
 
+# --- the HVP of <cotangent, f> (second order of array-valued functions) -------
+def with_cotangent(
+    f: Callable, x: Any, contexts: Sequence[Any], cotangent: Any
+) -> tuple[Callable, tuple]:
+    """``(<cotangent, f>, contexts)`` for an HVP family operator given ``cotangent``
+    (shaped like f's output): its gradient is f's pullback of it, its HVP the
+    derivative of that pullback. ``ShapeMismatchError`` (field ``cotangent``) when the
+    cotangent is not shaped like f's output."""
+    contexts = tuple(contexts)
+    cotangent = as_tree(cotangent)
+    fw = framework_of(f)
+    for leaf in fw.leaves(cotangent):  # numbers only: a key (or text) is no cotangent
+        dtype = str(getattr(leaf, "dtype", "object")).removeprefix("torch.")
+        try:
+            numeric = not dtype.startswith("key<") and dtypes.is_inexact(dtype)
+        except TypeError:
+            numeric = False
+        if not numeric:
+            raise DtypeMismatchError(
+                f"cotangent must hold floating-point arrays shaped like the function's "
+                f"output, got dtype {dtype}",
+                field="cotangent",
+            )
+    _, y = probe(f, as_tree(x), tuple(as_tree(c) for c in contexts), fw)
+    got, want = fw.flatten(cotangent), fw.flatten(y)
+    if got[1] != want[1] or any(
+        tuple(np.shape(a)) != tuple(b.shape) for a, b in zip(got[0], want[0], strict=True)
+    ):
+        shapes = [tuple(b.shape) for b in want[0]]
+        raise ShapeMismatchError(
+            f"cotangent must be shaped like the function's output ({want[1]}, shapes "
+            f"{shapes}), got {got[1]} with shapes {[tuple(np.shape(a)) for a in got[0]]}",
+            field="cotangent",
+        )
+    return dotted(f), (cotangent, *contexts)
+
+
 # --- implicit cache and the call path -------------------------------------
 class PrepCache:
     """Preps keyed by (function, operator, backend, signature): an LRU of at most
@@ -995,8 +1068,9 @@ class PrepCache:
         self._resolved.clear()
 
     def forget(self, function: Callable) -> None:
-        self._items.discard_where(lambda key, _: key[0] is function)
-        for key in [key for key in list(self._resolved.keys()) if key[0] is function]:
+        """Drop the preps of ``function``, and of its ``wrt`` and cotangent wrappers."""
+        self._items.discard_where(lambda key, _: made_for(key[0], function))
+        for key in [k for k in list(self._resolved.keys()) if made_for(k[0], function)]:
             self._resolved.pop(key, None)
 
     def _grew(self, prep: Prep) -> None:
@@ -1008,6 +1082,13 @@ class PrepCache:
 
 
 CACHE = PrepCache()
+
+
+def made_for(f: Callable, function: Callable) -> bool:
+    """Is ``f`` ``function``, or a ``Selected``/``Dotted`` wrapper of it?"""
+    while f is not function and isinstance(f, Selected | Dotted):
+        f = f.f
+    return f is function
 
 
 @dataclass(slots=True)  # made per request: a frozen dataclass's __init__ costs ~2 us more
@@ -1113,7 +1194,7 @@ def call(
         from_host = getattr(prep.framework, "from_host", None)
         if from_host is not None:  # a framework whose programs answer on the host (torch)
             out = from_host(out)
-        elif found.tangents is not None and prep.traced:
+        elif found.tangents is not None and prep.traced and len(found.tangents) > 1:
             out = _on_device(prep.framework, prep.results(found.operator), out)
     return returned(OPERATORS[operator], out, prep.has_aux)
 

@@ -95,6 +95,8 @@ def prune_cache_directory(directory: Path, max_bytes: int) -> int:
                 except OSError:  # removed meanwhile
                     continue
                 files.append((max(st.st_atime_ns, st.st_mtime_ns), st.st_size, item.path))
+    except FileNotFoundError:  # a fresh cache: JAX makes the directory on its first entry
+        return 0
     except OSError as exc:
         log.warning("compilation cache %s not pruned: %s", directory, exc)
         return 0
@@ -124,9 +126,7 @@ class CachePruner:
 
     def start(self) -> None:
         prune_cache_directory(self.directory, self.max_bytes)
-        self._thread = threading.Thread(
-            target=self._run, name="dxserve-cache-pruner", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="dxserve-cache-pruner", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

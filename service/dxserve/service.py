@@ -31,7 +31,9 @@ from dxcontract.backends import Backend, backend_from_json
 from dxcontract.errors import (
     BudgetExceededError,
     ForbiddenError,
+    FunctionEvaluationError,
     OverloadedError,
+    ShapeMismatchError,
     UnauthorizedError,
     UnknownPreparationError,
 )
@@ -46,12 +48,23 @@ from .backends.sparse import BCOO, sparse_wire
 from .backends.sparse_detection import DetectionBudget
 from .budget import ComputeLimits
 from .compiling import Compiler
+from .describe import declared_shapes_problem, example_shapes_hint
 from .export_gate import ExportGate, GateConfig
 from .holomorphic import maybe as declare
 from .jobs import Job, JobCancelled
 from .memory import Trimmer
 from .precision import float64_scope
-from .preparation import Lookup, Prep, PrepCache, lookup, normalize, out_of_memory, prepare
+from .preparation import (
+    Lookup,
+    Prep,
+    PrepCache,
+    lookup,
+    made_for,
+    normalize,
+    out_of_memory,
+    prepare,
+    with_cotangent,
+)
 from .registry import Registry
 from .request_batching import Batcher
 from .request_shapes import ShapeLimits
@@ -60,6 +73,7 @@ from .signature import Signature
 from .sparse_sandbox import ChildDetector, DetectionNeeded
 from .stores import open_store
 from .worker import DeviceWorker, Workers
+from .wrt import refuse_cotangent, select
 
 Action = Literal["compute", "write", "read"]
 
@@ -117,7 +131,7 @@ class PrepHandles:
         return prep
 
     def forget(self, function: Callable) -> None:
-        self._items.discard_where(lambda _, prep: prep.function is function)
+        self._items.discard_where(lambda _, prep: made_for(prep.function, function))
 
     def _grew(self, prep: Prep) -> None:
         self._items.remeasure(lambda _, held: held is prep)
@@ -309,6 +323,11 @@ class Service:
         """Is ``token`` one of the configured tokens? False when none is configured."""
         return any(hmac.compare_digest(token.encode(), t.encode()) for t in self._tokens)
 
+    @property
+    def takes_tokens(self) -> bool:
+        """Is a bearer token configured (``DXSERVE_TOKEN``, ``DXSERVE_TOKENS_FILE``)?"""
+        return bool(self._tokens)
+
     def anonymous_writes(self) -> bool:
         """May callers without a token register and delete functions? Only with no token
         configured, on a loopback address or with ``allow_anonymous_registration``."""
@@ -349,6 +368,8 @@ class Service:
         hint: Hashable = None,
         batch_axis: int | None = None,
         has_aux: bool = False,
+        wrt: Any = None,
+        cotangent: Any = None,
         job: Job | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
@@ -363,7 +384,10 @@ class Service:
         from the last one like it (see ``worker.Workers.run``). ``batch_axis=0``: x and
         the tangents hold B points, each result stacked (B, ...); one job, one call.
         ``has_aux``: the function returns ``(output, aux)``; ``output`` is differentiated
-        and ``{"aux": ...}``, its aux at x, is one more result.
+        and ``{"aux": ...}``, its aux at x, is one more result. ``wrt``: the arguments
+        differentiated (``dxserve.wrt``: 0 is x, k is ``contexts[k-1]``; several give
+        tuples), ``batch_axis`` then applying to them. ``cotangent`` (the HVP family):
+        the HVPs of ``<cotangent, f>`` for an array-valued f (``preparation.with_cotangent``).
         ``job``: told the progress of a chunked computation and checked between its
         chunks (``cancel()`` it to stop the work; ``JobCancelled`` is raised then).
         ``timeout``: seconds before 504 (default ``request_timeout``); the job is
@@ -383,26 +407,53 @@ class Service:
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = entry or self.registry.loaded(function) or await self._load(function)
+        names = entry.signature.get("args") if isinstance(entry.signature, dict) else None
+        names = names if isinstance(names, list) else []
+        if batch_axis is None:  # declared shapes are a contract: refused at the door
+            problem = declared_shapes_problem(entry.facts, names, x, contexts, entry.signature)
+            if problem is not None:
+                raise ShapeMismatchError(problem[1], field=problem[0])
         ready_prep = self.handles.get(prep) if prep is not None else None
-        found = lookup(
-            op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts, ready_prep,
-            self.cache, signature, batch_axis, has_aux,
-        )
-        # A batch is one job whose cost is its whole batch's: keyed apart from single
-        # points, so its expected cost never comes from (nor is taken for) theirs.
-        key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic)
-        own_ticket = ticket is None
-        ticket = self.budget.ticket() if ticket is None else ticket
+        sent_x, sent_contexts = x, contexts  # as the request named them (for messages)
+        fn = entry.fn
+        if wrt is not None:  # the arguments wrt names become x: their signature is new
+            fn, x, contexts = select(fn, x, contexts, wrt)
+            signature = None
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
+            signature = None
         try:
-            results = await self._call(op, found, key, ticket, info=info, job=job, timeout=timeout)
-        except BaseException:  # a deadline, or the caller gone: stop at the next chunk
-            if job is not None:
-                job.cancel()
-            raise
-        finally:
-            ticket.computed()
-            if own_ticket:
-                ticket.release()
+            found = lookup(
+                op.name, declare(fn, holomorphic), backend, x, tangents, contexts, ready_prep,
+                self.cache, signature, batch_axis, has_aux,
+            )
+            # A batch is one job whose cost is its whole batch's: keyed apart from single
+            # points, so its expected cost never comes from (nor is taken for) theirs.
+            key = (entry.name, op.name, hint, prep, batch_axis, found.has_aux, holomorphic, wrt,
+                   cotangent is not None)
+            own_ticket = ticket is None
+            ticket = self.budget.ticket() if ticket is None else ticket
+            try:
+                results = await self._call(
+                    op, found, key, ticket, info=info, job=job, timeout=timeout
+                )
+            except BaseException:  # a deadline, or the caller gone: stop at the next chunk
+                if job is not None:
+                    job.cancel()
+                raise
+            finally:
+                ticket.computed()
+                if own_ticket:
+                    ticket.release()
+        except FunctionEvaluationError as exc:
+            named = None if batch_axis is not None else example_shapes_hint(
+                entry.facts, names, sent_x, sent_contexts, entry.signature
+            )
+            if named is None:
+                raise
+            # the argument whose shape is new, in words, before JAX's own text
+            raise FunctionEvaluationError(f"{named[1]}: {exc.detail}", field=named[0]) from exc
         if info is not None:
             info.call_end = time.perf_counter()
         return results
@@ -558,16 +609,24 @@ class Service:
         batch_axis: int | None = None,
         has_aux: bool = False,
         holomorphic: bool = False,
+        wrt: Any = None,
+        cotangent: Any = None,
     ) -> dict[str, Any]:
         """Compile ``operator`` once for this signature: ``{"prep": handle, "operator",
         "function", "backend", "resolved"}``; pass the handle as ``prep`` to ``call``.
         ``batch_axis=0`` prepares a batch of points, ``has_aux`` a function returning
-        ``(output, aux)`` (calls must say the same)."""
+        ``(output, aux)``, ``wrt`` the arguments differentiated (calls must say the same)."""
         op = OPERATORS[operator]
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
         x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        fn = entry.fn
+        if wrt is not None:
+            fn, x, contexts = select(fn, x, contexts, wrt)
+        if cotangent is not None:
+            refuse_cotangent(op.name, has_aux)
+            fn, contexts = with_cotangent(fn, x, contexts, cotangent)
         limit, limits, timeout = (
             self.settings.max_result_elements, self.limits, self.settings.request_timeout
         )
@@ -576,7 +635,7 @@ class Service:
         def compile_it() -> Prep:
             with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
-                    op.name, declare(entry.fn, holomorphic), backend, x, tangents, contexts,
+                    op.name, declare(fn, holomorphic), backend, x, tangents, contexts,
                     None, limit, limits, batch_axis, has_aux,
                 )
                 prep.compile_for(op.name, *normalize(x, tangents, contexts))
@@ -715,12 +774,12 @@ def _operator_method(op: OperatorSpec) -> Callable:
     async def method(
         self: Service, function: str, backend: Backend | str | dict, x: Any, *args: Any,
         prep: str | None = None, batch_axis: int | None = None, has_aux: bool = False,
-        holomorphic: bool = False,
+        holomorphic: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         tangents, contexts = (args[0], args[1:]) if op.takes_tangents else (None, args)
         out = await self.call(
             op.name, function, backend, x, tangents, contexts, prep, batch_axis=batch_axis,
-            has_aux=has_aux, holomorphic=holomorphic,
+            has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return returned(op, tuple(out[name] for name in result_names(op, has_aux)), has_aux)
 
@@ -728,7 +787,7 @@ def _operator_method(op: OperatorSpec) -> Callable:
     method.__name__ = method.__qualname__ = op.name
     method.__doc__ = (
         f"``await service.{op.name}(function, backend, x{takes}, *contexts, prep=None, "
-        "batch_axis=None, has_aux=False)``: "
+        "batch_axis=None, has_aux=False, wrt=None)``: "
         f"{', '.join(op.results)}, as the library's ``dxserve.{op.name}`` returns them."
     )
     return method

@@ -55,12 +55,20 @@ EXPECTED: dict[type[E.DxError], int] = {
 
 
 def _all_error_classes() -> list[type[E.DxError]]:
+    """Every error class a server may answer with (the client's own, raised where no
+    answer came, are not among them)."""
     out, todo = [E.DxError], [E.DxError]
     while todo:
         for sub in todo.pop().__subclasses__():
-            out.append(sub)
+            if sub not in E.CLIENT_ONLY:
+                out.append(sub)
             todo.append(sub)
     return out
+
+
+def test_client_only_errors_are_never_a_problem_document() -> None:
+    assert E.CLIENT_ONLY == (E.ServerUnreachableError,)
+    assert E.ServerUnreachableError not in STATUS
 
 
 def test_no_error_class_carries_a_status():

@@ -222,9 +222,9 @@ CASES: list[Case] = [
          body=rb(contexts="W")),
     Case("contexts-bad-element", 400, "malformed-request", "contexts[0][1]", "unexpected string",
          body={"function": "tanh_layer", "x": GOOD_X, "contexts": [[1.0, "W"]]}),
-    # The function itself fails on these shapes; the probe cannot tell which input was
-    # wrong and names the active input.
-    Case("contexts-wrong-shape", 422, "evaluation-failed", "x", "dot_general",
+    # The function itself fails on these shapes: the argument whose shape differs from
+    # the function's example is named, then JAX's text.
+    Case("contexts-wrong-shape", 422, "evaluation-failed", "contexts[0]", "dot_general",
          path="/jacobian",
          body={"function": "tanh_layer", "x": GOOD_X, "contexts": [[[1.0, 2.0]] * 2]}),
     # --- binary framing -------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_health_answers_while_a_long_jacobian_runs(server: Any) -> None:
 
 def test_functions_list_and_get(server: Any) -> None:
     with httpx.Client(base_url=server.url) as http:
-        listed = http.get("/functions").json()["functions"]
+        listed = http.get("/functions", params={"details": "true"}).json()["functions"]
         by_name = {f["name"]: f for f in listed}
         assert EXAMPLES <= set(by_name)
         assert [f["name"] for f in listed] == sorted(by_name)

@@ -64,3 +64,26 @@ def test_arrays_admit_non_finite_scalars() -> None:
 
 def test_no_jax_named_routes() -> None:
     assert "/jvp" not in SPEC["paths"] and "/vjp" not in SPEC["paths"]
+
+
+def test_a_server_without_a_token_shows_no_lock(tmp_path: Path) -> None:
+    """Swagger UI draws a lock on every operation with a ``security`` requirement: a
+    server that takes no token anywhere documents none (the committed document, dumped
+    with a token, shows where one goes)."""
+    from dxserve.http import create_app
+    from dxserve.settings import Settings
+
+    settings = Settings(store=str(tmp_path / "store"), compilation_cache="", warm_up=False)
+    app = create_app(settings)
+    try:
+        spec = app.openapi()
+    finally:
+        app.state.service.close()
+    assert "securitySchemes" not in spec.get("components", {})
+    locked = [
+        operation.get("operationId")
+        for methods in spec["paths"].values()
+        for operation in methods.values()
+        if "security" in operation
+    ]
+    assert not locked, locked

@@ -7,14 +7,16 @@ test server's. An HTML comment on the line before a block changes how it runs:
 
 * ``<!-- continue -->``: the block continues the one before it (the page's earlier
   blocks run first, in the same process), as a reader who ran them would have it;
-* ``<!-- skip: reason -->``: the block is not run; the reason is reported.
+* ``<!-- skip: reason -->``: the block is not run; the reason is reported;
+* ``<!-- needs: mod1, mod2 -->``: the block needs optional packages (the page says which
+  in words too); it runs where they import and is skipped, naming them, elsewhere.
 
 A python block whose first line is ``# <name>.py`` is a module the pages tell the reader
 to serve (``dxserve serve --functions dxserve.examples,<name>``): the test server serves
 it as printed, beside the examples, and nothing else, so the pages can use only what a
 reader's server has.
 
-```sh blocks: a ``curl`` command against ``localhost:8000`` followed by a line of JSON
+```sh blocks: a ``curl`` command (after a ``$`` prompt) against ``localhost:8000`` followed by a line of JSON
 is run against the test server and its answer compared with that line (numbers to
 1e-9; the string ``"..."`` matches anything). The block's curl commands before it run
 first, in order (registering what it then uses), and must not answer a problem.
@@ -22,6 +24,7 @@ first, in order (registering what it then uses), and must not answer a problem.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -42,8 +45,10 @@ README = REPO / "README.md"
 #: What the pages call the server.
 DOCUMENTED_URLS = ("http://127.0.0.1:8000", "http://localhost:8000")
 BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
-MARK = re.compile(r"<!--\s*(continue|skip)\s*(?::\s*(.*?))?\s*-->\s*$")
+MARK = re.compile(r"<!--\s*(continue|skip|needs)\s*(?::\s*(.*?))?\s*-->\s*$")
 MODULE = re.compile(r"\A# ([A-Za-z_][A-Za-z0-9_]*)\.py\n")
+#: A shell block's prompt: the line is a command; a line without one after it, its answer.
+PROMPT = "$ "
 SH_BLOCK = re.compile(r"^```(?:sh|bash|shell)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
@@ -71,6 +76,16 @@ def blocks(page: Path) -> list[Block]:
         if mark and mark.group(1) == "skip":
             found.append(Block(page, line, code, mark.group(2) or "marked skip"))
             continue
+        if mark and mark.group(1) == "needs":
+            missing = [
+                m.strip()
+                for m in (mark.group(2) or "").split(",")
+                if m.strip() and importlib.util.find_spec(m.strip()) is None
+            ]
+            found.append(
+                Block(page, line, code, f"needs {', '.join(missing)}" if missing else None)
+            )
+            continue
         if mark and mark.group(1) == "continue":
             if not found:
                 raise ValueError(f"{page.name}:{line}: '<!-- continue -->' on the first block")
@@ -93,7 +108,11 @@ def run_block(block: Block, url: str, workdir: Path) -> subprocess.CompletedProc
     )
     env["DXSERVE_URL"] = url
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=240,
     )
 
@@ -122,7 +141,9 @@ def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     modules.mkdir()
     for name, code in served_modules().items():
         (modules / f"{name}.py").write_text(code, encoding="utf-8")
-    path = os.pathsep.join(p for p in (str(REPO), str(modules), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(
+        p for p in (str(REPO), str(modules), os.environ.get("PYTHONPATH", "")) if p
+    )
     srv = start_server(
         workdir, env={"PYTHONPATH": path}, modules=("dxserve.examples", *served_modules())
     )
@@ -144,11 +165,20 @@ def test_marks_are_read(tmp_path: Path) -> None:
     page.write_text(
         "```python\na = 1\n```\n<!-- continue -->\n```python\nb = a + 1\n```\n"
         "<!-- skip: needs a GPU -->\n```python\nimport cupy\n```\n"
-        "```python\nc = 3\n```\n",
+        "```python\nc = 3\n```\n"
+        "<!-- needs: json, surely_not_a_module_here -->\n```python\nd = 4\n```\n"
+        "<!-- needs: json -->\n```python\ne = 5\n```\n",
         encoding="utf-8",
     )
     got = blocks(page)
-    assert [(b.line, b.skip) for b in got] == [(1, None), (5, None), (9, "needs a GPU"), (12, None)]
+    assert [(b.line, b.skip) for b in got] == [
+        (1, None),
+        (5, None),
+        (9, "needs a GPU"),
+        (12, None),
+        (16, "needs surely_not_a_module_here"),
+        (20, None),
+    ]
     assert got[1].code == "a = 1\n\nb = a + 1\n"
     assert got[3].code == "c = 3\n"
 
@@ -200,8 +230,8 @@ def curl_examples(page: Path) -> list[CurlExample]:
         commands: list[str] = []
         i = 0
         while i < len(lines):
-            line = lines[i]
-            if line.startswith("curl ") and "localhost:8000" in line + "".join(lines[i:i + 4]):
+            line = lines[i].removeprefix(PROMPT)
+            if line.startswith("curl ") and "localhost:8000" in line + "".join(lines[i : i + 4]):
                 command, first = line, fence + 1 + i
                 while command.endswith("\\"):
                     i += 1
@@ -222,15 +252,21 @@ def _matches(got: object, expected: object) -> bool:
     if expected == "...":
         return True
     if isinstance(expected, dict):
-        return isinstance(got, dict) and got.keys() == expected.keys() and all(
-            _matches(got[k], v) for k, v in expected.items()
+        return (
+            isinstance(got, dict)
+            and got.keys() == expected.keys()
+            and all(_matches(got[k], v) for k, v in expected.items())
         )
     if isinstance(expected, list):
-        return isinstance(got, list) and len(got) == len(expected) and all(
-            _matches(g, e) for g, e in zip(got, expected, strict=True)
+        return (
+            isinstance(got, list)
+            and len(got) == len(expected)
+            and all(_matches(g, e) for g, e in zip(got, expected, strict=True))
         )
     if isinstance(expected, (int, float)) and not isinstance(expected, bool):
-        return isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12)
+        return isinstance(got, (int, float)) and math.isclose(
+            got, expected, rel_tol=1e-9, abs_tol=1e-12
+        )
     return got == expected
 
 

@@ -30,8 +30,16 @@ from dxserve.settings import Settings
 from tests.conftest import REPO, ServerProcess
 
 EXAMPLES = [info.name for info, _ in module_functions("dxserve.examples")]
-TEST_TOOLS = ("pytest", "hypothesis", "schemathesis", "ruff", "optax", "matplotlib",
-              "equinox", "flax")
+TEST_TOOLS = (
+    "pytest",
+    "hypothesis",
+    "schemathesis",
+    "ruff",
+    "optax",
+    "matplotlib",
+    "equinox",
+    "flax",
+)
 X = np.array([1.0, 2.0, 3.0])
 W = np.array([[0.1, 0.2, 0.3], [-0.3, 0.2, -0.1]])
 
@@ -40,8 +48,12 @@ W = np.array([[0.1, 0.2, 0.3], [-0.3, 0.2, -0.1]])
 def make_commands(target: str, venv: Path) -> list[str]:
     """The commands ``make <target>`` would run for a fresh ``venv`` (``make -n``)."""
     out = subprocess.run(
-        ["make", "--no-print-directory", "-n", f"VENV={venv}", target], cwd=REPO, capture_output=True, text=True,
-        timeout=60, check=True,
+        ["make", "--no-print-directory", "-n", f"VENV={venv}", target],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     return out.splitlines()
 
@@ -55,9 +67,15 @@ def test_make_serve_installs_the_three_packages_without_extras(tmp_path: Path) -
     lines = installs(commands)
     assert len(lines) == 1, commands
     words = lines[0].split()
-    assert words[words.index("install"):] == [
-        "install", "-q", "--config-settings", "editable_mode=compat",
-        "-e", "./contract", "-e", "./clients/python", "-e", ".",
+    assert words[words.index("install") :] == [
+        "install",
+        "-q",
+        "-e",
+        "./contract",
+        "-e",
+        "./clients/python",
+        "-e",
+        ".",
     ]
     assert "[" not in lines[0]
     assert commands[-1].endswith(f"{tmp_path / 'venv'}/bin/dxserve serve")
@@ -92,13 +110,25 @@ def test_make_serve_install_resolves_no_test_tools(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     line = installs(make_commands("serve", venv))[0]
     words = line.split()
-    targets = words[words.index("install") + 1:]
+    targets = words[words.index("install") + 1 :]
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--report",
-         str(report), *targets],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=800,
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--report",
+            str(report),
+            *targets,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {  # normalized as PEP 503 does
@@ -138,7 +168,9 @@ def test_startup_log_names_what_is_served(make_server) -> None:
         assert _post_example(srv.url, described), name
     rosenbrock = httpx.get(srv.url + "/functions/rosenbrock").json()
     assert rosenbrock["example"]["body"] == {
-        "function": "rosenbrock", "backend": "auto", "x": [1.0, 2.0, 3.0]
+        "function": "rosenbrock",
+        "backend": "auto",
+        "x": [1.0, 2.0, 3.0],
     }
     assert _post_example(srv.url, rosenbrock) == {"gradient": [-400.0, 1002.0, -200.0]}
 
@@ -156,8 +188,11 @@ def test_dxserve_functions_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_help_says_how_the_examples_come_in() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "dxserve.cli", "serve", "--help"], capture_output=True,
-        text=True, timeout=60, check=True,
+        [sys.executable, "-m", "dxserve.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
         env={**os.environ, "COLUMNS": "200"},
     ).stdout
     flat = " ".join(out.split())
@@ -249,8 +284,12 @@ def test_conflict_is_spelled_for_each_caller(server: ServerProcess) -> None:
         httpx.delete(server.url + "/functions/fh_conflict")
 
 
-@pytest.mark.parametrize("operator, function", [("pushforward", "sin_cumsum"), ("hvp", "rosenbrock")])
-def test_unwrapped_tangent_gets_the_wrapped_spelling(server: ServerProcess, operator, function) -> None:
+@pytest.mark.parametrize(
+    "operator, function", [("pushforward", "sin_cumsum"), ("hvp", "rosenbrock")]
+)
+def test_unwrapped_tangent_gets_the_wrapped_spelling(
+    server: ServerProcess, operator, function
+) -> None:
     body = {"function": function, "x": [1.0, 2.0, 3.0], "tangents": [1, 1, 1]}
     r = httpx.post(f"{server.url}/{operator}", json=body)
     assert r.status_code == 422
@@ -310,9 +349,7 @@ def test_library_keeps_its_argument_order() -> None:
     import inspect
 
     assert list(inspect.signature(dxserve.gradient).parameters)[:3] == ["f", "backend", "x"]
-    np.testing.assert_allclose(
-        dxserve.gradient(lambda x: jnp.sum(x**2), JaxReverse(), X), 2 * X
-    )
+    np.testing.assert_allclose(dxserve.gradient(lambda x: jnp.sum(x**2), JaxReverse(), X), 2 * X)
 
 
 def test_install_hints_name_lines_that_work() -> None:
@@ -333,8 +370,13 @@ def test_install_hints_name_lines_that_work() -> None:
         assert f"pip install -e '.[{extra}]'" in hint
         assert extra in server["project"]["optional-dependencies"]
     # no unpublished distribution names anywhere a user reads an install line
-    for path in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("service/**/*.py"),
-                 *REPO.glob("clients/python/dxclient/*.py"), REPO / "deploy/ray-serve.yaml"]:
+    for path in [
+        REPO / "README.md",
+        *REPO.glob("docs/*.md"),
+        *REPO.glob("service/**/*.py"),
+        *REPO.glob("clients/python/dxclient/*.py"),
+        REPO / "deploy/ray-serve.yaml",
+    ]:
         text = path.read_text(encoding="utf-8")
         # (a direct reference, 'dxserve-client[jax] @ git+...', installs from a URL)
         bad = re.search(r"pip install '?(dxclient|dxserve|dxserve-client)\[[a-z,]*\]'?(?! @)", text)
@@ -414,7 +456,8 @@ def test_module_function_describes_itself(server: ServerProcess) -> None:
 
     layer = httpx.get(server.url + "/functions/tanh_layer").json()
     assert [(a["name"], a["role"], a["shape"]) for a in layer["arguments"]] == [
-        ("x", "x", [3]), ("W", "context", [2, 3])
+        ("x", "x", [3]),
+        ("W", "context", [2, 3]),
     ]
     assert layer["output"]["shape"] == [2]
     assert "gradient" not in layer["operators"] and layer["example"]["path"] == "/jacobian"
@@ -423,13 +466,23 @@ def test_module_function_describes_itself(server: ServerProcess) -> None:
 
     squares = httpx.get(server.url + "/functions/least_squares").json()
     tree = squares["arguments"][0]["tree"]
-    assert tree == {"dict": {"b": {"shape": [1], "dtype": "float64"},
-                             "w": {"shape": [2, 1], "dtype": "float64"}}}
+    assert tree == {
+        "dict": {
+            "b": {"shape": [1], "dtype": "float64"},
+            "w": {"shape": [2, 1], "dtype": "float64"},
+        }
+    }
     assert "sparsity" not in squares["operators"]  # a pytree x
     assert set(_post_example(server.url, squares)["gradient"]) == {"w", "b"}
     # the list has the same descriptions
+    detailed = httpx.get(server.url + "/functions", params={"details": "true"}).json()
+    assert {f["name"]: f for f in detailed["functions"]}["normal_logpdf"] == d
+    # the plain list is a summary, with the address of each description
     listed = {f["name"]: f for f in httpx.get(server.url + "/functions").json()["functions"]}
-    assert listed["normal_logpdf"] == d
+    assert listed["normal_logpdf"] == {
+        "name": "normal_logpdf", "kind": "module", "description": d["description"],
+        "href": "/functions/normal_logpdf",
+    }
 
 
 def test_expression_describes_itself(server: ServerProcess) -> None:
@@ -439,7 +492,11 @@ def test_expression_describes_itself(server: ServerProcess) -> None:
         d = httpx.get(server.url + "/functions/fh_sines").json()
         assert d["signature"] == {"args": ["x"], "expression": "jnp.sum(jnp.sin(x) ** 2)"}
         assert d["arguments"][0] | {"tree": None} == {
-            "name": "x", "role": "x", "shape": [3], "dtype": "float64", "tree": None
+            "name": "x",
+            "role": "x",
+            "shape": [3],
+            "dtype": "float64",
+            "tree": None,
         }
         assert d["shapes_from"] == "probe"
         g = _post_example(server.url, d)["gradient"]
@@ -464,7 +521,8 @@ def test_uploaded_export_describes_itself(server: ServerProcess) -> None:
         assert d["kind"] == "export" and d["shapes_from"] == "export"
         assert "artifacts" in d["signature"] or "signature" in d["signature"]  # the manifest
         assert [(a["name"], a["shape"], a["dtype"]) for a in d["arguments"]] == [
-            ("x", [3], "float32"), ("contexts[0]", [2, 3], "float32")
+            ("x", [3], "float32"),
+            ("contexts[0]", [2, 3], "float32"),
         ]
         assert d["output"] == {"shape": [2], "dtype": "float32", "tree": None}
         assert "gradient" not in d["operators"] and "jacobian" in d["operators"]
@@ -496,7 +554,8 @@ def test_annotations_describe_a_module_function() -> None:
     d = describe("scaled", built.signature, built.facts)
     assert d["shapes_from"] == "annotations"
     assert [(a["name"], a["shape"], a["dtype"]) for a in d["arguments"]] == [
-        ("x", [4], "float32"), ("a", [], "float64")
+        ("x", [4], "float32"),
+        ("a", [], "float64"),
     ]
     assert d["example"]["body"]["x"] == {"__ndarray__": [0.5] * 4, "dtype": "float32", "shape": [4]}
     built = MODULE.wrap(untyped)
@@ -525,9 +584,7 @@ def test_descriptions_survive_a_restart_without_a_build(tmp_path: Path) -> None:
         assert entry.fn is None  # not built
         d = entry.describe()
         assert d["shapes_from"] == "probe" and d["arguments"][0]["shape"] == [3]
-        assert d["example"]["body"] == {
-            "function": "kept", "backend": "auto", "x": [0.5, 0.5, 0.5]
-        }
+        assert d["example"]["body"] == {"function": "kept", "backend": "auto", "x": [0.5, 0.5, 0.5]}
     finally:
         store.close()
 

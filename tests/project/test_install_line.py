@@ -29,7 +29,8 @@ LINE = re.compile(r"^pip install \./contract '\./clients/python\[[a-z,]+\]'$")
 
 def readme_install_line() -> str:
     blocks = re.findall(r"```sh\n(.*?)```", (REPO / "README.md").read_text(encoding="utf-8"), re.S)
-    lines = [ln.strip() for b in blocks for ln in b.splitlines() if LINE.match(ln.strip())]
+    lines = [ln.strip().removeprefix("$ ") for b in blocks for ln in b.splitlines()]
+    lines = [ln for ln in lines if LINE.match(ln)]
     assert lines, (
         "README.md has no `pip install ./contract './clients/python[...]'` line in a sh block"
     )
@@ -41,7 +42,8 @@ def test_readme_install_line_in_a_fresh_venv(tmp_path: Path) -> None:
     clone = tmp_path / "repo"
     for part in (("contract",), ("clients", "python")):  # the client and what it shares
         shutil.copytree(
-            REPO.joinpath(*part), clone.joinpath(*part),
+            REPO.joinpath(*part),
+            clone.joinpath(*part),
             ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__", "*.pyc"),
         )
     venv = tmp_path / "venv"
@@ -53,12 +55,15 @@ def test_readme_install_line_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     check = (
-        "import dxclient, dxclient.jax, jax; "
-        "print(dxclient.__version__); print(dxclient.__file__)"
+        "import dxclient, dxclient.jax, jax; print(dxclient.__version__); print(dxclient.__file__)"
     )
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", check], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
+        [str(venv / "bin" / "python"), "-c", check],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     version, where = out.stdout.split()

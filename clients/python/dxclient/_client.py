@@ -40,6 +40,7 @@ from ._direct import DirectCalls
 from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
+from .errors import ServerUnreachableError
 from .jobs import AsyncJob, Job, Submitter, job_plan, list_plan
 from .transport import BODY_PARTS, AsyncFastTransport, FastTransport
 
@@ -59,6 +60,24 @@ MAX_RETRY_DELAY = 30.0
 #: Statuses that, without dxserve's problem+json body, come from a proxy or load balancer
 #: in front of the server: retried like a connection error.
 _GATEWAY_ERRORS = (500, 502, 504)
+#: Errors that mean no connection was made: past the last retry, a ServerUnreachableError.
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def _full_url(http: httpx.Client | httpx.AsyncClient, call: Call) -> str:
+    """The address ``call`` goes to: the client's base URL and the call's path."""
+    return str(http.base_url).rstrip("/") + "/" + call.path.lstrip("/")
+
+
+def _unreachable(exc: httpx.TransportError, url: str, tries: int) -> ServerUnreachableError:
+    """``exc``, the last of ``tries`` failed connections to ``url``, as the client's
+    typed error (the request kept, for callers that read it as httpx's)."""
+    err = ServerUnreachableError(url, tries, str(exc) or type(exc).__name__)
+    try:
+        err.request = exc.request
+    except RuntimeError:  # raised before a request was attached
+        pass
+    return err
 
 
 def _idempotent(call: Call) -> bool:
@@ -277,30 +296,31 @@ class _ClientBase(OperatorMethods):
     def _operator(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, prep: RemotePrep | None, batch_axis: int | None = None,
-        progress: Any = None, has_aux: bool = False, *, holomorphic: bool = False,
+        progress: Any = None, has_aux: bool = False, *, holomorphic: bool = False, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
         if model is not None:
             return model.finish(operator, self._operator(
                 operator, f, backend, model.x, model.tangents, contexts, prep, batch_axis,
-                progress, has_aux, holomorphic=holomorphic), has_aux)
+                progress, has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent), has_aux)
         if progress is not None and progress is not False:  # streamed: dxclient.progress
             call = _models.operator_call(
                 operator, f, backend, x, tangents, contexts, prep, self.encoding,
-                batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+                batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
             )
             return self._stream(operator, call, progress, has_aux)
         if prep is not None and prep.request is not None:
             def build(p: RemotePrep) -> Call:
                 return _models.operator_call(
                     operator, f, backend, x, tangents, contexts, p, self.encoding,
-                    batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+                    batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
                 )
 
             return self._run_prepared(operator, prep, build, has_aux)
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, prep, self.encoding,
-            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return self._run_operator(operator, call, has_aux)
 
@@ -322,14 +342,15 @@ class _ClientBase(OperatorMethods):
     def _prepare(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, batch_axis: int | None = None, has_aux: bool = False,
-        *, holomorphic: bool = False,
+        *, holomorphic: bool = False, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         model = models.model_call(x, tangents)
         if model is not None:
             x, tangents = model.x, model.tangents
         call = _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, self.encoding, prepare=True,
-            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         )
         return self._run(call, self._url(call), _prep_answer, call)
 
@@ -360,7 +381,7 @@ class _ClientBase(OperatorMethods):
     @_plan
     def functions(self) -> Plan[list[RemoteFunction]]:
         """Every registered function."""
-        response = yield _get("/functions")
+        response = yield _get("/functions?details=true")
         return [_models.function_from(o) for o in response.json()["functions"]]
 
     @_plan
@@ -455,8 +476,11 @@ class Client(_ClientBase):
         while True:
             try:
                 response = self._send(call, url)
-            except _TRANSPORT_ERRORS:
+            except _TRANSPORT_ERRORS as exc:
                 if attempt >= retries:
+                    if isinstance(exc, _CONNECT_ERRORS):
+                        target = str(url) if url is not None else _full_url(self.http, call)
+                        raise _unreachable(exc, target, attempt + 1) from exc
                     raise
                 response = None
             delay = _retry_delay(response, attempt, self.backoff) if attempt < retries else None
@@ -549,8 +573,11 @@ class AsyncClient(_ClientBase):
         while True:
             try:
                 response = await self._send(call, url)
-            except _TRANSPORT_ERRORS:
+            except _TRANSPORT_ERRORS as exc:
                 if attempt >= retries:
+                    if isinstance(exc, _CONNECT_ERRORS):
+                        target = str(url) if url is not None else _full_url(self.http, call)
+                        raise _unreachable(exc, target, attempt + 1) from exc
                     raise
                 response = None
             delay = _retry_delay(response, attempt, self.backoff) if attempt < retries else None

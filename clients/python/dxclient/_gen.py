@@ -39,6 +39,10 @@ or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 ``holomorphic=True`` (jacobian, derivative, hessian, second_derivative and their value_
 forms): the function is holomorphic, as JAX's ``holomorphic=True`` says; a Jacobian of
 complex x is refused without it.
+``wrt=`` names the arguments differentiated as JAX's ``argnums`` does (0: x, k:
+``contexts[k-1]``; a list or tuple: several, results and tangents as tuples over them;
+``dxcontract.arguments``). ``cotangent=`` (hvp and gradient_and_hvp): for an
+array-valued function, the HVPs of ``<cotangent, f>`` (the derivative of its pullback).
 """
 
 from __future__ import annotations
@@ -61,13 +65,14 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, *, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -82,54 +87,59 @@ def _methods(op: OperatorSpec) -> str:
         holo_param, holo_arg = " holomorphic: bool = False,", ", holomorphic=holomorphic"
     else:
         holo_param = holo_arg = ""
+    hvp = op.family == "hvp"  # the HVP family takes a cotangent
+    cot_param = " cotangent: Any = None," if hvp else ""
+    cot_arg = " cotangent=cotangent," if hvp else ""
     if not op.aux:
         return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        wrt: Any = None,
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._operator(
-            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, wrt=wrt
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, wrt: Any = None,
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
-        return self._prepare("{name}", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare("{name}", f, backend, x, tangents, contexts, batch_axis, wrt=wrt)
 '''
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,{holo_param}
+        has_aux: bool = False,{holo_param} wrt: Any = None,{cot_param}
     ) -> Any:
         """{op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._operator(
-            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux{holo_arg}
+            "{name}", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux{holo_arg},
+            wrt=wrt,{cot_arg}
         )
 
     def prepare_{name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,{holo_param}
+        batch_axis: int | None = None, has_aux: bool = False,{holo_param} wrt: Any = None,{cot_param}
     ) -> Any:
         """Compile ``{name}`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "{name}", {takes}, backend, x, {tangents_arg}, contexts
         )
         return self._prepare(
-            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux{holo_arg}
+            "{name}", f, backend, x, tangents, contexts, batch_axis, has_aux{holo_arg}, wrt=wrt,{cot_arg}
         )
 '''
 
@@ -144,7 +154,8 @@ class SubmitMethods:
 
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 '''  # fmt: skip
@@ -160,16 +171,21 @@ def _submit_method(op: OperatorSpec) -> str:
     if op.family in HOLOMORPHIC_FAMILIES:
         aux_param += " holomorphic: bool = False,"
         aux_arg += ", holomorphic=holomorphic"
+    hvp = op.family == "hvp"  # the HVP family takes a cotangent
+    cot_param = " cotangent: Any = None," if hvp else ""
+    cot_arg = " cotangent=cotangent," if hvp else ""
     return f'''
     def {name}(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN,{tangents_param} *contexts: Any,
-        batch_axis: int | None = None,{aux_param}
+        batch_axis: int | None = None,{aux_param} wrt: Any = None,{cot_param}
     ) -> Any:
         """Submit ``{name}`` as a detached job; ``job.result()``: {op.summary}"""
         backend, x, tangents, contexts = positionals(
             "{name}", {op.takes_tangents}, backend, x, {tangents_arg}, contexts
         )
-        return self._submit("{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg})
+        return self._submit(
+            "{name}", f, backend, x, tangents, contexts, batch_axis{aux_arg}, wrt=wrt,{cot_arg}
+        )
 '''
 
 

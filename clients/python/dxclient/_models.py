@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 
 from dxcontract import codec
+from dxcontract.arguments import check_wrt
 from dxcontract.backends import Backend, backend_to_json
 from dxcontract.encodings.common import pytree_to_wire
 from dxcontract.errors import DxError, MalformedRequestError
@@ -144,11 +145,17 @@ def operator_call(
     batch_axis: int | None = None,
     has_aux: bool = False,
     holomorphic: bool = False,
+    wrt: Any = None,
+    cotangent: Any = None,
 ) -> Call:
     """The request of ``operator`` (``batch_axis=0``: x and the tangents lead with an
     axis of points; sent as ``"batch_axis": 0``, left out when None; ``has_aux``: sent as
-    ``"has_aux": true``, left out when False; ``holomorphic`` likewise)."""
-    repeat = _REPEATS.key(
+    ``"has_aux": true``, left out when False; ``holomorphic`` likewise; ``wrt``: the
+    arguments differentiated, sent as a number or a list, left out when None;
+    ``cotangent``: the HVP family's, for an array-valued function, left out when None)."""
+    wrt = check_wrt(wrt, 1 + len(contexts))
+    plain = wrt is None and cotangent is None  # the kind of call that repeats
+    repeat = None if not plain else _REPEATS.key(
         operator, f, backend, x, tangents, contexts, prep, encoding, prepare, batch_axis,
         has_aux, holomorphic,
     )
@@ -156,7 +163,7 @@ def operator_call(
         call = _REPEATS.call(repeat, x)
         if call is not None:
             return call
-    elif encoding in _INLINE_ENCODINGS:
+    elif encoding in _INLINE_ENCODINGS and plain:
         inline = _INLINE_REPEATS.key(
             operator, f, backend, x, tangents, contexts, prep, prepare, batch_axis, encoding,
             has_aux, holomorphic,
@@ -191,6 +198,12 @@ def operator_call(
         if op.family not in HOLOMORPHIC_FAMILIES:
             raise ValueError(f"{op.name} takes no holomorphic")
         payload["holomorphic"] = True
+    if wrt is not None:
+        payload["wrt"] = wrt if isinstance(wrt, int) else list(wrt)
+    if cotangent is not None:
+        if op.family != "hvp":
+            raise ValueError(f"{op.name} takes no cotangent (hvp and gradient_and_hvp do)")
+        payload["cotangent"] = to_wire_tree(cotangent)
     if encoding in _PARTS_ENCODINGS and not prepare:
         # sent at once: the arrays' memory (binary) or base64 text (b64) as it is
         parts, content_type, headers = codec.encode_body_parts(payload, encoding)

@@ -19,6 +19,10 @@ or ``(results, aux)`` (``dxcontract.operators.returned``), aux computed at x.
 ``holomorphic=True`` (jacobian, derivative, hessian, second_derivative and their value_
 forms): the function is holomorphic, as JAX's ``holomorphic=True`` says; a Jacobian of
 complex x is refused without it.
+``wrt=`` names the arguments differentiated as JAX's ``argnums`` does (0: x, k:
+``contexts[k-1]``; a list or tuple: several, results and tangents as tuples over them;
+``dxcontract.arguments``). ``cotangent=`` (hvp and gradient_and_hvp): for an
+array-valued function, the HVPs of ``<cotangent, f>`` (the derivative of its pullback).
 """
 
 from __future__ import annotations
@@ -41,461 +45,480 @@ class OperatorMethods:
     def _operator(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
         prep: RemotePrep | None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, *, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def _prepare(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """f(x, *contexts)."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "value_and_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_and_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_derivative_and_second_derivative`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """∇f(x), shaped like x."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``gradient`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), ∇f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_and_gradient", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_and_gradient`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "value_and_jacobian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_and_jacobian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False, holomorphic: bool = False,
+        has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux, holomorphic=holomorphic,
+            wrt=wrt,
         )
 
     def prepare_value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_gradient_and_hessian`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
         return self._prepare(
-            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
         )
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """(J t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``pushforward`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), (J t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_and_pushforward", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_and_pushforward`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """(Jᵀ c for c in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``pullback`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """(f(x), (Jᵀ c for c in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "value_and_pullback", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt,
         )
 
     def prepare_value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Compile ``value_and_pullback`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
         )
 
     def sparsity(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
+        wrt: Any = None,
     ) -> Any:
         """The pattern of ∂f/∂x, or of ∇²f for scalar f (sparse, no values)."""
         backend, x, tangents, contexts = positionals(
             "sparsity", False, backend, x, NOT_GIVEN, contexts
         )
         return self._operator(
-            "sparsity", f, backend, x, tangents, contexts, prep, batch_axis, progress
+            "sparsity", f, backend, x, tangents, contexts, prep, batch_axis, progress, wrt=wrt
         )
 
     def prepare_sparsity(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, wrt: Any = None,
     ) -> Any:
         """Compile ``sparsity`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "sparsity", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._prepare("sparsity", f, backend, x, tangents, contexts, batch_axis)
+        return self._prepare("sparsity", f, backend, x, tangents, contexts, batch_axis, wrt=wrt)
 
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """(∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt, cotangent=cotangent,
         )
 
     def prepare_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Compile ``hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
         prep: RemotePrep | None = None, batch_axis: int | None = None, progress: Any = None,
-        has_aux: bool = False,
+        has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """(∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
         return self._operator(
-            "gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux
+            "gradient_and_hvp", f, backend, x, tangents, contexts, prep, batch_axis, progress, has_aux,
+            wrt=wrt, cotangent=cotangent,
         )
 
     def prepare_gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Compile ``gradient_and_hvp`` on the server for this signature; returns a RemotePrep."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
         return self._prepare(
-            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux
+            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
         )
 
 
@@ -507,186 +530,223 @@ class SubmitMethods:
 
     def _submit(
         self, operator: str, f: F, backend: B, x: Any, tangents: Any, contexts: tuple,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, *, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         raise NotImplementedError
 
     def value(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value`` as a detached job; ``job.result()``: f(x, *contexts)."""
         backend, x, tangents, contexts = positionals(
             "value", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "value", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``derivative`` as a detached job; ``job.result()``: f'(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def value_and_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_and_derivative`` as a detached job; ``job.result()``: (f(x), f'(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "value_and_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``second_derivative`` as a detached job; ``job.result()``: f''(x) for scalar x."""
         backend, x, tangents, contexts = positionals(
             "second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def value_derivative_and_second_derivative(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_derivative_and_second_derivative`` as a detached job; ``job.result()``: (f(x), f'(x), f''(x))."""
         backend, x, tangents, contexts = positionals(
             "value_derivative_and_second_derivative", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "value_derivative_and_second_derivative", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``gradient`` as a detached job; ``job.result()``: ∇f(x), shaped like x."""
         backend, x, tangents, contexts = positionals(
             "gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("gradient", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def value_and_gradient(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_and_gradient`` as a detached job; ``job.result()``: (f(x), ∇f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_and_gradient", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "value_and_gradient", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``jacobian`` as a detached job; ``job.result()``: ∂f/∂x, shape y.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def value_and_jacobian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_and_jacobian`` as a detached job; ``job.result()``: (f(x), ∂f/∂x)."""
         backend, x, tangents, contexts = positionals(
             "value_and_jacobian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "value_and_jacobian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``hessian`` as a detached job; ``job.result()``: ∇²f(x), shape x.shape + x.shape."""
         backend, x, tangents, contexts = positionals(
             "hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def value_gradient_and_hessian(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_gradient_and_hessian`` as a detached job; ``job.result()``: (f(x), ∇f(x), ∇²f(x))."""
         backend, x, tangents, contexts = positionals(
             "value_gradient_and_hessian", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic)
+        return self._submit(
+            "value_gradient_and_hessian", f, backend, x, tangents, contexts, batch_axis, has_aux, holomorphic=holomorphic, wrt=wrt,
+        )
 
     def pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``pushforward`` as a detached job; ``job.result()``: (J t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pushforward", True, backend, x, tangents, contexts
         )
-        return self._submit("pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def value_and_pushforward(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_and_pushforward`` as a detached job; ``job.result()``: (f(x), (J t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pushforward", True, backend, x, tangents, contexts
         )
-        return self._submit("value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "value_and_pushforward", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``pullback`` as a detached job; ``job.result()``: (Jᵀ c for c in tangents)."""
         backend, x, tangents, contexts = positionals(
             "pullback", True, backend, x, tangents, contexts
         )
-        return self._submit("pullback", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def value_and_pullback(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
     ) -> Any:
         """Submit ``value_and_pullback`` as a detached job; ``job.result()``: (f(x), (Jᵀ c for c in tangents))."""
         backend, x, tangents, contexts = positionals(
             "value_and_pullback", True, backend, x, tangents, contexts
         )
-        return self._submit("value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "value_and_pullback", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt,
+        )
 
     def sparsity(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None,
+        batch_axis: int | None = None, wrt: Any = None,
     ) -> Any:
         """Submit ``sparsity`` as a detached job; ``job.result()``: The pattern of ∂f/∂x, or of ∇²f for scalar f (sparse, no values)."""
         backend, x, tangents, contexts = positionals(
             "sparsity", False, backend, x, NOT_GIVEN, contexts
         )
-        return self._submit("sparsity", f, backend, x, tangents, contexts, batch_axis)
+        return self._submit(
+            "sparsity", f, backend, x, tangents, contexts, batch_axis, wrt=wrt,
+        )
 
     def hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Submit ``hvp`` as a detached job; ``job.result()``: (∇²f(x) t for t in tangents)."""
         backend, x, tangents, contexts = positionals(
             "hvp", True, backend, x, tangents, contexts
         )
-        return self._submit("hvp", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
+        )
 
     def gradient_and_hvp(
         self, f: F, backend: B | Any = "auto", x: Any = NOT_GIVEN, tangents: Any = NOT_GIVEN, *contexts: Any,
-        batch_axis: int | None = None, has_aux: bool = False,
+        batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None, cotangent: Any = None,
     ) -> Any:
         """Submit ``gradient_and_hvp`` as a detached job; ``job.result()``: (∇f(x), (∇²f(x) t for t in tangents))."""
         backend, x, tangents, contexts = positionals(
             "gradient_and_hvp", True, backend, x, tangents, contexts
         )
-        return self._submit("gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux)
+        return self._submit(
+            "gradient_and_hvp", f, backend, x, tangents, contexts, batch_axis, has_aux, wrt=wrt, cotangent=cotangent,
+        )

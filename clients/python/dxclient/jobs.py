@@ -237,7 +237,8 @@ class Submitter(SubmitMethods):
     def _submit(
         self, operator: str, f: RemoteFunction | str, backend: Backend | str, x: Any,
         tangents: Any, contexts: tuple, batch_axis: int | None = None, has_aux: bool = False,
-        *, holomorphic: bool = False,
+        *, holomorphic: bool = False, wrt: Any = None,
+        cotangent: Any = None,
     ) -> Any:
         client = self._client
         model = models.model_call(x, tangents)  # an Equinox/NNX model: send its leaves
@@ -245,7 +246,7 @@ class Submitter(SubmitMethods):
             x, tangents = model.x, model.tangents
         call = job_call(operator, _models.operator_call(
             operator, f, backend, x, tangents, contexts, None, client.encoding,
-            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic,
+            batch_axis=batch_axis, has_aux=has_aux, holomorphic=holomorphic, wrt=wrt, cotangent=cotangent,
         ))
         make: Callable[[Any], _JobBase] = lambda response: self._job_class(  # noqa: E731
             client, response.json()["id"], operator, model, has_aux

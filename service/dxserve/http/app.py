@@ -365,10 +365,14 @@ def _registry_problems() -> dict:
 BEARER = "bearer"
 
 
-def _document_security(spec: dict) -> None:
+def _document_security(spec: dict, tokens: bool = True) -> None:
     """Registry writes take a bearer token whenever tokens are configured; computations
     only with ``DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE``. Either way ``{}`` (no token) is also
-    listed: a server without tokens on loopback takes anonymous requests."""
+    listed: a server without tokens on loopback takes anonymous requests. A server with
+    no token configured (``tokens`` false) takes none anywhere: its document shows no
+    scheme, so Swagger UI draws no lock."""
+    if not tokens:
+        return
     spec["components"]["securitySchemes"] = {BEARER: {
         "type": "http", "scheme": "bearer",
         "description": "A token of DXSERVE_TOKEN or DXSERVE_TOKENS_FILE: "
@@ -453,7 +457,7 @@ def _openapi(app: FastAPI) -> dict:
         components.update(schema.pop("$defs", {}))
         components[model.__name__] = schema
     _document_wire_media(spec)
-    _document_security(spec)
+    _document_security(spec, tokens=app.state.service.takes_tokens)
     app.openapi_schema = spec
     return spec
 

@@ -7,6 +7,8 @@ state of its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
@@ -51,10 +53,24 @@ async def read_upload(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def list_functions(request: Request) -> dict:
-    """Every registered function with its kind, signature and description."""
+async def list_functions(request: Request, details: bool = False) -> Any:
+    """Every registered function, by name: its kind, description and the address of
+    its full description (shapes, operators, an example request). ``?details=true``
+    lists the full descriptions instead, as ``GET /functions/{name}`` gives each."""
     authorize(request, "read")
-    return {"functions": service_of(request).functions()}
+    functions = service_of(request).functions()
+    if details:  # each as GET /functions/{name} answers it (its model's fields)
+        from .schemas import FunctionInfoModel
+
+        full = [FunctionInfoModel.model_validate(f).model_dump(mode="json") for f in functions]
+        return JSONResponse({"functions": full})
+    return {
+        "functions": [
+            {"name": f["name"], "kind": f["kind"], "description": f["description"],
+             "href": f"/functions/{f['name']}"}
+            for f in functions
+        ]
+    }  # fmt: skip
 
 
 async def get_function(name: str, request: Request) -> dict:

@@ -187,6 +187,30 @@ def request_model(op: OperatorSpec) -> type[BaseModel]:
             ),
         ),
     }
+    fields["wrt"] = (
+        int | list[int] | None,
+        Field(
+            None,
+            description="The arguments differentiated, numbered as JAX's argnums: 0 is x, "
+            "k is contexts[k-1]. null: x. One number k: argument k alone (results and "
+            "tangents shaped like it). A list: those arguments together, results and "
+            "tangents as `__tuple__`s with one entry per argument, in the list's order; "
+            "batch_axis then applies to them, the others shared. Integer and key "
+            "arguments cannot be named (422 naming `wrt`)",
+            examples=[[0, 1]],
+        ),
+    )
+    if op.family == "hvp":
+        fields["cotangent"] = (
+            Array | None,
+            Field(
+                None,
+                description="For an array-valued function: the HVPs (and gradient) of "
+                "<cotangent, f>, shaped like f(x): the derivative in x of f's pullback of "
+                "the cotangent (a JVP of the VJP), second order of array-valued functions. "
+                "null: f itself, scalar-valued",
+            ),
+        )
     if op.aux:
         fields["has_aux"] = (
             bool,
@@ -335,8 +359,18 @@ class FunctionInfoModel(BaseModel):
     example: ExampleRequest | None = Field(None, description="A request to try, where shapes are known")
 
 
+class FunctionSummary(BaseModel):
+    name: str
+    kind: str = Field(json_schema_extra=_kind_names)
+    description: str
+    href: str = Field(description="Its full description: `GET /functions/{name}`")
+
+
 class FunctionList(BaseModel):
-    functions: list[FunctionInfoModel]
+    functions: list[FunctionSummary] = Field(
+        description="By name; with `?details=true`, each function's full description "
+        "(what `GET /functions/{name}` answers) instead"
+    )
 
 
 class PrepareResponse(BaseModel):

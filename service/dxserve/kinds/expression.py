@@ -53,26 +53,45 @@ class ExpressionKind(BaseKind):
         return Built(fn, signature, probe(fn, len(spec["args"])))
 
 
-#: Shapes tried, every argument alike, to find one an expression takes (``probe``).
+#: Shapes tried for each argument to find ones an expression takes (``probe``).
 PROBE_SHAPES = ((3,), (), (3, 3))
+#: With more arguments than this, only shapes that every argument shares are tried.
+PROBE_EVERY_COMBINATION = 4
 
 
 def probe(fn: Any, n_args: int) -> dict[str, Any] | None:
-    """What ``describe`` shows of an expression: the first of ``PROBE_SHAPES`` (float64
-    arrays, every argument alike) it evaluates on, with its output; None if none does."""
+    """What ``describe`` shows of an expression, found by tracing it on float64 arrays
+    of ``PROBE_SHAPES``: the first combination of shapes it takes whose output is a
+    scalar (so its example request can be a gradient), else the first it takes at all;
+    ``operators``, those that some combination it takes allows. None if none works."""
+    import itertools
+
     import jax
     import numpy as np
 
-    from ..describe import facts
+    from ..describe import allowed_operators, facts
     from ..precision import float64_scope
 
-    for shape in PROBE_SHAPES:
-        args = [jax.ShapeDtypeStruct(shape, np.float64)] * n_args
+    if n_args <= PROBE_EVERY_COMBINATION:
+        combos = list(itertools.product(PROBE_SHAPES, repeat=n_args))
+    else:
+        combos = [(shape,) * n_args for shape in PROBE_SHAPES]
+    working = []
+    for shapes in combos:
+        args = [jax.ShapeDtypeStruct(shape, np.float64) for shape in shapes]
         with float64_scope():
             found = facts(fn, args, "probe")
         if found is not None:
-            return found
-    return None
+            working.append(found)
+    if not working:
+        return None
+    scalar = [
+        f for f in working if isinstance(f["output"], dict) and f["output"].get("shape") == []
+    ]
+    chosen = dict((scalar or working)[0])
+    operators = {op for f in working for op in allowed_operators(f)}
+    chosen["operators"] = [op for op in allowed_operators(None) if op in operators]
+    return chosen
 
 
 EXPRESSION = ExpressionKind()

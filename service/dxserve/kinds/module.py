@@ -8,6 +8,7 @@ functions come from the server's ``--functions`` modules at start
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,9 +33,7 @@ class ModuleKind(BaseKind):
 
     def build(self, content: bytes) -> Built:
         # Importing code named by content would run arbitrary Python: refused.
-        raise InvalidArgumentError(
-            "server-side functions are not built from content", field="kind"
-        )
+        raise InvalidArgumentError("server-side functions are not built from content", field="kind")
 
     def wrap(self, fn: Callable, example: Sequence[Any] | None = None) -> Built:
         """A server-side callable with its parameter names as the signature, and what
@@ -50,7 +49,21 @@ class ModuleKind(BaseKind):
         else:
             annotated = annotated_args(fn)
             found = facts(fn, annotated, "annotations") if annotated is not None else None
+            if annotated is None and _annotated(fn):  # said once, at start: nothing is declared
+                logging.getLogger("dxserve.registry").warning(
+                    "function %s: its annotations declare no shapes (the form read is "
+                    'jaxtyping\'s, Float[Array, "3"]); it is served without them',
+                    getattr(fn, "__name__", fn),
+                )
         return Built(fn, {"args": params}, found)
 
 
 MODULE = ModuleKind()
+
+
+def _annotated(fn: Callable) -> bool:
+    """Does any parameter of ``fn`` carry an annotation?"""
+    try:
+        return any(p.annotation is not p.empty for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False

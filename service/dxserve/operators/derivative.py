@@ -17,7 +17,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_input(inputs, "derivative")
     _checks.differentiable_x(inputs)
-    _checks.complex_jacobian(inputs, 'derivative')
+    _checks.complex_jacobian(inputs, "derivative")
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -32,43 +32,99 @@ register_family(Family("derivative", _check, _build))
 
 
 def prepare_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "derivative", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def prepare_value_and_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_derivative`` once for this signature (a ``derivative``-family prep)."""
     return prepare(
-        "value_and_derivative", _declare(f, holomorphic), backend, x, None, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_and_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Any:
     """``df/dx`` at scalar ``x``: shape ``y.shape``; ``(df/dx, aux)`` with ``has_aux``."""
     return call(
-        "derivative", _declare(f, holomorphic), backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def value_and_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), df/dx)`` at scalar ``x``; ``((f(x), aux), df/dx)`` with ``has_aux``."""
     return call(
-        "value_and_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_and_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )

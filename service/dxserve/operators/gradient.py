@@ -32,40 +32,40 @@ register_family(Family("gradient", _check, _build))
 
 def prepare_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def prepare_value_and_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_gradient`` once for this signature (a ``gradient``-family prep)."""
     return prepare(
-        "value_and_gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "value_and_gradient", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``∇f(x)``: x's structure, shapes and dtypes.
 
     ``has_aux``: f returns ``(y, aux)``; ``(∇y(x), aux)`` as ``jax.grad(has_aux=True)``."""
     return call(
-        "gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "gradient", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def value_and_gradient(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), ∇f(x))``.
 
@@ -73,5 +73,5 @@ def value_and_gradient(
     ``jax.value_and_grad(has_aux=True)``."""
     return call(
         "value_and_gradient", f, backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )

@@ -19,7 +19,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_output(inputs, "hessian")  # any pytree x: jax.hessian's blocks
     _checks.differentiable_x(inputs)
-    _checks.complex_jacobian(inputs, 'hessian')
+    _checks.complex_jacobian(inputs, "hessian")
     _checks.holomorphic_gradient(inputs, "hessian")
 
 
@@ -38,42 +38,100 @@ register_family(Family("hessian", _check, _build))
 
 
 def prepare_hessian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
-    return prepare("hessian", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux)
+    return prepare(
+        "hessian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
+    )
 
 
 def prepare_value_gradient_and_hessian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     """Compile ``value_gradient_and_hessian`` once for this signature (a ``hessian``-family prep)."""
     return prepare(
-        "value_gradient_and_hessian", _declare(f, holomorphic), backend, x, None, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_gradient_and_hessian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def hessian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Any:
     """``∇²f(x)``: shape ``x.shape + x.shape``; ``(∇²f(x), aux)`` with ``has_aux``
     (``jax.hessian(has_aux=True)``)."""
     return call(
-        "hessian", _declare(f, holomorphic), backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "hessian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def value_gradient_and_hessian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), ∇f(x), ∇²f(x))``; ``((f(x), aux), ∇f(x), ∇²f(x))`` with ``has_aux``."""
     return call(
-        "value_gradient_and_hessian", _declare(f, holomorphic), backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_gradient_and_hessian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )

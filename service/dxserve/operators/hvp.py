@@ -39,41 +39,46 @@ register_family(Family("hvp", _check, _build))
 
 def prepare_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> Prep:
-    return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux)
+    return prepare("hvp", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt, cotangent=cotangent)
 
 
 def prepare_gradient_and_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> Prep:
     """Compile ``gradient_and_hvp`` once for this signature (a ``hvp``-family prep)."""
     return prepare(
         "gradient_and_hvp", f, backend, x, tangents, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt, cotangent=cotangent,
     )
 
 
 def hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> tuple:
     """``(∇²f(x) @ t for t in tangents)``: each has x's structure; ``(hvps, aux)`` with
-    ``has_aux``."""
+    ``has_aux``. ``cotangent`` (shaped like an array-valued f's output): the HVPs of
+    ``<cotangent, f>``, the derivative in x of f's pullback of it (a JVP of the VJP)."""
     return call(
-        "hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "hvp", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt, cotangent=cotangent
     )
 
 
 def gradient_and_hvp(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
+    cotangent: Any = None,
 ) -> tuple[Any, tuple]:
     """``(∇f(x), (∇²f(x) @ t for t in tangents))``; ``((∇f(x), hvps), aux)`` with ``has_aux``."""
     return call(
         "gradient_and_hvp", f, backend, x, tangents, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt, cotangent=cotangent,
     )

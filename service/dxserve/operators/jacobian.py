@@ -20,7 +20,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     # pytree x and y are served: blocks nested as jax.jacobian nests them
     _checks.differentiable_x(inputs)
-    _checks.complex_jacobian(inputs, 'jacobian')
+    _checks.complex_jacobian(inputs, "jacobian")
 
 
 def _build(f: Callable, engine: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -35,43 +35,100 @@ register_family(Family("jacobian", _check, _build))
 
 
 def prepare_jacobian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "jacobian", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def prepare_value_and_jacobian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_jacobian`` once for this signature (a ``jacobian``-family prep)."""
     return prepare(
-        "value_and_jacobian", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "value_and_jacobian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def jacobian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Any:
     """``∂f/∂x``: shape ``y.shape + x.shape``; ``(∂f/∂x, aux)`` with ``has_aux``
     (``jax.jacrev(has_aux=True)``)."""
     return call(
-        "jacobian", _declare(f, holomorphic), backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "jacobian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def value_and_jacobian(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), ∂f/∂x)``; ``((f(x), aux), ∂f/∂x)`` with ``has_aux``."""
     return call(
-        "value_and_jacobian", _declare(f, holomorphic), backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_and_jacobian",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )

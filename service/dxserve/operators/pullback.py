@@ -31,44 +31,44 @@ register_family(Family("pullback", _check, _build))
 
 def prepare_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "pullback", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def prepare_value_and_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_pullback`` once for this signature (a ``pullback``-family prep)."""
     return prepare(
         "value_and_pullback", f, backend, x, tangents, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 
 
 def pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple:
     """``(Jᵀ @ c for c in tangents)``: each has x's structure; ``(pullbacks, aux)`` with
     ``has_aux``."""
     return call(
-        "pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "pullback", f, backend, x, tangents, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def value_and_pullback(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, tuple]:
     """``(f(x), (Jᵀ @ c for c in tangents))``; ``((f(x), aux), pullbacks)`` with ``has_aux``."""
     return call(
         "value_and_pullback", f, backend, x, tangents, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 

@@ -31,46 +31,46 @@ register_family(Family("pushforward", _check, _build))
 
 def prepare_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "pushforward", f, backend, x, tangents, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )
 
 
 def prepare_value_and_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
     """Compile ``value_and_pushforward`` once for this signature (a ``pushforward``-family prep)."""
     return prepare(
         "value_and_pushforward", f, backend, x, tangents, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 
 
 def pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple:
     """``(J @ t for t in tangents)``: a tuple as long as ``tangents``; ``(pushforwards,
     aux)`` with ``has_aux``."""
     return call(
         "pushforward", f, backend, x, tangents, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 
 
 def value_and_pushforward(
     f: Callable, backend: Any, x: Any, tangents: Sequence, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> tuple[Any, tuple]:
     """``(f(x), (J @ t for t in tangents))``; ``((f(x), aux), pushforwards)`` with
     ``has_aux``."""
     return call(
         "value_and_pushforward", f, backend, x, tangents, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        batch_axis=batch_axis, has_aux=has_aux, wrt=wrt,
     )
 

@@ -14,7 +14,7 @@ from . import _checks
 def _check(inputs: Inputs) -> None:
     _checks.scalar_input(inputs, "second_derivative")
     _checks.differentiable_x(inputs)
-    _checks.complex_jacobian(inputs, 'second_derivative')
+    _checks.complex_jacobian(inputs, "second_derivative")
 
 
 def _build(f: Callable, outer: Any, inner: Any, inputs: Inputs) -> Callable:
@@ -32,45 +32,100 @@ register_family(Family("second_derivative", _check, _build))
 
 
 def prepare_second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     return prepare(
-        "second_derivative", _declare(f, holomorphic), backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux
+        "second_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def prepare_value_derivative_and_second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Prep:
     """Compile ``value_derivative_and_second_derivative`` once for this signature (a ``second_derivative``-family prep)."""
     return prepare(
-        "value_derivative_and_second_derivative", _declare(f, holomorphic), backend, x, None, contexts,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_derivative_and_second_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> Any:
     """``d²f/dx²`` at scalar ``x``: shape ``y.shape``; ``(d²f/dx², aux)`` with ``has_aux``."""
     return call(
-        "second_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "second_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )
 
 
 def value_derivative_and_second_derivative(
-    f: Callable, backend: Any, x: Any, *contexts: Any,
-    prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False, holomorphic: bool = False,
+    f: Callable,
+    backend: Any,
+    x: Any,
+    *contexts: Any,
+    prep: Prep | None = None,
+    batch_axis: int | None = None,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    wrt: Any = None,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), f'(x), f''(x))`` at scalar ``x``; ``((f(x), aux), f'(x), f''(x))`` with
     ``has_aux``."""
     return call(
-        "value_derivative_and_second_derivative", _declare(f, holomorphic), backend, x, None, contexts, prep,
-        batch_axis=batch_axis, has_aux=has_aux,
+        "value_derivative_and_second_derivative",
+        _declare(f, holomorphic),
+        backend,
+        x,
+        None,
+        contexts,
+        prep,
+        batch_axis=batch_axis,
+        has_aux=has_aux,
+        wrt=wrt,
     )

@@ -25,18 +25,18 @@ register_family(Family("value", _check, _build))
 
 def prepare_value(
     f: Callable, backend: Any, x: Any, *contexts: Any,
-    batch_axis: int | None = None, has_aux: bool = False,
+    batch_axis: int | None = None, has_aux: bool = False, wrt: Any = None,
 ) -> Prep:
-    return prepare("value", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux)
+    return prepare("value", f, backend, x, None, contexts, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt)
 
 
 def value(
     f: Callable, backend: Any, x: Any, *contexts: Any,
     prep: Prep | None = None, batch_axis: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool = False, wrt: Any = None,
 ) -> Any:
     """``f(x, *contexts)``: y with f's output structure, shape and dtype (``(y, aux)``
     with ``has_aux``: f's pair, checked to be one)."""
     return call(
-        "value", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux
+        "value", f, backend, x, None, contexts, prep, batch_axis=batch_axis, has_aux=has_aux, wrt=wrt
     )

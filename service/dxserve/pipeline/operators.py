@@ -144,8 +144,8 @@ class OperatorCall:
             return await self.service.call(
                 self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
                 req.prep, signature=req.signature, hint=self.size, batch_axis=req.batch_axis,
-                has_aux=req.has_aux, job=job, timeout=timeout, ticket=self.ticket, entry=entry,
-                holomorphic=req.holomorphic,
+                has_aux=req.has_aux, wrt=req.wrt, cotangent=req.cotangent, job=job,
+                timeout=timeout, ticket=self.ticket, entry=entry, holomorphic=req.holomorphic,
             )
         except JobCancelled:
             return None
@@ -155,6 +155,7 @@ class OperatorCall:
         return await self.service.prepare(
             self.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
             batch_axis=req.batch_axis, has_aux=req.has_aux, holomorphic=req.holomorphic,
+            wrt=req.wrt, cotangent=req.cotangent,
         )
 
     # --- the answer -------------------------------------------------------------------

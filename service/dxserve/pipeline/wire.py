@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dxcontract import codec
+from dxcontract.arguments import check_wrt
 from dxcontract.backends import Backend, backend_from_json
 from dxcontract.encodings.common import mark_sequences
 from dxcontract.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
@@ -25,7 +26,7 @@ from ..signature import Signature
 
 OPERATOR_FIELDS = (
     "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
-    "holomorphic",
+    "holomorphic", "wrt", "cotangent",
 )
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
@@ -63,6 +64,10 @@ class OperatorRequest:
     has_aux: bool = False
     #: the caller declares the function holomorphic (Jacobians of complex x)
     holomorphic: bool = False
+    #: the arguments differentiated (``dxcontract.arguments``); None: x
+    wrt: int | tuple[int, ...] | None = None
+    #: the HVP family: the HVPs of ``<cotangent, f>`` for an array-valued f
+    cotangent: Any = None
 
 
 class WireMemo:
@@ -102,6 +107,8 @@ def decode_operator_request(
             if repeat is not None:
                 return repeat.request(obj)
     req = parse_operator_request(obj, op)
+    if req.cotangent is not None:  # its own array, every time: not memoized
+        return req
     if layout is not None and _all_binary(obj):
         memo.binary.put(key, _Repeat(req))
     elif frame is not None:
@@ -150,9 +157,11 @@ class _Repeat:
     def __init__(self, req: OperatorRequest) -> None:
         self.function, self.backend, self.prep = req.function, req.backend, req.prep
         self.takes_tangents = req.tangents is not None
-        self.batch_axis, self.has_aux = req.batch_axis, req.has_aux
+        self.batch_axis, self.has_aux, self.wrt = req.batch_axis, req.has_aux, req.wrt
         self.holomorphic = req.holomorphic
-        self.signature = Signature.of(
+        # with wrt the service differentiates other inputs than those sent: it finds
+        # their signature itself
+        self.signature = None if req.wrt is not None else Signature.of(
             req.x, req.tangents, req.contexts, req.batch_axis, req.has_aux
         )
 
@@ -162,6 +171,7 @@ class _Repeat:
         return OperatorRequest(
             self.function, self.backend, obj["x"], tangents, tuple(obj.get("contexts", ())),
             self.prep, self.signature, self.batch_axis, self.has_aux, self.holomorphic,
+            self.wrt,
         )
 
 
@@ -287,8 +297,19 @@ def parse_operator_request(obj: dict, op: OperatorSpec) -> OperatorRequest:
             "leave holomorphic out",
             field="holomorphic",
         )
+    wrt = check_wrt(obj.get("wrt"))
+    cotangent = obj.get("cotangent")
+    if cotangent is not None:
+        if op.family != "hvp":
+            raise InvalidArgumentError(
+                f"{op.name} takes no cotangent (hvp and gradient_and_hvp do: the HVP of "
+                "<cotangent, f> for an array-valued f); leave it out",
+                field="cotangent",
+            )
+        cotangent = codec.to_tree(cotangent, "cotangent")
     return OperatorRequest(
-        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, holomorphic
+        function, backend, x, tangents, contexts, prep, None, batch_axis, has_aux, holomorphic,
+        wrt, cotangent,
     )
 
 
