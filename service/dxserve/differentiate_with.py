@@ -110,17 +110,9 @@ def _forward(backend: Backend) -> bool:
 
 def _reverses(f: Callable, x: Any, contexts: tuple) -> bool:
     """Does JAX's reverse mode trace ``f`` at (abstract) ``x``?"""
-    import jax
+    from .frameworks.jax import reverse_traces
 
-    def pulled(u: Any) -> Any:
-        y, vjp = jax.vjp(lambda v: f(v, *contexts), u)
-        return vjp(jax.tree_util.tree_map(jax.numpy.zeros_like, y))
-
-    try:
-        jax.eval_shape(pulled, x)
-    except Exception:  # noqa: BLE001 - any refusal: reverse mode does not trace it
-        return False
-    return True
+    return reverse_traces(f, x, contexts)
 
 
 def _jax_modes(backend: Backend) -> bool:

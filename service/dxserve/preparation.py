@@ -118,12 +118,9 @@ def _custom_node(value: Any) -> Tree:
     """A node JAX's ``tree_util`` knows (a registered dataclass: ``flax.struct``, an
     ``equinox.Module``, ...) with its children normalized; its type is kept. Anything
     else (an array, an unknown object) is returned as it is."""
-    import jax
+    from .frameworks.jax import rebuild_node  # only for objects no framework claims
 
-    children, node = jax.tree_util.tree_flatten(value, is_leaf=lambda v: v is not value)
-    if node.num_nodes == 1:  # a leaf: no node to keep
-        return value
-    return jax.tree_util.tree_unflatten(node, [as_tree(c) for c in children])
+    return rebuild_node(value, as_tree)
 
 
 # --- operator families -----------------------------------------------------

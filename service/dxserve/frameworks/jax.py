@@ -379,3 +379,26 @@ def _longest_loop(executable: Any) -> int:
 
 JAX = JaxFramework()
 JAX_EAGER = JaxEagerFramework()
+
+
+def rebuild_node(value: Any, normalize: Callable[[Any], Any]) -> Any:
+    """``value`` rebuilt with ``normalize`` applied to its children where it is a node
+    ``jax.tree_util`` knows (its type kept); anything else as it is."""
+    children, node = jax.tree_util.tree_flatten(value, is_leaf=lambda v: v is not value)
+    if node.num_nodes == 1:  # a leaf: no node to keep
+        return value
+    return jax.tree_util.tree_unflatten(node, [normalize(c) for c in children])
+
+
+def reverse_traces(f: Callable, x: Any, contexts: tuple) -> bool:
+    """Does JAX's reverse mode trace ``f`` at (abstract) ``x``?"""
+
+    def pulled(u: Any) -> Any:
+        y, vjp = jax.vjp(lambda v: f(v, *contexts), u)
+        return vjp(jax.tree_util.tree_map(jax.numpy.zeros_like, y))
+
+    try:
+        jax.eval_shape(pulled, x)
+    except Exception:  # noqa: BLE001 - any refusal: reverse mode does not trace it
+        return False
+    return True
