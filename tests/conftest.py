@@ -26,25 +26,41 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 #: Modules whose ``@dxserve.function``s the test servers register.
 FUNCTION_MODULES: tuple[str, ...] = ("dxserve.examples", "tests.scenarios")
-STARTUP_TIMEOUT = 60.0
+#: Bounds on waits that end on an event (a server answering /health, a process exiting):
+#: only a broken server reaches them, so they are generous enough for a loaded machine
+#: (two ``make test`` runs side by side on two cores start a server in well over 60 s).
+STARTUP_TIMEOUT = 300.0
 STOP_TIMEOUT = 10.0
-#: httpx's default for every test client that does not choose its own: as long as the
-#: server's own deadline (``Settings.request_timeout``), not httpx's 5 s, which a
-#: loaded machine passes on a slow but healthy answer. Set through the functions'
-#: keyword defaults, so ``httpx.get(url)`` and ``httpx.Client()`` take it alike.
-HTTP_TIMEOUT = httpx.Timeout(300.0)
+#: The default of every test client, httpx's and dxclient's, that does not choose its
+#: own: as long as the server's own deadline (``Settings.request_timeout``), not httpx's
+#: 5 s or dxclient's 120 s, which a loaded machine passes on a slow but healthy answer.
+#: Set through the functions' keyword defaults, so ``httpx.get(url)``, ``httpx.Client()``
+#: and ``dxclient.Client(url)`` take it alike; tests give no shorter timeout of their own
+#: (except those about timeouts, and the liveness probes below).
+REQUEST_DEADLINE = 300.0
+HTTP_TIMEOUT = httpx.Timeout(REQUEST_DEADLINE)
 
 
 def _test_http_timeout() -> None:
+    import dxclient
+
     for fn in (httpx.request, httpx.stream, httpx.get, httpx.post, httpx.put, httpx.patch,
                httpx.delete, httpx.head, httpx.options, httpx.Client.__init__,
                httpx.AsyncClient.__init__):
         fn = getattr(fn, "__wrapped__", fn)  # httpx.stream is a context manager's
         if fn.__kwdefaults__ and "timeout" in fn.__kwdefaults__:
             fn.__kwdefaults__["timeout"] = HTTP_TIMEOUT
+    for cls in (dxclient.Client, dxclient.AsyncClient):
+        defaults = cls.__init__.__kwdefaults__
+        if defaults and "timeout" in defaults:
+            defaults["timeout"] = REQUEST_DEADLINE
 
 
 _test_http_timeout()
+
+#: The timeout of a ``/health`` probe that checks a server stays live under an attack: it
+#: fails when the server stops answering, not when a loaded machine answers slowly.
+LIVENESS_TIMEOUT = 30.0
 
 
 @dataclass
@@ -140,7 +156,7 @@ def start_server(
         if proc.poll() is not None:
             raise RuntimeError(f"dxserve exited with {proc.returncode}:\n{server.output()}")
         try:
-            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+            if httpx.get(server.url + "/health").status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

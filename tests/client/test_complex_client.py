@@ -20,7 +20,7 @@ import pytest
 
 from dxclient import Client
 from dxcontract.errors import DtypeMismatchError, UnsupportedOperatorError
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import REQUEST_DEADLINE, ServerProcess, start_server, stop_server
 
 jax.config.update("jax_enable_x64", True)  # the references, in complex128
 
@@ -127,7 +127,7 @@ def test_plain_json_without_the_client(srv: ServerProcess) -> None:
     z = {"__ndarray__": [[1.0, 2.0], [-0.5, 0.3]], "dtype": "complex128", "shape": [2]}
     for backend in ("jax-forward", "finite-differences", "auto"):
         r = httpx.post(f"{srv.url}/gradient", json={
-            "function": "abs2_plus_re_im", "backend": backend, "x": z}, timeout=60)
+            "function": "abs2_plus_re_im", "backend": backend, "x": z})
         assert r.status_code == 200, r.text
         g = r.json()["gradient"]
         assert g["dtype"] == "complex128" and g["shape"] == [2]
@@ -154,7 +154,7 @@ def test_the_complex_step_plug_in_refuses(srv: ServerProcess) -> None:
     second = {"type": "second-order", "outer": "jax-forward", "inner": "imaginary-step"}
     for operator, backend in (("gradient", "imaginary-step"), ("hessian", second)):
         r = httpx.post(f"{srv.url}/{operator}", json={
-            "function": "abs2_plus_re_im", "backend": backend, "x": z}, timeout=60)
+            "function": "abs2_plus_re_im", "backend": backend, "x": z})
         assert r.status_code == 422, r.text
         assert r.headers["content-type"] == "application/problem+json"
 
@@ -178,7 +178,7 @@ def test_careless_and_hostile_complex_requests(srv: ServerProcess) -> None:
     ]
     for x in bad:
         r = httpx.post(f"{srv.url}/gradient", json={
-            "function": "abs2_plus_re_im", "backend": "auto", "x": x}, timeout=60)
+            "function": "abs2_plus_re_im", "backend": "auto", "x": x})
         assert 400 <= r.status_code < 500, r.text
         assert r.headers["content-type"] == "application/problem+json"
         assert r.json()["field"].startswith("x")
@@ -198,7 +198,7 @@ def test_a_non_holomorphic_jacobian_is_refused_over_http(srv: ServerProcess, bac
                                ("hessian", "abs2_plus_re_im"),
                                ("value_gradient_and_hessian", "abs2_plus_re_im")):
         r = httpx.post(f"{srv.url}/{operator}", json={
-            "function": function, "backend": backend, "x": z}, timeout=60)
+            "function": function, "backend": backend, "x": z})
         assert r.status_code == 422, r.text
         assert r.headers["content-type"] == "application/problem+json"
         problem = r.json()
@@ -237,7 +237,7 @@ def test_holomorphic_field_is_checked(srv: ServerProcess) -> None:
                                       ("gradient", "abs2_plus_re_im", True),
                                       ("jacobian", "abs2_plus_re_im", True)):
         r = httpx.post(f"{srv.url}/{operator}", json={
-            "function": function, "x": z, "holomorphic": value}, timeout=60)
+            "function": function, "x": z, "holomorphic": value})
         assert r.status_code == 422, r.text
         assert r.json()["field"] == "holomorphic"
 
@@ -245,9 +245,9 @@ def test_holomorphic_field_is_checked(srv: ServerProcess) -> None:
 def test_a_declared_jacobian_as_a_detached_job(srv: ServerProcess) -> None:
     with Client(srv.url) as client:
         job = client.submit.jacobian("z2_sin", "auto", Z, holomorphic=True)
-        np.testing.assert_allclose(job.result(timeout=60, progress=False), jax.jacfwd(z2_sin, holomorphic=True)(Z),
-                                   rtol=1e-10)
+        np.testing.assert_allclose(job.result(timeout=REQUEST_DEADLINE, progress=False),
+                                   jax.jacfwd(z2_sin, holomorphic=True)(Z), rtol=1e-10)
         refused = client.submit.jacobian("z_conj_z2", "auto", Z)
         with pytest.raises(UnsupportedOperatorError) as info:
-            refused.result(timeout=60, progress=False)
+            refused.result(timeout=REQUEST_DEADLINE, progress=False)
         assert info.value.field == "holomorphic"

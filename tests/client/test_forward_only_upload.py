@@ -72,7 +72,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def http(served, client):
-    with httpx.Client(base_url=served.url, timeout=120) as h:
+    with httpx.Client(base_url=served.url) as h:
         yield h
 
 

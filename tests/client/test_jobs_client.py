@@ -16,7 +16,7 @@ import pytest
 
 from dxclient import AsyncClient, AsyncJob, Client, Job
 from dxcontract.errors import JobCancelledError, NotScalarOutputError, UnknownJobError
-from tests.conftest import REPO
+from tests.conftest import REPO, REQUEST_DEADLINE
 from tests.http.test_jobs_http import HEAVY
 from tests.references import rosenbrock_hessian
 
@@ -74,7 +74,7 @@ def test_reattach_from_another_process(slow_server) -> None:
     with Client(slow_server.url, encoding="json") as client:
         job = client.job(job_id)
         assert job.operator == "jacobian"
-        J = job.result(timeout=120, progress=False)
+        J = job.result(timeout=REQUEST_DEADLINE, progress=False)
         np.testing.assert_array_equal(
             J, client.jacobian("sin_cumsum", "jax-reverse", np.linspace(0.1, 1.3, 7)))
 

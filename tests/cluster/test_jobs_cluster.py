@@ -75,15 +75,14 @@ def test_jobs_on_two_processes_each_run_once_and_either_answers(two) -> None:
     jobs = [submit((a, b)[i % 2].url, "hessian", body, token=None)["id"] for i in range(6)]
     for i, job_id in enumerate(jobs):  # followed through the other process
         assert follow((b, a)[i % 2].url, job_id, token=None)[-1][0] == "result"
-    plain = httpx.post(f"{a.url}/hessian", json=body, headers={"accept": codec.BINARY_TYPE},
-                       timeout=120)
+    plain = httpx.post(f"{a.url}/hessian", json=body, headers={"accept": codec.BINARY_TYPE})
     for job_id in jobs:
         for srv in (a, b):
             done = status(srv.url, job_id, token=None)
             assert done["status"] == "succeeded" and done["attempts"] == 1, done
             assert done["chunks"] == {"computed": 10, "restored": 0}, done
         fetched = httpx.get(f"{b.url}/jobs/{job_id}/result",
-                            headers={"accept": codec.BINARY_TYPE}, timeout=60)
+                            headers={"accept": codec.BINARY_TYPE})
         assert fetched.content == plain.content
     H = codec.decode_response(plain.content, plain.headers["content-type"],
                               plain.headers[codec.HEADER_LENGTH], arrays=("hessian",))["hessian"]
@@ -129,7 +128,7 @@ def test_workers_behind_one_port_run_each_job_once(tmp_path: Path) -> None:
             done = status(srv.url, job_id, token=None)
             assert done["attempts"] == 1 and done["chunks"]["computed"] == 10, done
         fetched = httpx.get(f"{srv.url}/jobs/{jobs[-1]}/result",
-                            headers={"accept": "application/json; arrays=b64"}, timeout=60)
+                            headers={"accept": "application/json; arrays=b64"})
         H = codec.decode_result(fetched.json()["hessian"], "hessian")
         np.testing.assert_allclose(H, rosenbrock_hessian(x), rtol=1e-10, atol=1e-9)
     finally:

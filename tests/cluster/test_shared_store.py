@@ -70,13 +70,12 @@ def servers(tmp_path: Path):
 
 
 def register(url: str, name: str, expression: str, **more) -> httpx.Response:
-    return httpx.post(f"{url}/functions", json={"name": name, "expression": expression, **more},
-                      timeout=60)
+    return httpx.post(f"{url}/functions", json={"name": name, "expression": expression, **more})
 
 
 def gradient(url: str, name: str) -> httpx.Response:
     # a fresh connection per call, so --workers spreads them over its processes
-    return httpx.post(f"{url}/gradient", json={"function": name, "x": X}, timeout=60)
+    return httpx.post(f"{url}/gradient", json={"function": name, "x": X})
 
 
 def test_two_servers_share_one_store(servers, store: str) -> None:

@@ -62,7 +62,7 @@ def register_many(urls: list[str]) -> list[httpx.Response]:
         if i < 8:
             barrier.wait(timeout=60)
         body = {"name": f"f{i}", "expression": f"jnp.sum(x) * {1000 + i}"}
-        return httpx.post(f"{urls[i % len(urls)]}/functions", json=body, timeout=120)
+        return httpx.post(f"{urls[i % len(urls)]}/functions", json=body)
 
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(TRIES)))
@@ -98,7 +98,7 @@ def check(answers: list[httpx.Response], fit: int, refused: int, setting: str,
     # exactly the acknowledged ones are stored, and served
     acked = sorted(f"f{i}" for i, r in enumerate(answers) if r.status_code == 201)
     url = str(answers[0].request.url).rsplit("/functions", 1)[0]
-    listed = httpx.get(f"{url}/functions", timeout=60).json()["functions"]
+    listed = httpx.get(f"{url}/functions").json()["functions"]
     assert sorted(f["name"] for f in listed if f["kind"] == "expression") == acked
     return acked
 
@@ -133,7 +133,7 @@ def test_two_servers_keep_one_limit(servers, request, tmp_path: Path, limit: str
     a, b = servers(store, env), servers(store, env)
     acked = check(register_many([a.url, b.url]), fit, refused, setting, count)
     # a deletion through one frees a slot for the other
-    assert httpx.delete(f"{a.url}/functions/{acked[0]}", timeout=60).status_code == 200
+    assert httpx.delete(f"{a.url}/functions/{acked[0]}").status_code == 200
     body = {"name": "later", "expression": "jnp.sum(x) * 1999"}
-    assert httpx.post(f"{b.url}/functions", json=body, timeout=60).status_code == 201
+    assert httpx.post(f"{b.url}/functions", json=body).status_code == 201
     assert count() == (fit, fit * CONTENT)

@@ -35,7 +35,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(served):
-    with httpx.Client(base_url=served.url, timeout=120) as client:
+    with httpx.Client(base_url=served.url) as client:
         yield client
 
 

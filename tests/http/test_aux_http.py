@@ -43,8 +43,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def post(url: str, path: str, body: dict, **headers: str) -> httpx.Response:
-    return httpx.post(url + path, content=json.dumps(body), timeout=120,
-                      headers={"content-type": "application/json", **headers})
+    return httpx.post(url + path, content=json.dumps(body), headers={"content-type": "application/json", **headers})
 
 
 def strict(content: bytes) -> Any:
@@ -141,7 +140,7 @@ def test_a_chunked_streamed_jacobian_ends_with_aux(url: str) -> None:
             "has_aux": True}
     with httpx.stream("POST", url + "/value_and_jacobian", content=json.dumps(body),
                       headers={"content-type": "application/json",
-                               "accept": "text/event-stream"}, timeout=120) as r:
+                               "accept": "text/event-stream"}) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith(("event:", "data:"))]
     names = [e.split(": ", 1)[1] for e in events if e.startswith("event:")]

@@ -27,7 +27,7 @@ from dxclient import AsyncClient, Client
 from dxclient.transport import FAST_MIN_BYTES, AsyncFastTransport, FastTransport
 from dxcontract import codec
 from dxserve import JaxReverse
-from tests.conftest import free_port
+from tests.conftest import STARTUP_TIMEOUT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LARGE = FAST_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
@@ -72,11 +72,11 @@ def echo_url(tmp_path_factory: pytest.TempPathFactory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             assert proc.poll() is None, "echo app exited"
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health").status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -104,11 +104,11 @@ def _same(a: np.ndarray, b: np.ndarray) -> None:
 
 @pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
 def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding: str) -> None:
-    plain = httpx.Client(timeout=60)
-    fast = httpx.Client(timeout=60, transport=FastTransport(min_bytes=0))
-    default = httpx.Client(timeout=60, transport=FastTransport())  # large bodies only
-    aplain = httpx.AsyncClient(timeout=60)
-    afast = httpx.AsyncClient(timeout=60, transport=AsyncFastTransport())
+    plain = httpx.Client()
+    fast = httpx.Client(transport=FastTransport(min_bytes=0))
+    default = httpx.Client(transport=FastTransport())  # large bodies only
+    aplain = httpx.AsyncClient()
+    afast = httpx.AsyncClient(transport=AsyncFastTransport())
     loop = asyncio.new_event_loop()
     checked = 0
     try:
@@ -159,11 +159,11 @@ def _inputs() -> dict[str, np.ndarray]:
 def test_gradient_identical_across_transports_and_clients(server, encoding: str) -> None:
     backend = JaxReverse()
     fast = Client(server.url, encoding=encoding)
-    plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url, timeout=60))
+    plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url))
     assert isinstance(fast.http._transport, FastTransport)
     loop = asyncio.new_event_loop()
     afast = AsyncClient(server.url, encoding=encoding)
-    aplain = AsyncClient(encoding=encoding, http=httpx.AsyncClient(base_url=server.url, timeout=60))
+    aplain = AsyncClient(encoding=encoding, http=httpx.AsyncClient(base_url=server.url))
     try:
         for kind, x in _inputs().items():
             f = "sum_of_squares" if x.ndim == 0 or x.size < 2 else "rosenbrock"
@@ -185,7 +185,7 @@ def test_gradient_identical_across_transports_and_clients(server, encoding: str)
 def test_fast_transport_reuses_connections_and_returns_errors(server) -> None:
     """Connections are kept alive and reused; an error answer comes back as it is."""
     transport = FastTransport(min_bytes=0)
-    with httpx.Client(base_url=server.url, timeout=60, transport=transport) as c:
+    with httpx.Client(base_url=server.url, transport=transport) as c:
         for _ in range(3):
             assert c.get("/health").status_code == 200
         assert sum(len(v) for v in transport._idle.values()) == 1

@@ -87,7 +87,7 @@ def binary_body(tree: dict, refs: dict[str, tuple[list, int]]) -> tuple[bytes, d
 
 @pytest.fixture(scope="module")
 def http(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    with httpx.Client(base_url=server.url) as client:
         yield client
 
 
@@ -342,7 +342,7 @@ def test_full_filesystem_is_507_and_the_connection_lives(make_server, tiny_fs):
         assert exc.errno == errno.ENOSPC
     finally:
         os.close(fd)
-    with httpx.Client(base_url=srv.url, timeout=60) as http:
+    with httpx.Client(base_url=srv.url) as http:
         body = {"name": "full_disk", "expression": "jnp.sum(x ** 2) + " + " + ".join(
             f"{i}.0 * x[0]" for i in range(200)
         )}
@@ -365,7 +365,7 @@ def long_expression(i: int) -> str:
 
 def test_16_concurrent_long_registrations_no_5xx(server):
     def register(i: int) -> int:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
+        with httpx.Client(base_url=server.url) as client:
             body = {"name": f"long_{i}", "expression": long_expression(i), "replace": True}
             return client.post("/functions", json=body).status_code
 
@@ -373,7 +373,7 @@ def test_16_concurrent_long_registrations_no_5xx(server):
         with cf.ThreadPoolExecutor(16) as pool:
             statuses = list(pool.map(register, range(16)))
         assert all(s in (200, 201) for s in statuses), statuses
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    with httpx.Client(base_url=server.url) as client:
         for i in range(16):
             assert client.delete(f"/functions/long_{i}").status_code == 200
 
@@ -381,13 +381,13 @@ def test_16_concurrent_long_registrations_no_5xx(server):
 def test_concurrent_registrations_never_pass_the_cap(make_server):
     cap = 20
     srv = make_server(env={"DXSERVE_MAX_FUNCTIONS": str(cap)})
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
+    with httpx.Client(base_url=srv.url) as client:
         for i in range(cap - 5):
             body = {"name": f"pre_{i}", "expression": f"jnp.sum(x) * {i}"}
             assert client.post("/functions", json=body).status_code == 201
 
     def register(i: int) -> int:
-        with httpx.Client(base_url=srv.url, timeout=120) as client:
+        with httpx.Client(base_url=srv.url) as client:
             body = {"name": f"race_{i}", "expression": long_expression(i)}
             return client.post("/functions", json=body).status_code
 
@@ -395,7 +395,7 @@ def test_concurrent_registrations_never_pass_the_cap(make_server):
         statuses = list(pool.map(register, range(64)))
     assert sorted(set(statuses)) == [201, 429], statuses
     assert statuses.count(201) == 5
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
+    with httpx.Client(base_url=srv.url) as client:
         listed = client.get("/functions").json()["functions"]
         stored = [f for f in listed if f["kind"] != "module"]
         assert len(stored) == cap
@@ -518,7 +518,7 @@ def test_slow_headers_and_bodies_are_closed_while_others_are_served(slow_server)
     for s in bodies:
         s.sendall(b"POST /gradient HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: 100000\r\n\r\n{")
-    with httpx.Client(base_url=slow_server.url, timeout=10) as http:
+    with httpx.Client(base_url=slow_server.url) as http:
         while time.monotonic() - start < 1.2:  # trickle a byte each, keep serving others
             for s in partial + bodies:
                 s.sendall(b"a")
@@ -568,7 +568,7 @@ def test_oversized_headers_are_431(slow_server):
         assert got.startswith(b"HTTP/1.1 431 "), got[:200]
     finally:
         s.close()
-    with httpx.Client(base_url=slow_server.url, timeout=10) as http:
+    with httpx.Client(base_url=slow_server.url) as http:
         good_gradient(http)
 
 
@@ -584,7 +584,7 @@ def test_connection_cap_refuses_with_503_and_recovers(make_server):
     for s in held:  # the held ones time out (408) and free their slots
         got = read_until_closed(s)
         assert got.startswith(b"HTTP/1.1 408 "), got[:200]
-    with httpx.Client(base_url=srv.url, timeout=10) as http:
+    with httpx.Client(base_url=srv.url) as http:
         good_gradient(http)
     for s in held + extra:
         s.close()

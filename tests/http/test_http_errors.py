@@ -313,7 +313,6 @@ class Connection:
     def __init__(self, url: str) -> None:
         self.http = httpx.Client(
             base_url=url,
-            timeout=60.0,
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
         )
         self.port: int | None = None
@@ -395,7 +394,7 @@ def test_body_too_large(make_server: Callable[..., Any]) -> None:
     big = json.dumps(rb(x=[0.5] * 2000)).encode()
     assert len(big) > limit
     with httpx.Client(
-        base_url=srv.url, timeout=30.0, limits=httpx.Limits(max_connections=1)
+        base_url=srv.url, limits=httpx.Limits(max_connections=1)
     ) as http:
         small = http.post("/gradient", content=json.dumps(rb()).encode(), headers=JSON)
         assert small.status_code == 200
@@ -419,6 +418,6 @@ def test_body_too_large(make_server: Callable[..., Any]) -> None:
 
 def test_no_internal_errors(server: Any) -> None:
     """None of the bad requests above became a 500 (the metrics count every status)."""
-    text = httpx.get(server.url + "/metrics", timeout=30.0).text
+    text = httpx.get(server.url + "/metrics").text
     assert 'status="500"' not in text
     assert 'dxserve_errors_total{status="400"}' in text

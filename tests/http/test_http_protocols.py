@@ -272,7 +272,7 @@ def bounded_server(tmp_path: Any) -> Iterator[str]:
 def test_operator_posts_of_every_kind(bounded_server: str) -> None:
     url = bounded_server
     ok = {"function": "rosenbrock", "x": X.tolist()}
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with httpx.Client(base_url=url) as http:
         assert http.post("/gradient", json=ok).json()["gradient"] == GRADIENT.tolist()
         assert http.post("/prepare/gradient", json={**ok, "backend": "jax-reverse"}).status_code == 200
         big = np.linspace(-1.0, 1.0, 40_000)  # 320 KB: into one buffer, held in the budget
@@ -293,7 +293,7 @@ def test_every_answer_keeps_its_request_record(
     bounded_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = bounded_server
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with httpx.Client(base_url=url) as http:
         before = _requests_counted(http.get("/metrics").text)
         with caplog.at_level(logging.INFO, logger="dxserve.http"):
             ok = http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()},
@@ -327,7 +327,7 @@ def test_large_bodies_give_back_what_they_held(tmp_path: Any) -> None:
     }
     assert len(bodies["rosenbrock"].body) > SMALL_BYTES
     with uvicorn_in_thread(app, log_level="warning", **options) as url:
-        with httpx.Client(base_url=url, timeout=30) as http:
+        with httpx.Client(base_url=url) as http:
             for name, status in (("rosenbrock", 200), ("no-such-function", 404)) * 2:
                 call = bodies[name]
                 r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
@@ -341,7 +341,7 @@ def test_large_bodies_give_back_what_they_held(tmp_path: Any) -> None:
             sock.sendall(data[: len(data) // 2])
             assert _within(10, lambda: budget.used > 0)
         assert _within(10, lambda: budget.used == 0)
-        with httpx.Client(base_url=url, timeout=30) as http:  # and it still serves
+        with httpx.Client(base_url=url) as http:  # and it still serves
             call = bodies["rosenbrock"]
             r = http.post("/gradient", content=bytes(call.body), headers=call.headers)
             got = _models.operator_result("gradient", r.headers, r.content)
@@ -400,5 +400,5 @@ def test_a_small_body_that_trickles_past_the_body_timeout_is_408(bounded_server:
             got += chunk
     assert got.startswith(b"HTTP/1.1 408 "), got[:200]
     assert b'"field":"body"' in got
-    with httpx.Client(base_url=url, timeout=30) as http:  # and others are served
+    with httpx.Client(base_url=url) as http:  # and others are served
         assert http.post("/gradient", json={"function": "rosenbrock", "x": X.tolist()}).status_code == 200

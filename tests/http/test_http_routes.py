@@ -135,7 +135,7 @@ def test_repeated_json_frames_are_validated_once_and_never_wrongly(server) -> No
     head = {"content-type": "application/json"}
 
     def post(body: dict) -> httpx.Response:
-        return httpx.post(url, content=_json.dumps(body), headers=head, timeout=60)
+        return httpx.post(url, content=_json.dumps(body), headers=head)
 
     frame = {"function": "sum_of_squares", "backend": {"type": "jax-reverse"}}
     for x in ([1.0, 2.0], [3.0, -1.0, 0.5], [[1.0, 2.0], [0.0, -4.0]], 2.5):

@@ -32,7 +32,7 @@ def store_server(
         modules=("dxserve.examples",),
     )
     try:
-        with httpx.Client(base_url=srv.url, timeout=60) as http:  # one job, so pages exist
+        with httpx.Client(base_url=srv.url) as http:  # one job, so pages exist
             r = http.post("/jobs/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
             assert r.status_code == 202, r.text
         yield srv
@@ -94,7 +94,7 @@ HOSTILE = [
 
 
 def test_hostile_cursors_are_4xx_problems(store_server: ServerProcess) -> None:
-    with httpx.Client(base_url=store_server.url, timeout=30) as http:
+    with httpx.Client(base_url=store_server.url) as http:
         for after in HOSTILE:
             r = _get(http, {"after": after})
             if after == "":  # no cursor: the first page
@@ -148,5 +148,5 @@ def test_fuzzed_cursors_and_limits_never_5xx(
     params: dict[str, Any] = {"after": after}
     if limit is not None:
         params["limit"] = limit
-    with httpx.Client(base_url=store_server.url, timeout=30) as http:
+    with httpx.Client(base_url=store_server.url) as http:
         _check(http, params)

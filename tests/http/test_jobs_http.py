@@ -56,8 +56,7 @@ def auth(token: str | None) -> dict[str, str]:
 
 
 def submit(url: str, operator: str, body: dict, token: str | None = ALICE, **headers) -> dict:
-    r = httpx.post(f"{url}/jobs/{operator}", json=body, headers={**auth(token), **headers},
-                   timeout=60)
+    r = httpx.post(f"{url}/jobs/{operator}", json=body, headers={**auth(token), **headers})
     assert r.status_code == 202, r.text
     doc = r.json()
     assert r.headers["location"] == f"/jobs/{doc['id']}"
@@ -91,7 +90,7 @@ def follow(url: str, job_id: str, token: str | None = ALICE, accept: str = SSE,
 
 
 def status(url: str, job_id: str, token: str | None = ALICE) -> dict:
-    r = httpx.get(f"{url}/jobs/{job_id}", headers=auth(token), timeout=30)
+    r = httpx.get(f"{url}/jobs/{job_id}", headers=auth(token))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -126,8 +125,8 @@ def test_a_chunked_hessian_job_equals_the_plain_call_in_every_encoding(jobs_serv
     assert done["timings"]["running_seconds"] > 0 and done["finished"] and done["expires"]
     for accept in (codec.BINARY_TYPE, "application/json; arrays=b64", "application/json"):
         fetched = httpx.get(f"{url}/jobs/{job['id']}/result",
-                            headers={"accept": accept, **auth(ALICE)}, timeout=60)
-        plain = httpx.post(f"{url}/hessian", json=body, headers={"accept": accept}, timeout=60)
+                            headers={"accept": accept, **auth(ALICE)})
+        plain = httpx.post(f"{url}/hessian", json=body, headers={"accept": accept})
         assert fetched.status_code == plain.status_code == 200, fetched.text
         assert fetched.headers["content-type"] == plain.headers["content-type"]
         assert fetched.content == plain.content, accept  # the same bytes: the same bits
@@ -144,13 +143,12 @@ def test_a_job_takes_every_encoding_and_answers_in_it(jobs_server, encoding: str
     body, content_type, headers = codec.encode_body(payload, encoding)
     headers = {"content-type": content_type, **headers}
     r = httpx.post(f"{url}/jobs/value_gradient_and_hessian", content=body,
-                   headers={**headers, **auth(ALICE)}, timeout=60)
+                   headers={**headers, **auth(ALICE)})
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
     assert follow(url, job_id)[-1][0] == "result"
-    fetched = httpx.get(f"{url}/jobs/{job_id}/result", headers=auth(ALICE), timeout=60)
-    plain = httpx.post(f"{url}/value_gradient_and_hessian", content=body, headers=headers,
-                       timeout=60)
+    fetched = httpx.get(f"{url}/jobs/{job_id}/result", headers=auth(ALICE))
+    plain = httpx.post(f"{url}/value_gradient_and_hessian", content=body, headers=headers)
     assert fetched.headers["content-type"] == plain.headers["content-type"]
     assert fetched.content == plain.content
     out = codec.decode_response(
@@ -187,16 +185,16 @@ def test_cancel_a_queued_job_and_a_running_job(jobs_server) -> None:
     url = jobs_server.url
     running = submit(url, "hessian", HEAVY)
     queued = submit(url, "hessian", HEAVY)  # one runner: this one waits for the first
-    r = httpx.get(f"{url}/jobs/{queued['id']}/result", headers=auth(ALICE), timeout=30)
+    r = httpx.get(f"{url}/jobs/{queued['id']}/result", headers=auth(ALICE))
     doc = is_problem(r, 409, "job-not-finished")
     assert doc["job_status"] == "queued" and int(r.headers["retry-after"]) >= 1
-    r = httpx.delete(f"{url}/jobs/{queued['id']}", headers=auth(ALICE), timeout=30)
+    r = httpx.delete(f"{url}/jobs/{queued['id']}", headers=auth(ALICE))
     assert r.status_code == 202 and r.json()["status"] == "cancelled"
     is_problem(httpx.get(f"{url}/jobs/{queued['id']}/result", headers=auth(ALICE)), 409,
                "job-cancelled")
     # the running one: cancelled once it has computed a chunk, it stops at the next
     follow(url, running["id"], stop=lambda e, d: e == "progress" and json.loads(d)["done"] > 0)
-    r = httpx.delete(f"{url}/jobs/{running['id']}", headers=auth(ALICE), timeout=30)
+    r = httpx.delete(f"{url}/jobs/{running['id']}", headers=auth(ALICE))
     assert r.status_code == 202 and r.json()["cancel_requested"] is True
     found = follow(url, running["id"])
     error = json.loads(found[-1][1])
@@ -220,14 +218,13 @@ def test_another_token_cannot_see_fetch_or_cancel_a_job(jobs_server) -> None:
     for token in (BOB, None):
         for method, path in (("GET", ""), ("GET", "/result"), ("GET", "/events"),
                              ("DELETE", "")):
-            r = httpx.request(method, f"{url}/jobs/{job['id']}{path}", headers=auth(token),
-                              timeout=30)
+            r = httpx.request(method, f"{url}/jobs/{job['id']}{path}", headers=auth(token))
             is_problem(r, 404, "unknown-job")
-        listed = httpx.get(f"{url}/jobs", headers=auth(token), timeout=30).json()
+        listed = httpx.get(f"{url}/jobs", headers=auth(token)).json()
         assert job["id"] not in {j["id"] for j in listed["jobs"]}
-    r = httpx.get(f"{url}/jobs/{job['id']}", headers=auth("not-a-token"), timeout=30)
+    r = httpx.get(f"{url}/jobs/{job['id']}", headers=auth("not-a-token"))
     is_problem(r, 401, "unauthorized")
-    mine = httpx.get(f"{url}/jobs", headers=auth(ALICE), timeout=30).json()
+    mine = httpx.get(f"{url}/jobs", headers=auth(ALICE)).json()
     assert job["id"] in {j["id"] for j in mine["jobs"]}
     assert httpx.get(f"{url}/jobs/{job['id']}/result", headers=auth(ALICE)).json() == {
         "gradient": [-400.0, 1002.0, -200.0]}
@@ -241,7 +238,7 @@ def test_pages_of_jobs_newest_first(jobs_server) -> None:
     after = None
     while True:
         params = {"limit": 2, **({"after": after} if after else {})}
-        page = httpx.get(f"{url}/jobs", params=params, headers=auth(BOB), timeout=30).json()
+        page = httpx.get(f"{url}/jobs", params=params, headers=auth(BOB)).json()
         seen += [j["id"] for j in page["jobs"]]
         after = page["next"]
         if after is None:
@@ -256,7 +253,7 @@ def test_pages_of_jobs_newest_first(jobs_server) -> None:
 def test_bad_job_ids_are_404_problems(jobs_server, bad: str) -> None:
     url = jobs_server.url
     for method, path in (("GET", ""), ("GET", "/result"), ("GET", "/events"), ("DELETE", "")):
-        r = httpx.request(method, f"{url}/jobs/{bad}{path}", headers=auth(ALICE), timeout=30)
+        r = httpx.request(method, f"{url}/jobs/{bad}{path}", headers=auth(ALICE))
         assert r.status_code == 404, (method, path, r.status_code, r.text)
         assert r.headers["content-type"].startswith(PROBLEM)
 
@@ -278,15 +275,14 @@ def test_bad_bodies_and_queries_are_problems_and_nothing_is_stored(jobs_server) 
          "application/json", 400, None, "tangents"),
     ]
     for path, body, media, code, slug, field in cases:
-        r = httpx.post(url + path, content=body, headers={"content-type": media, **auth(ALICE)},
-                       timeout=30)
+        r = httpx.post(url + path, content=body, headers={"content-type": media, **auth(ALICE)})
         doc = is_problem(r, code, slug)
         if field is not None:
             assert doc.get("field", "").startswith(field), (path, body, doc)
     assert "hessian" in httpx.post(f"{url}/jobs/hesian", json={}, headers=auth(ALICE)).json()[
         "detail"]
     for params in ({"limit": 0}, {"limit": 101}, {"limit": "many"}, {"after": "not-a-cursor"}):
-        r = httpx.get(f"{url}/jobs", params=params, headers=auth(ALICE), timeout=30)
+        r = httpx.get(f"{url}/jobs", params=params, headers=auth(ALICE))
         is_problem(r, 422)
     is_problem(httpx.post(f"{url}/jobs", headers=auth(ALICE)), 405)
     is_problem(httpx.put(f"{url}/jobs/abcdefghij", headers=auth(ALICE)), 405)
@@ -301,7 +297,7 @@ def test_a_failed_job_answers_with_its_own_problem(jobs_server) -> None:
     found = follow(url, job["id"])
     assert found[-1][0] == "error"
     plain = httpx.post(f"{url}/hessian", json={"function": "sin_cumsum", "x": [1.0, 2.0]})
-    fetched = httpx.get(f"{url}/jobs/{job['id']}/result", headers=auth(ALICE), timeout=30)
+    fetched = httpx.get(f"{url}/jobs/{job['id']}/result", headers=auth(ALICE))
     assert fetched.status_code == plain.status_code == 422
     assert fetched.json() == plain.json() == json.loads(found[-1][1])
     failed = status(url, job["id"])
@@ -309,7 +305,7 @@ def test_a_failed_job_answers_with_its_own_problem(jobs_server) -> None:
 
 
 def test_metrics_count_jobs_by_status(jobs_server) -> None:
-    text = httpx.get(f"{jobs_server.url}/metrics", timeout=30).text
+    text = httpx.get(f"{jobs_server.url}/metrics").text
     counts = dict(re.findall(r'^dxserve_jobs\{status="(\w+)"\} ([0-9.]+)$', text, re.M))
     assert set(counts) == {"queued", "running", "succeeded", "failed", "cancelled"}
     assert float(counts["succeeded"]) >= 1
@@ -328,7 +324,7 @@ def test_quotas_429_and_507_and_nothing_acknowledged_is_lost(tmp_path: Path) -> 
         small = {"function": "rosenbrock", "backend": "jax-forward", "x": x.tolist()}
         first = submit(url, "hessian", HEAVY, token=None)  # 11.5 MB of result reserved
         second = submit(url, "hessian", small, token=None)
-        r = httpx.post(f"{url}/jobs/hessian", json=small, timeout=30)
+        r = httpx.post(f"{url}/jobs/hessian", json=small)
         doc = is_problem(r, 429, "too-many-jobs")
         assert doc["limit"] == "max_jobs_per_token" and "DXSERVE_MAX_JOBS_PER_TOKEN" in doc["detail"]
         assert httpx.delete(f"{url}/jobs/{first['id']}").status_code == 202
@@ -337,12 +333,12 @@ def test_quotas_429_and_507_and_nothing_acknowledged_is_lost(tmp_path: Path) -> 
         assert follow(url, second["id"], token=None)[-1][0] == "result"
         # a 1300 x 1300 Hessian (13.5 MB) is past the limit: refused before it runs
         big = {**small, "x": np.linspace(0.1, 1.3, 1300).tolist()}
-        r = httpx.post(f"{url}/jobs/hessian", json=big, timeout=60)
+        r = httpx.post(f"{url}/jobs/hessian", json=big)
         doc = is_problem(r, 507, "insufficient-storage")
         assert doc["limit"] == "job_store_bytes" and "DXSERVE_JOB_STORE_BYTES" in doc["detail"]
         assert doc["needed"] > 1300 * 1300 * 8
         fetched = httpx.get(f"{url}/jobs/{second['id']}/result",
-                            headers={"accept": codec.BINARY_TYPE}, timeout=30)
+                            headers={"accept": codec.BINARY_TYPE})
         plain = httpx.post(f"{url}/hessian", json=small, headers={"accept": codec.BINARY_TYPE})
         assert fetched.content == plain.content
         # fetched and removed: room again

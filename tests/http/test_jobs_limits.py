@@ -73,7 +73,7 @@ def listed(url: str, token: str | None) -> list[dict]:
     found, after = [], None
     while True:
         params = {"limit": 100, **({"after": after} if after else {})}
-        page = httpx.get(f"{url}/jobs", params=params, headers=headers, timeout=30).json()
+        page = httpx.get(f"{url}/jobs", params=params, headers=headers).json()
         found += page["jobs"]
         after = page["next"]
         if after is None:
@@ -94,7 +94,7 @@ def test_a_result_past_the_stores_largest_value_is_refused_at_submission(tmp_pat
         assert doc["limit"] == "store_blob_bytes" and doc["needed"] >= n * n * 8
         assert doc["maximum"] < 10**9 and "directory store" in doc["detail"]
         assert listed(srv.url, None) == []
-        assert httpx.get(f"{srv.url}/health", timeout=1).status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
         # nothing of the result was ever allocated (it would take 1.07 GB)
         assert srv.proc.poll() is None and peak_rss(srv.proc.pid) < 800 * 2**20
     finally:
@@ -114,7 +114,6 @@ def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
         # sin_cumsum's 400 x 400 Jacobian: 1.28 MB, past the limit alone
         r = httpx.post(
             f"{url}/jobs/jacobian",
-            timeout=60,
             json={"function": "sin_cumsum", "x": np.linspace(0.1, 1.3, 400).tolist()},
         )
         doc = is_problem(r, 507, "insufficient-storage")
@@ -127,7 +126,7 @@ def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
         }  # 115,200 bytes of Hessian
         accepted, refused = [], 0
         for _ in range(48):
-            r = httpx.post(f"{url}/jobs/hessian", json=small, timeout=60)
+            r = httpx.post(f"{url}/jobs/hessian", json=small)
             if r.status_code == 202:
                 accepted.append(r.json()["id"])
             else:
@@ -139,7 +138,7 @@ def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
         jobs = listed(url, None)
         assert len(jobs) == len(accepted) and all(j["status"] == "succeeded" for j in jobs)
         assert sum(j["result_bytes"] for j in jobs) <= limit
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        metrics = httpx.get(f"{url}/metrics").text
         assert "dxserve_jobs" in metrics
     finally:
         stop_server(srv)
@@ -147,7 +146,7 @@ def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
 
 # --- the in-flight budget ----------------------------------------------------------------
 def _inflight(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = httpx.get(f"{url}/metrics").text
     return float(re.search(r"^dxserve_inflight_bytes ([0-9.e+]+)$", text, re.M).group(1))
 
 
@@ -178,12 +177,11 @@ def test_a_job_body_counts_against_the_inflight_budget_while_it_is_stored(
                 except TimeoutError:
                     pass
             assert _inflight(url) >= 2_500_000
-            assert httpx.get(f"{url}/health", timeout=1).status_code == 200
+            assert httpx.get(f"{url}/health").status_code == 200
             r = httpx.post(
                 f"{url}/jobs/gradient",
                 content=body,
                 headers={"content-type": media, **headers},
-                timeout=60,
             )
             doc = is_problem(r, 503, "overloaded")
             assert "DXSERVE_MAX_INFLIGHT_BYTES" in doc["detail"] and r.headers["retry-after"]
@@ -193,12 +191,11 @@ def test_a_job_body_counts_against_the_inflight_budget_while_it_is_stored(
         for _ in range(200):
             if _inflight(url) == 0:
                 break
-            httpx.get(f"{url}/health", timeout=5)
+            httpx.get(f"{url}/health")
         r = httpx.post(
             f"{url}/jobs/gradient",
             content=body,
             headers={"content-type": media, **headers},
-            timeout=60,
         )
         assert r.status_code == 202, r.text
         job = r.json()
@@ -220,13 +217,12 @@ def test_without_tokens_every_bearer_token_is_the_anonymous_owner(tmp_path: Path
         r = httpx.post(
             f"{url}/jobs/gradient",
             json=small,
-            timeout=30,
             headers={"authorization": "Bearer invented-3"},
         )
         assert is_problem(r, 429, "too-many-jobs")["limit"] == "max_jobs_per_token"
         assert {j["id"] for j in listed(url, None)} == {first["id"], second["id"]}
         assert status(url, first["id"], token="invented-4")["status"] == "running"
-        assert httpx.delete(f"{url}/jobs/{first['id']}", timeout=30).status_code == 202
+        assert httpx.delete(f"{url}/jobs/{first['id']}").status_code == 202
         assert follow(url, second["id"], token=None)[-1][0] == "result"
     finally:
         stop_server(srv)
@@ -248,7 +244,6 @@ def test_owners_take_turns_so_a_long_queue_does_not_hold_back_another_owners_job
         assert (
             httpx.delete(
                 f"{url}/jobs/{running['id']}",
-                timeout=30,
                 headers={"authorization": f"Bearer {ATTACKER}"},
             ).status_code
             == 202
@@ -271,7 +266,6 @@ def test_a_job_computes_the_function_version_it_was_submitted_with(tmp_path: Pat
         url = srv.url
         r = httpx.post(
             f"{url}/functions",
-            timeout=30,
             json={"name": "versioned", "expression": "jnp.sum(x**2)", "args": ["x"]},
         )
         assert r.status_code == 201, r.text
@@ -280,7 +274,6 @@ def test_a_job_computes_the_function_version_it_was_submitted_with(tmp_path: Pat
         job = submit(url, "gradient", {"function": "versioned", "x": x}, token=None)
         r = httpx.post(
             f"{url}/functions",
-            timeout=30,
             json={
                 "name": "versioned",
                 "expression": "jnp.sum(x**3)",
@@ -290,12 +283,12 @@ def test_a_job_computes_the_function_version_it_was_submitted_with(tmp_path: Pat
         )
         assert r.status_code in (200, 201), r.text
         assert status(url, job["id"], None)["status"] == "queued"  # replaced while it waits
-        plain = httpx.post(f"{url}/gradient", json={"function": "versioned", "x": x}, timeout=30)
+        plain = httpx.post(f"{url}/gradient", json={"function": "versioned", "x": x})
         np.testing.assert_allclose(plain.json()["gradient"], [3.0, 12.0, 27.0], rtol=1e-12)
-        assert httpx.delete(f"{url}/jobs/{running['id']}", timeout=30).status_code == 202
+        assert httpx.delete(f"{url}/jobs/{running['id']}").status_code == 202
         found = follow(url, job["id"], token=None)
         assert found[-1][0] == "result", found[-1]
-        fetched = httpx.get(f"{url}/jobs/{job['id']}/result", timeout=30).json()
+        fetched = httpx.get(f"{url}/jobs/{job['id']}/result").json()
         np.testing.assert_allclose(fetched["gradient"], [2.0, 4.0, 6.0], rtol=1e-12)
     finally:
         stop_server(srv)
@@ -323,7 +316,7 @@ def test_a_directory_stores_half_written_files_are_removed_on_restart(tmp_path: 
     srv = start_server(tmp_path / "dir2", env=env, args=args, modules=MODULES)
     try:
         assert not partial.exists() and not orphan.exists()
-        r = httpx.get(f"{srv.url}/jobs/{job['id']}/result", timeout=30)
+        r = httpx.get(f"{srv.url}/jobs/{job['id']}/result")
         assert r.status_code == 200 and r.json()["gradient"]
     finally:
         stop_server(srv)

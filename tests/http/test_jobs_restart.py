@@ -68,7 +68,7 @@ def test_a_stopped_servers_job_resumes_from_its_checkpoints_with_the_same_bits(
                            headers={"accept": "application/json; arrays=b64"}, timeout=300)
         assert json.loads(found[-1][1]) == plain.json()  # typed base64: the same bits
         fetched = httpx.get(f"{srv.url}/jobs/{job['id']}/result",
-                            headers={"accept": codec.BINARY_TYPE}, timeout=60)
+                            headers={"accept": codec.BINARY_TYPE})
         again = httpx.post(f"{srv.url}/hessian", json=HEAVY,
                            headers={"accept": codec.BINARY_TYPE}, timeout=300)
         assert fetched.content == again.content

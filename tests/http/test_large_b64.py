@@ -242,14 +242,12 @@ def test_large_b64_over_http_from_any_sender(server) -> None:
     np.testing.assert_allclose(out[1], want, rtol=1e-12, atol=1e-9)
     body = json.dumps({"function": "sum_of_squares", "backend": {"type": "jax-reverse"},
                        "x": _typed(x)}, indent=1).replace("/", "\\/").encode()
-    r = httpx.post(server.url + "/gradient", content=body, timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/gradient", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200
     got = codec.decode_response(r.content, r.headers["content-type"], arrays=("gradient",))
     np.testing.assert_array_equal(got["gradient"], 2 * x)
     bad = body.replace(b'"__ndarray__": "', b'"__ndarray__": "!', 1)
-    r = httpx.post(server.url + "/gradient", content=bad, timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/gradient", content=bad, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem")
     assert r.json()["field"] == "x"
 

@@ -79,7 +79,7 @@ def _jacobian_expected(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("encoding", ["binary", "json"])
 def test_large_result_over_the_real_server(server: Any, encoding: str) -> None:
     x = np.linspace(-1.0, 1.0, 300)  # 720 KB result: above the 256 KiB "large" bound
-    with Client(server.url, encoding=encoding, timeout=120) as client:
+    with Client(server.url, encoding=encoding) as client:
         J = client.jacobian("sin_cumsum", FiniteDifferences(), x)
     np.testing.assert_allclose(J, _jacobian_expected(x), rtol=1e-6, atol=1e-8)
 

@@ -14,7 +14,7 @@ TOKEN = "s3cret-token"
 
 def test_private_metadata_needs_the_token(make_server: Any) -> None:
     srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         for path in PRIVATE:
             anonymous = http.get(path)
             assert anonymous.status_code == 401, (path, anonymous.text)
@@ -38,7 +38,7 @@ def test_private_metadata_needs_the_token(make_server: Any) -> None:
 
 def test_private_metadata_without_a_token_is_closed_and_says_how_to_open(make_server: Any) -> None:
     srv = make_server(env={"DXSERVE_PRIVATE_METADATA": "true"})
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         for path in PRIVATE:
             r = http.get(path)
             assert r.status_code == 403, path
@@ -47,7 +47,7 @@ def test_private_metadata_without_a_token_is_closed_and_says_how_to_open(make_se
 
 
 def test_metadata_is_open_by_default(server: Any) -> None:
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+    with httpx.Client(base_url=server.url) as http:
         for path in PRIVATE:
             assert http.get(path).status_code == 200, path
 
@@ -56,7 +56,7 @@ def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
     """An unknown function's 404 suggests no close names when they are private: the
     caller may be one who may not list them (with or without a token)."""
     srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         for token in (None, "nope", TOKEN):
             headers = {"authorization": f"Bearer {token}"} if token else {}
             for route in ("/gradient", "/jobs/gradient", "/prepare/gradient"):
@@ -71,6 +71,6 @@ def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
 
 def test_open_metadata_still_suggests_close_names(server: Any) -> None:
     r = httpx.post(
-        f"{server.url}/gradient", json={"function": "rosenbrok", "x": [1.0, 2.0]}, timeout=30
+        f"{server.url}/gradient", json={"function": "rosenbrok", "x": [1.0, 2.0]}
     )
     assert r.status_code == 404 and "'rosenbrock'" in r.json()["detail"], r.text

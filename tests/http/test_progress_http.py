@@ -56,7 +56,7 @@ def progress_of(events: list) -> list[dict]:
 
 def cancelled(url: str, operator: str = "hessian") -> float:
     """``dxserve_cancelled_total{operator=...}`` from ``/metrics`` (0 when absent)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics").text
     found = re.search(rf'dxserve_cancelled_total{{operator="{operator}"}} ([0-9.e+]+)', text)
     return float(found.group(1)) if found else 0.0
 
@@ -108,7 +108,7 @@ def test_stream_result_in_lists_is_the_routes_json(server) -> None:
     body = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
     for operator in ("value_gradient_and_hessian", "gradient", "hvp"):
         call = dict(body, tangents=[[1.0, 0.0, 0.0]]) if operator == "hvp" else body
-        plain = httpx.post(f"{server.url}/{operator}", json=call, timeout=60).json()
+        plain = httpx.post(f"{server.url}/{operator}", json=call).json()
         events = stream_events(f"{server.url}/{operator}", call)
         assert [e for e, _ in events if e != ":"][-1] == "result"
         assert json.loads(events[-1][1]) == plain
@@ -183,12 +183,12 @@ LONG = {"function": "rosenbrock", "backend": "finite-differences",
 
 def device_pending(url: str) -> float:
     """Requests queued or running on the device workers (``dxserve_device_pending``)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics").text
     return sum(float(v) for v in re.findall(r"dxserve_device_pending\{[^}]*\} ([0-9.e+]+)", text))
 
 
 def serves_small_gradient(url: str) -> None:
-    r = httpx.post(url + "/gradient", json=SMALL, timeout=60)
+    r = httpx.post(url + "/gradient", json=SMALL)
     assert r.json() == {"gradient": [-400.0, 1002.0, -200.0]}
 
 
@@ -205,7 +205,7 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
     srv = make_server()
     serves_small_gradient(srv.url)  # compiled and warm
     with httpx.stream(
-        "POST", srv.url + "/hessian", json=LONG, headers={"accept": SSE}, timeout=120
+        "POST", srv.url + "/hessian", json=LONG, headers={"accept": SSE}
     ) as r:
         for line in r.iter_lines():
             if line == "event: progress":
@@ -261,13 +261,13 @@ def test_stream_deadline_ends_with_an_error_event(make_server) -> None:
 
 def test_work_no_chunk_can_hold_is_refused_in_the_stream(make_server) -> None:
     srv = make_server(env={"DXSERVE_CHUNK_MEMORY_BYTES": str(1024**2)})
-    events = stream_events(srv.url + "/hessian", LONG, timeout=120)
+    events = stream_events(srv.url + "/hessian", LONG)
     errors = [json.loads(d) for e, d in events if e == "error"]
     assert len(errors) == 1 and errors[0]["status"] == 422, events[-3:]
     assert errors[0]["limit"] == "chunk_memory_bytes" and "DXSERVE_CHUNK_MEMORY_BYTES" in (
         errors[0]["detail"]
     )
-    plain = httpx.post(srv.url + "/hessian", json=LONG, timeout=120)
+    plain = httpx.post(srv.url + "/hessian", json=LONG)
     assert plain.status_code == 422 and plain.json()["limit"] == "chunk_memory_bytes"
     serves_small_gradient(srv.url)
 

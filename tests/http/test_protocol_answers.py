@@ -52,7 +52,7 @@ def url():
 
 
 def test_answers_arrive_whole_over_a_kept_alive_connection(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=10) as http:
+    with httpx.Client(base_url=url) as http:
         for i in range(20):
             assert http.post("/echo", content=b"x%d" % i).content == b"echo:x%d" % i
             assert http.get("/parts").content == b"".join(b"part%d;" % k for k in range(5))
@@ -76,7 +76,7 @@ def test_a_streams_head_is_not_held_for_its_first_event(url: str) -> None:
 
 
 def test_an_answer_that_fails_after_its_head_closes_the_connection(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=10) as http:
+    with httpx.Client(base_url=url) as http:
         with pytest.raises(httpx.RemoteProtocolError):
             http.get("/fail")
         assert http.post("/echo", content=b"after").content == b"echo:after"

@@ -9,7 +9,7 @@ sockets.
 * unread job results and job event streams stay in the in-flight budget (requests past
   it get 503) until their clients are cut off, with uvicorn's httptools and with h11.
 
-``/health`` is probed throughout with a 1 s timeout (no stopwatch). Memory: the route
+``/health`` is probed throughout (no stopwatch). Memory: the route
 test's process stays within ``ROUTE_RSS`` of its start, the job servers within the
 budget plus ``SLACK``.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, memory_of, start_server, stop_server
+from tests.conftest import LIVENESS_TIMEOUT, ServerProcess, memory_of, start_server, stop_server
 
 PROBLEM = "application/problem+json"
 
@@ -43,12 +43,12 @@ def _metric(text: str, name: str) -> float:
 
 @contextlib.contextmanager
 def _liveness(url: str) -> Iterator[list[str]]:
-    """``/health`` polled from a thread with a 1 s timeout; yields the failures."""
+    """``/health`` polled from a thread (``LIVENESS_TIMEOUT`` each); yields the failures."""
     failures: list[str] = []
     stop = threading.Event()
 
     def poll() -> None:
-        with httpx.Client(base_url=url, timeout=1.0) as http:
+        with httpx.Client(base_url=url, timeout=LIVENESS_TIMEOUT) as http:
             while not stop.is_set():
                 try:
                     r = http.get("/health")
@@ -160,7 +160,7 @@ def _request(method: str, path: str, body: bytes | None, accept: str = "*/*") ->
 
 
 def _finished_job(url: str, body: dict, operator: str = "hessian") -> str:
-    r = httpx.post(f"{url}/jobs/{operator}", json=body, timeout=60)
+    r = httpx.post(f"{url}/jobs/{operator}", json=body)
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
     with httpx.stream("GET", f"{url}/jobs/{job_id}/events", timeout=300) as events:
@@ -335,12 +335,12 @@ def test_unread_job_answers_stay_in_the_budget(job_server: Any, route: str) -> N
     srv, job_id = job_server
     accept = "text/event-stream" if route == "events" else "application/json"
     request = _request("GET", f"/jobs/{job_id}/{route}", None, accept)
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         before = http.get("/metrics").text
     refused_before = _metric(before, "dxserve_inflight_refused_total")
     baseline = memory_of(srv.proc.pid)["VmRSS"]
     clients: list[socket.socket] = []
-    with _liveness(srv.url) as failures, httpx.Client(base_url=srv.url, timeout=30) as http:
+    with _liveness(srv.url) as failures, httpx.Client(base_url=srv.url) as http:
         for _ in range(CLIENTS):  # ask, never read
             clients.append(_unread_client(srv.port, request))
         # every client has its answer begun, or its refusal: peeked, not read
@@ -369,7 +369,7 @@ def test_unread_job_answers_stay_in_the_budget(job_server: Any, route: str) -> N
     assert memory_of(srv.proc.pid)["VmHWM"] - baseline < BUDGET + SLACK
     for s in clients:
         s.close()
-    with httpx.Client(base_url=srv.url, timeout=60) as http:  # and it serves as before
+    with httpx.Client(base_url=srv.url) as http:  # and it serves as before
         r = http.get(f"/jobs/{job_id}/result", headers={"accept": "application/json"})
         assert r.status_code == 200
         assert r.json()["hessian"][0][:2] == [1200 * 0.25 - 400 * 0.5 + 2, -200.0]

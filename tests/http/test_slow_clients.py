@@ -1,7 +1,7 @@
 """Clients that are slow or never finish, over real sockets, against real servers.
 
 * slowloris on the default configuration: 2,000 connections send part of a request's
-  head and hold it; ``/health`` and a gradient still answer within 1 s meanwhile, and the
+  head and hold it; ``/health`` and a gradient still answer meanwhile, and the
   server closes every one of them with a 408 once the header timeout has passed;
 * the header limit is exact: a head of ``DXSERVE_MAX_HEADER_BYTES`` bytes is served, one
   byte more is 431, however the head is split across reads;
@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import memory_of
+from tests.conftest import LIVENESS_TIMEOUT, memory_of
 
 X3 = [1.0, 2.0, 3.0]
 GRADIENT3 = [-400.0, 1002.0, -200.0]  # rosenbrock at (1, 2, 3), by hand
@@ -50,13 +50,13 @@ def _metric(text: str, name: str) -> float:
 
 @contextmanager
 def _liveness(url: str, extra: Callable[[httpx.Client], None] | None = None) -> Iterator[list]:
-    """Poll ``/health`` (and ``extra``) from a thread while the block runs, each with a
-    1 s timeout; yields the failures (the block asserts there are none)."""
+    """Poll ``/health`` (and ``extra``) from a thread while the block runs, each with
+    ``LIVENESS_TIMEOUT``; yields the failures (the block asserts there are none)."""
     failures: list[str] = []
     stop = threading.Event()
 
     def poll() -> None:
-        with httpx.Client(base_url=url, timeout=1.0) as http:
+        with httpx.Client(base_url=url, timeout=LIVENESS_TIMEOUT) as http:
             while not stop.is_set():
                 try:
                     r = http.get("/health")
@@ -92,7 +92,7 @@ SLOWLORIS = 2000
 @pytest.mark.protocol
 def test_slowloris_on_the_default_configuration(make_server: Any) -> None:
     srv = make_server()  # every limit at its default: headers within 10 s
-    with httpx.Client(base_url=srv.url, timeout=60) as http:
+    with httpx.Client(base_url=srv.url) as http:
         _gradient(http)  # compiled before the attack
     held = []
     for _ in range(SLOWLORIS):
@@ -139,7 +139,7 @@ def test_slowloris_on_the_default_configuration(make_server: Any) -> None:
     assert all(b'"field":"headers"' in got[s] for s in timed_out)
     for s in held:
         s.close()
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         _gradient(http)
 
 
@@ -268,7 +268,7 @@ def test_unread_answers_stay_in_the_budget_and_are_cut_off(reader_server: Any, a
         # every answer is either refused (503 while the budget is full) or computed,
         # held until written, and its client cut off after the write timeout: the
         # budget empties again with nobody reading
-        with httpx.Client(base_url=srv.url, timeout=30) as http:
+        with httpx.Client(base_url=srv.url) as http:
             deadline = time.monotonic() + 240
             while True:
                 text = http.get("/metrics").text
@@ -296,7 +296,7 @@ def test_unread_answers_stay_in_the_budget_and_are_cut_off(reader_server: Any, a
         assert all(h in (b"HTTP/1.1 200", b"") for h in statuses), statuses
     else:
         assert b"HTTP/1.1 503" in statuses and b"HTTP/1.1 200" in statuses, statuses
-    with httpx.Client(base_url=srv.url, timeout=120) as http:  # and it serves as before
+    with httpx.Client(base_url=srv.url) as http:  # and it serves as before
         r = http.post("/hessian", json={"function": "rosenbrock", "x": [0.5] * N})
         np.testing.assert_allclose(np.asarray(r.json()["hessian"])[:2, :2],
                                    _expected_hessian_corner(), rtol=1e-12)

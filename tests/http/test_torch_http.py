@@ -160,7 +160,7 @@ def test_a_backend_of_another_framework_is_a_422_naming_those_that_fit(
 ) -> None:
     operator = "hessian" if function.endswith("rosenbrock") else "jacobian"
     r = httpx.post(f"{torch_server.url}/{operator}", json={
-        "function": function, "backend": backend, "x": [1.0, 2.0, 3.0]}, timeout=60)
+        "function": function, "backend": backend, "x": [1.0, 2.0, 3.0]})
     assert r.status_code == 422, r.text
     problem = r.json()
     assert r.headers["content-type"].startswith("application/problem+json")
@@ -225,7 +225,7 @@ def test_the_mlp_is_detected_as_torch_and_described(client, torch_server) -> Non
     from dxserve.frameworks import framework_of
 
     assert framework_of(torch_models.mlp_loss).name == "torch"
-    info = httpx.get(f"{torch_server.url}/functions/mlp_loss", timeout=30).json()
+    info = httpx.get(f"{torch_server.url}/functions/mlp_loss").json()
     assert [a["name"] for a in info["arguments"]] == ["params", "inputs", "targets"]
     # shapes from its example, the output's from a run on meta tensors
     assert info["shapes_from"] == "example"
@@ -286,7 +286,7 @@ def test_over_budget_is_the_same_422_as_for_jax(torch_server) -> None:
     x = np.linspace(0.1, 1.3, 1500)  # a 1500 x 1500 Jacobian: 18 MB, over 16 MiB
     answers = [
         httpx.post(f"{torch_server.url}/jacobian", json={
-            "function": name, "backend": backend, "x": x.tolist()}, timeout=120)
+            "function": name, "backend": backend, "x": x.tolist()})
         for name, backend in (("torch_sin_cumsum", "torch-forward"),
                               ("sin_cumsum", "jax-forward"))
     ]
@@ -303,7 +303,7 @@ def test_closing_a_stream_cancels_torch_work_and_frees_the_worker(make_server) -
     body = {"function": "torch_rosenbrock_n", "backend": "finite-differences",
             "x": np.linspace(0.1, 1.3, 1200).tolist()}
     small = {"function": "torch_rosenbrock_n", "backend": "torch-reverse", "x": [1.0, 2.0, 3.0]}
-    assert httpx.post(srv.url + "/gradient", json=small, timeout=60).json() == {
+    assert httpx.post(srv.url + "/gradient", json=small).json() == {
         "gradient": [-400.0, 1002.0, -200.0]}
     with httpx.stream("POST", srv.url + "/hessian", json=body, headers={"accept": SSE},
                       timeout=300) as r:

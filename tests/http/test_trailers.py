@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, memory_of, start_server, stop_server
+from tests.conftest import LIVENESS_TIMEOUT, ServerProcess, memory_of, start_server, stop_server
 
 LIMIT = 8192
 #: what an attack may add to the server's memory: far less than what was sent
@@ -87,7 +87,7 @@ def test_endless_trailers_are_refused_and_cost_nothing(trailer_server: ServerPro
     stop = threading.Event()
 
     def probe() -> None:
-        with httpx.Client(base_url=srv.url, timeout=1.0) as http:
+        with httpx.Client(base_url=srv.url, timeout=LIVENESS_TIMEOUT) as http:
             while not stop.is_set():
                 try:
                     if http.get("/health").status_code != 200:
@@ -118,7 +118,7 @@ def test_endless_trailers_are_refused_and_cost_nothing(trailer_server: ServerPro
             assert status in (400, 431), answer[:200]
     assert memory_of(srv.proc.pid)["VmHWM"] - baseline < RSS_GROWTH
     assert srv.proc.poll() is None
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with httpx.Client(base_url=srv.url) as http:
         assert http.get("/health").status_code == 200
 
 

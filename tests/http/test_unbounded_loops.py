@@ -7,7 +7,7 @@ default such uploads are refused (422 naming ``export``). With
 deadline, the worker thread running it is abandoned and replaced, 100 Rosenbrock
 gradients are answered right afterwards, a second spin waits (503) while the first
 holds its core (``DXSERVE_MAX_STUCK_COMPUTATIONS=1``), and SIGTERM ends the process,
-also while a spin is still in flight. ``/health`` is probed all along with a 1 s timeout; every probe
+also while a spin is still in flight. ``/health`` is probed all along; every probe
 must answer. (A spinning thread holds one core until the server exits.)
 """
 
@@ -27,7 +27,7 @@ from jax import lax
 from dxclient import Client
 from dxclient.errors import DxError
 from dxclient.export import ReverseModeWarning
-from tests.conftest import start_server, stop_server
+from tests.conftest import LIVENESS_TIMEOUT, start_server, stop_server
 from tests.references import rosenbrock_gradient
 
 #: uvicorn stops gracefully, then raises the signal it caught again: killed by SIGTERM
@@ -47,7 +47,7 @@ def fori_static(x):
 
 
 class HealthProbe:
-    """Probes ``/health`` with a 1 s timeout until stopped; counts what did not answer."""
+    """Probes ``/health`` with ``LIVENESS_TIMEOUT`` until stopped; counts what did not answer."""
 
     def __init__(self, url: str) -> None:
         self.url, self.ok, self.failed = url, 0, []
@@ -56,7 +56,7 @@ class HealthProbe:
         self._thread.start()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=1.0) as http:
+        with httpx.Client(timeout=LIVENESS_TIMEOUT) as http:
             while not self._stop.wait(0.2):
                 try:
                     r = http.get(self.url + "/health")
@@ -119,7 +119,7 @@ def test_a_spinning_upload_is_abandoned_and_the_server_goes_on(tmp_path):
     srv = start_server(tmp_path / "allow", env=env, modules=("dxserve.examples",))
     probe = HealthProbe(srv.url)
     try:
-        with Client(srv.url) as client, httpx.Client(base_url=srv.url, timeout=60) as http:
+        with Client(srv.url) as client, httpx.Client(base_url=srv.url) as http:
             register(client, spin, "spin")
             # it exits at once on small inputs: warm, and cheap (it must still not run inline)
             for _ in range(3):
@@ -147,7 +147,7 @@ def test_sigterm_stops_the_server_with_a_spin_in_flight(tmp_path):
     env = {"DXSERVE_EXPORT_UNBOUNDED_LOOPS": "allow", "DXSERVE_REQUEST_TIMEOUT": "600"}
     srv = start_server(tmp_path / "sigterm", env=env, modules=("dxserve.examples",))
     try:
-        with Client(srv.url) as client, httpx.Client(base_url=srv.url, timeout=5) as http:
+        with Client(srv.url) as client, httpx.Client(base_url=srv.url) as http:
             register(client, spin, "spin")
             client.gradient("spin", "auto", np.array([0.5, 0.2, 0.1]))  # compiled
             answers: list = []

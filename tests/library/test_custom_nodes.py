@@ -128,7 +128,7 @@ def test_the_wire_form_and_an_unknown_type(srv: ServerProcess) -> None:
     not know the type gets a NamedTuple of that name and fields."""
     x = {"__node__": {"type": "Lux", "fields": {"weight": W0.tolist(), "bias": B0.tolist()}}}
     r = httpx.post(f"{srv.url}/gradient", json={
-        "function": "layer_loss", "x": x, "contexts": [DATA.tolist()]}, timeout=60)
+        "function": "layer_loss", "x": x, "contexts": [DATA.tolist()]})
     assert r.status_code == 200, r.text
     g = r.json()["gradient"]["__node__"]
     assert g["type"] == "Lux" and list(g["fields"]) == ["weight", "bias"]
@@ -152,7 +152,7 @@ def test_the_wire_form_and_an_unknown_type(srv: ServerProcess) -> None:
 def test_malformed_nodes_are_problems_naming_the_field(srv: ServerProcess, node: dict,
                                                        field: str) -> None:
     r = httpx.post(f"{srv.url}/gradient", json={
-        "function": "layer_loss", "x": {"__node__": node}, "contexts": [DATA.tolist()]}, timeout=60)
+        "function": "layer_loss", "x": {"__node__": node}, "contexts": [DATA.tolist()]})
     assert 400 <= r.status_code < 500, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["field"] == field

@@ -47,7 +47,7 @@ def compiles(srv) -> list[str]:
 # --- over the defaults: refused at once ------------------------------------------------
 def test_16000_tangents_and_20000_leaves_are_refused_before_tracing(make_server) -> None:
     srv = make_server()
-    with httpx.Client(base_url=srv.url, timeout=120) as http:
+    with httpx.Client(base_url=srv.url) as http:
         tangents = np.tile(np.eye(3), (16_000 // 3 + 1, 1))[:16_000].tolist()
         body = problem(http.post("/hvp", json={
             "function": "rosenbrock", "backend": "auto", "x": X3, "tangents": tangents,
@@ -108,7 +108,7 @@ def test_bounds_are_settings_exact_at_the_limit(make_server) -> None:
             p["deep"] = node
         return p
 
-    with httpx.Client(base_url=srv.url, timeout=120) as http:
+    with httpx.Client(base_url=srv.url) as http:
         def gradient(p: dict) -> httpx.Response:
             return http.post("/gradient", json={
                 "function": "least_squares", "x": p, "contexts": [X.tolist(), Y.tolist()],

@@ -53,7 +53,6 @@ def test_make_serve_from_a_fresh_clone_answers_the_readme_curl(tmp_path: Path) -
             try:
                 answered = httpx.post(
                     url + "/gradient",
-                    timeout=30,
                     json={"function": "rosenbrock", "backend": "jax-reverse", "x": [1, 2, 3]},
                 )
             except httpx.TransportError:

@@ -28,7 +28,7 @@ from dxcontract.errors import BudgetExceededError, OverloadedError
 from dxserve import executable_cache, preparation
 from dxserve.admission import SMALL_BYTES, Budget
 from dxserve.budget import ComputeLimits, estimate
-from tests.conftest import memory_of
+from tests.conftest import REQUEST_DEADLINE, memory_of
 
 #: n⁴ intermediates that XLA cannot simplify away (a plain sum of the outer products
 #: fuses into one loop with no intermediate, so it is cheap and allowed).
@@ -53,25 +53,31 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
     for name, (expression, _) in QUARTICS.items():
         r = httpx.post(
             srv.url + "/functions",
-            json={"name": name, "expression": expression, "args": ["x"]}, timeout=30,
+            json={"name": name, "expression": expression, "args": ["x"]},
         )
         assert r.status_code in (200, 201), r.text
     small = {"function": "rosenbrock", "backend": "jax-reverse", "x": [1.0, 2.0, 3.0]}
-    with httpx.Client(base_url=srv.url, timeout=30) as c:
+    with httpx.Client(base_url=srv.url) as c:
         assert c.post("/gradient", json=small).json() == {"gradient": [-400.0, 1002.0, -200.0]}
     before = memory_of(srv.proc.pid)
-    latencies: list[float] = []
+    answered: list[int] = []  # small gradients answered, one entry each
     stop = threading.Event()
 
     def poll() -> None:
-        # a quartic that ran would hold the worker for ~25 s: past this timeout
-        with httpx.Client(base_url=srv.url, timeout=5) as c:
+        # a quartic that ran would hold the worker (~25 s) and answer 200, not 422
+        with httpx.Client(base_url=srv.url) as c:
             while not stop.is_set():
-                t = time.perf_counter()
                 r = c.post("/gradient", json=small)
-                latencies.append(time.perf_counter() - t)
                 assert r.status_code == 200 and r.json()["gradient"] == [-400.0, 1002.0, -200.0]
+                answered.append(1)
                 time.sleep(0.01)
+
+    def answered_past(n: int) -> None:
+        """Wait (on the poller's answers, bounded) until it has answered more than ``n``."""
+        deadline = time.monotonic() + REQUEST_DEADLINE
+        while len(answered) <= n:
+            assert poller.is_alive() and time.monotonic() < deadline, "the poller stopped"
+            time.sleep(0.01)
 
     poller_ok = False
 
@@ -83,7 +89,8 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
     poller = threading.Thread(target=poll_checked)
     poller.start()
     try:
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
+        answered_past(0)
+        with httpx.Client(base_url=srv.url) as c:
             for name, (_, ops) in QUARTICS.items():
                 for op in ops:
                     for n in (160, 200):
@@ -95,10 +102,11 @@ def test_quartic_refused_before_running_while_small_gradient_answers(make_server
                             "max_request_memory_bytes", "max_request_flops", "request_timeout"
                         )
                         assert "DXSERVE_" in problem["detail"] and problem["estimate"] > 0
+        answered_past(len(answered))  # and still after the last refusal
     finally:
         stop.set()
         poller.join()
-    assert poller_ok and len(latencies) >= 10  # small gradients answered all along
+    assert poller_ok  # small gradients answered all along
     # never ran: no multi-gigabyte intermediate was ever allocated
     assert memory_of(srv.proc.pid)["VmHWM"] - before["VmHWM"] < 512 * 2**20
 
@@ -224,7 +232,7 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
     def hessian(c: httpx.Client) -> httpx.Response:
         return c.post("/hessian", json=hess)
 
-    with httpx.Client(base_url=srv.url, timeout=120) as c:  # compile both first
+    with httpx.Client(base_url=srv.url) as c:  # compile both first
         assert gradient(c).status_code == 200
         assert hessian(c).status_code == 200
     time.sleep(0.5)
@@ -232,7 +240,7 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
     statuses: list[tuple[str, int, str | None]] = []
 
     def one(kind: str) -> None:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with httpx.Client(base_url=srv.url) as c:
             r = (gradient if kind == "gradient" else hessian)(c)
             statuses.append((kind, r.status_code, r.headers.get("retry-after")))
 
@@ -247,7 +255,7 @@ def test_memory_bounded_under_concurrent_large_bodies_and_hessians(make_server) 
     for kind in ("gradient", "hessian"):
         assert any(k == kind and s == 200 for k, s, _ in statuses), statuses
     assert peak - baseline < BUDGET + MEMORY_SLACK, (peak - baseline) / 2**20
-    with httpx.Client(base_url=srv.url, timeout=30) as c:  # and it still answers
+    with httpx.Client(base_url=srv.url) as c:  # and it still answers
         assert c.get("/health").status_code == 200
     time.sleep(1.0)
     after = memory_of(srv.proc.pid)["VmRSS"]

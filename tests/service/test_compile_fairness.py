@@ -4,7 +4,7 @@ A client at 127.0.0.1 posts 30 first gradients on distinct shapes at once; past
 ``DXSERVE_COMPILE_QUEUE_PER_CALLER`` (4 here) its calls get 429 ``too-many-queued``
 naming the setting, while a second client (127.0.0.2, a different caller) gets its own
 first gradient compiled and answered, checked against the analytic Rosenbrock gradient.
-``/health`` answers 1 s probes throughout.
+``/health`` answers probes throughout.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_a_flood_of_shapes_from_one_caller_leaves_room_for_another(tmp_path) -> 
         ]
         for t in threads:
             t.start()
-        with httpx.Client(timeout=5) as http:  # the flood holds its share of the queue
+        with httpx.Client() as http:  # the flood holds its share of the queue
             for _ in range(3000):
                 if http.get(srv.url + "/ready").json()["compiling"] >= 4:
                     break

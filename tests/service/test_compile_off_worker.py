@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
+from tests.conftest import LIVENESS_TIMEOUT
+
 SLOW_LEAVES = 4000  # with the two contexts, under the default DXSERVE_MAX_LEAVES (4096)
 X = [[1.0, 2.0], [3.0, 4.0], [0.5, -1.0]]
 Y = [[1.0], [2.0], [0.0]]
@@ -58,7 +60,7 @@ class HealthWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as http:  # a generous bound
+        with httpx.Client(base_url=self.url, timeout=LIVENESS_TIMEOUT) as http:
             while not self._stop.wait(0.05):
                 try:
                     r = http.get("/health")
@@ -84,7 +86,7 @@ def stream_outcome(url: str, body: dict, seen: dict) -> None:
             if line.startswith("event: "):
                 name = line[7:]
             elif line.startswith("data: ") and name in ("result", "error"):
-                seen["ready"] = httpx.get(url.rsplit("/", 1)[0] + "/ready", timeout=30).json()
+                seen["ready"] = httpx.get(url.rsplit("/", 1)[0] + "/ready").json()
                 seen[name] = json.loads(line[6:])
                 return
 

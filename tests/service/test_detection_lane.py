@@ -5,7 +5,7 @@ detector's lane (one child at a time); a victim's first ``/gradient`` on a new s
 compiled meanwhile, and answers while detections are still waiting (checked by the
 order in which answers arrive, not by a stopwatch). A caller with more detections
 waiting than ``DXSERVE_SPARSE_DETECTION_PER_CALLER`` gets 429 naming the limit, and
-``/health`` answers 1 s probes throughout.
+``/health`` answers probes throughout.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _flood(url: str, sizes: list[int], done: list, lock: threading.Lock) -> list
 
 
 def _wait_for(url: str, what, tries: int = 3000) -> dict:
-    with httpx.Client(timeout=5) as http:
+    with httpx.Client() as http:
         for _ in range(tries):
             ready = http.get(url + "/ready").json()
             if what(ready):

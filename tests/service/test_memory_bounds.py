@@ -78,7 +78,7 @@ def test_dense_preps_and_prepare_handles_evict_by_bytes(make_server) -> None:
     srv = make_server(env={
         "DXSERVE_CACHE_BYTES": str(3 * MiB), "DXSERVE_MAX_PREPARED_BYTES": str(2 * MiB),
     })
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
+    with httpx.Client(base_url=srv.url) as c:
         for n in range(20, 36):  # a prep each, ~0.6 MB: a handful fit in 3 MiB
             x = np.linspace(0.1, 1.3, n)
             r = c.post("/hessian", json={"function": "normal_logpdf", "x": x.tolist()})

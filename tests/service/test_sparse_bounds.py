@@ -24,7 +24,7 @@ import dxserve
 from dxcontract.errors import InvalidBackendError
 from dxserve import Sparse, SparsePattern
 from tests import sparse_functions as sf
-from tests.conftest import ServerProcess, memory_of, start_server, stop_server
+from tests.conftest import LIVENESS_TIMEOUT, ServerProcess, memory_of, start_server, stop_server
 
 PROBLEM = "application/problem+json"
 #: the server's peak RSS may grow by at most this much while it refuses the attack
@@ -65,7 +65,7 @@ def _refused(r: httpx.Response, *types: str) -> dict:
 
 def _alive(srv: ServerProcess) -> None:
     assert srv.proc.poll() is None, srv.output()
-    assert httpx.get(srv.url + "/health", timeout=5.0).status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def _dense_jacobian(f, x: np.ndarray) -> np.ndarray:
@@ -102,7 +102,7 @@ def test_sparse_jacobian_and_hessian_are_exact(srv: ServerProcess) -> None:
 
 def test_a_stored_expression_is_rebuilt_in_the_child(srv: ServerProcess) -> None:
     body = {"name": "bounds_sin_prod", "expression": "jnp.sin(x) * jnp.cumsum(x)", "args": ["x"]}
-    assert httpx.post(srv.url + "/functions", json=body, timeout=60).status_code in (200, 201)
+    assert httpx.post(srv.url + "/functions", json=body).status_code in (200, 201)
     x = sf.example_x(30)
     r = _post(srv, "/jacobian", {"function": "bounds_sin_prod", "backend": "sparse",
                                  "x": x.tolist()})
@@ -126,7 +126,7 @@ def test_an_export_is_rebuilt_in_the_child_and_its_refusal_says_what_to_do(
 
     bundle = export_function(lambda v: 2.0 * jnp.sin(v), np.zeros(6))
     body = {"name": "bounds_export", "export": base64.b64encode(bundle).decode()}
-    assert httpx.post(srv.url + "/functions", json=body, timeout=120).status_code in (200, 201)
+    assert httpx.post(srv.url + "/functions", json=body).status_code in (200, 201)
     x = np.linspace(0.1, 0.6, 6)
     # the child loads the export, and asdex has no rule for its call: a 422, not a 500
     r = _post(srv, "/jacobian", {"function": "bounds_export", "backend": "sparse",
@@ -163,7 +163,7 @@ def test_softmax_8000_is_refused_and_the_server_stays_small(
 
 # --- the server keeps answering while a pattern is found and coloured ---------------------------
 class HealthPoller(threading.Thread):
-    """GET /health every 50 ms (1 s timeout each) until stopped; records each outcome."""
+    """GET /health every 50 ms (``LIVENESS_TIMEOUT`` each) until stopped; records each outcome."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
@@ -172,7 +172,7 @@ class HealthPoller(threading.Thread):
         self.failed: list[str] = []
 
     def run(self) -> None:
-        with httpx.Client(timeout=1.0) as client:
+        with httpx.Client(timeout=LIVENESS_TIMEOUT) as client:
             while not self.stop.is_set():
                 try:
                     self.answered.append(client.get(self.url + "/health").status_code)
@@ -294,7 +294,7 @@ def test_a_nan_token_in_a_pattern_is_a_4xx(srv: ServerProcess) -> None:
     body = ('{"function": "sp_tridiagonal", "x": [0.5, 0.5], "backend": {"type": "sparse", '
             '"sparsity": {"format": "coo", "shape": [2, 2], "indices": [[NaN, 0]]}}}')
     r = httpx.post(srv.url + "/jacobian", content=body,
-                   headers={"content-type": "application/json"}, timeout=30)
+                   headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500, r.text
     assert r.headers["content-type"].startswith(PROBLEM) and r.json().get("field")
     _alive(srv)

@@ -243,8 +243,7 @@ def test_a_real_full_file_system_is_freed_and_reopened(tiny_fs: Path) -> None:
 
 # --- over HTTP ------------------------------------------------------------------------------
 def _register(url: str, name: str, expression: str) -> httpx.Response:
-    return httpx.post(f"{url}/functions", json={"name": name, "expression": expression},
-                      timeout=120)
+    return httpx.post(f"{url}/functions", json={"name": name, "expression": expression})
 
 
 @pytest.mark.slow
@@ -263,7 +262,7 @@ def test_a_server_at_its_quota_deletes_registers_and_restarts(tmp_path: Path) ->
         assert codes.count(201) == fit and codes.count(507) == 12 - fit, codes
         assert rows(store / "store.db") == (fit, content * fit)
         kept = [f"e{i}" for i, r in enumerate(answers) if r.status_code == 201]
-        gone = httpx.delete(f"{srv.url}/functions/{kept[0]}", timeout=60)
+        gone = httpx.delete(f"{srv.url}/functions/{kept[0]}")
         assert gone.status_code == 200 and gone.json() == {"deleted": kept[0]}
         assert rows(store / "store.db") == (fit - 1, content * (fit - 1))
         assert _register(srv.url, "later", "jnp.sum(x) * 1234").status_code == 201
@@ -274,13 +273,13 @@ def test_a_server_at_its_quota_deletes_registers_and_restarts(tmp_path: Path) ->
                        modules=("dxserve.examples",))
     try:  # started on the full store: deleting works, and frees room again
         assert rows(store / "store.db") == (fit, content * fit)
-        assert httpx.delete(f"{srv.url}/functions/{kept[1]}", timeout=60).status_code == 200
+        assert httpx.delete(f"{srv.url}/functions/{kept[1]}").status_code == 200
         assert _register(srv.url, "after", "jnp.sum(x) * 1236").status_code == 201
-        assert httpx.delete(f"{srv.url}/functions/{kept[2]}", timeout=60).status_code == 200
+        assert httpx.delete(f"{srv.url}/functions/{kept[2]}").status_code == 200
         # many writes and deletes later the log is still small
         for i in range(40):
             assert _register(srv.url, "churn", f"jnp.sum(x) * {2000 + i}").status_code == 201
-            assert httpx.delete(f"{srv.url}/functions/churn", timeout=60).status_code == 200
+            assert httpx.delete(f"{srv.url}/functions/churn").status_code == 200
         assert wal_bytes(store / "store.db") <= WAL_LIMIT_BYTES
     finally:
         stop_server(srv)
@@ -313,13 +312,13 @@ def test_a_server_on_a_full_disk_deletes_registers_and_restarts(tmp_path: Path,
         assert free_bytes(tiny_fs) == 0
         size = (store / "store.db").stat().st_size
         for name in stored[:3]:
-            r = httpx.delete(f"{srv.url}/functions/{name}", timeout=60)
+            r = httpx.delete(f"{srv.url}/functions/{name}")
             assert r.status_code == 200, r.text
         assert (store / "store.db").stat().st_size < size and free_bytes(tiny_fs) > 0
         for name in stored[3:]:  # until the reserve is back and a registration fits
             if (store / "store.db-reserve").exists() and free_bytes(tiny_fs) > 64_000:
                 break
-            assert httpx.delete(f"{srv.url}/functions/{name}", timeout=60).status_code == 200
+            assert httpx.delete(f"{srv.url}/functions/{name}").status_code == 200
             stored.remove(name)
         r = _register(srv.url, "again", f"jnp.sum(x) * -1 + {terms}")
         assert r.status_code == 201, r.text
@@ -330,10 +329,10 @@ def test_a_server_on_a_full_disk_deletes_registers_and_restarts(tmp_path: Path,
     srv = start_server(tmp_path / "b", env=env, args=args, modules=("dxserve.examples",))
     try:  # it starts on the full disk, and a delete works and frees room
         assert "released the reserve to open it" in srv.log.read_text()
-        assert httpx.get(f"{srv.url}/functions/again", timeout=60).status_code == 200
-        r = httpx.delete(f"{srv.url}/functions/again", timeout=60)
+        assert httpx.get(f"{srv.url}/functions/again").status_code == 200
+        r = httpx.delete(f"{srv.url}/functions/again")
         assert r.status_code == 200, r.text
-        assert httpx.get(f"{srv.url}/functions/again", timeout=60).status_code == 404
+        assert httpx.get(f"{srv.url}/functions/again").status_code == 404
         assert free_bytes(tiny_fs) > 0
     finally:
         stop_server(srv)
