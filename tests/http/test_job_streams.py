@@ -106,7 +106,7 @@ def test_many_watchers_share_one_poll_and_the_caps_answer_429(
         for s in streams[:5]:
             assert _status_of(s) == 200
         with httpx.Client(base_url=srv.url) as http:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 300
             while _metric(text := http.get("/metrics").text, "dxserve_job_streams") < PER_JOB:
                 assert time.monotonic() < deadline, text[-1500:]
                 time.sleep(0.1)
@@ -121,7 +121,7 @@ def test_many_watchers_share_one_poll_and_the_caps_answer_429(
             # the owner's cap, on another job
             for _ in range(PER_OWNER - PER_JOB):
                 streams.append(_open_stream(srv.port, queued))
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 300
             while _metric(text := http.get("/metrics").text, "dxserve_job_streams") < PER_OWNER:
                 assert time.monotonic() < deadline, text[-1500:]
                 time.sleep(0.1)
@@ -150,7 +150,7 @@ def test_many_watchers_share_one_poll_and_the_caps_answer_429(
     assert failures == [], failures[:5]
     assert memory_of(srv.proc.pid)["VmHWM"] - baseline < RSS_GROWTH
     with httpx.Client(base_url=srv.url) as http:  # streams closed: freed
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while _metric(text := http.get("/metrics").text, "dxserve_job_streams") > 0:
             assert time.monotonic() < deadline, text[-1500:]
             time.sleep(0.1)

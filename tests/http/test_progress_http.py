@@ -211,7 +211,7 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
             if line == "event: progress":
                 break  # the first progress event: the computation runs in chunks
     # the connection is closed: within a chunk the work stops and the worker is free
-    assert wait_for(lambda: cancelled(srv.url) >= 1, 30), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= 1, 120), srv.output()
     assert worker_is_free(srv.url)
 
     # Ctrl-C in the client (here: raised by its progress callback) closes the stream too
@@ -221,7 +221,7 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
     with Client(srv.url) as client, pytest.raises(KeyboardInterrupt):
         client.hessian("rosenbrock", "finite-differences", np.asarray(LONG["x"]),
                        progress=interrupt)
-    assert wait_for(lambda: cancelled(srv.url) >= 2, 30), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= 2, 120), srv.output()
     assert worker_is_free(srv.url)
 
 
@@ -236,11 +236,11 @@ def test_closing_a_plain_request_cancels_and_frees_the_worker(make_server) -> No
             b"content-length: %d\r\n\r\n" % len(body) + body
         )
         # running in chunks once the server logs its compile; then a few chunks more
-        assert wait_for(lambda: "compiled hessian of rosenbrock" in srv.output(), 60)
+        assert wait_for(lambda: "compiled hessian of rosenbrock" in srv.output(), 300)
         time.sleep(2.0)
     finally:
         sock.close()
-    assert wait_for(lambda: cancelled(srv.url) >= 1, 30), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= 1, 120), srv.output()
     assert worker_is_free(srv.url)
 
 
@@ -255,7 +255,7 @@ def test_stream_deadline_ends_with_an_error_event(make_server) -> None:
         assert len(errors) == 1 and errors[0]["status"] == 504, events[-3:]
         assert events[-1][0] == "error"
     assert progress_of(events), events  # it was running, in chunks
-    assert wait_for(lambda: cancelled(srv.url) >= 1, 30)  # the work stopped too
+    assert wait_for(lambda: cancelled(srv.url) >= 1, 120)  # the work stopped too
     assert worker_is_free(srv.url)  # and the server serves on
 
 

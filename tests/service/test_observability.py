@@ -122,7 +122,7 @@ def test_json_logs_parse_as_json_lines(make_server) -> None:
             client.gradient("missing", "auto", np.array(X))
     health = httpx.get(srv.url + "/health", headers={"x-request-id": "abc-123"})
     assert "server" not in health.headers and "date" in health.headers  # no stack banner
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         lines = [line for line in srv.log.read_text().splitlines() if line.strip()]
         records = [json.loads(line) for line in lines]  # every line is JSON
