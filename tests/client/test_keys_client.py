@@ -233,6 +233,7 @@ def test_without_jax_keys_are_key_arrays(srv: ServerProcess, encoding: str) -> N
     assert got["again"] == [float(y2), np.asarray(jax.random.key_data(key2)).tolist()]
 
 
+@pytest.mark.slow  # two servers one after the other: a restart
 def test_a_restarted_server_with_an_executable_cache(
     make_server: Callable[..., ServerProcess], tmp_path: Any
 ) -> None:

@@ -114,10 +114,7 @@ _json_values = st.recursive(
 )
 
 
-@settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
+_CURSOR_PARTS = dict(
     created=st.one_of(
         st.integers(),
         st.floats(allow_nan=True, allow_infinity=True),
@@ -130,13 +127,10 @@ _json_values = st.recursive(
     junk=st.one_of(st.none(), st.text(max_size=80), st.binary(max_size=60)),
     limit=st.one_of(st.none(), st.integers(-5, 200), st.text(max_size=6)),
 )
-def test_fuzzed_cursors_and_limits_never_5xx(
-    store_server: ServerProcess,
-    created: Any,
-    job_id: Any,
-    extra: list,
-    junk: Any,
-    limit: Any,
+
+
+def _fuzz_cursor(
+    store_server: ServerProcess, created: Any, job_id: Any, extra: list, junk: Any, limit: Any
 ) -> None:
     if junk is None:
         raw = json.dumps([created, job_id, *extra], allow_nan=True).encode("utf-8", "surrogatepass")
@@ -150,3 +144,24 @@ def test_fuzzed_cursors_and_limits_never_5xx(
         params["limit"] = limit
     with httpx.Client(base_url=store_server.url) as http:
         _check(http, params)
+
+
+_HEALTH = [HealthCheck.function_scoped_fixture]
+
+
+# make test: a few derandomized cursors; make test-slow: many random ones
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=_HEALTH)
+@given(**_CURSOR_PARTS)
+def test_fuzzed_cursors_and_limits_never_5xx(
+    store_server: ServerProcess, created: Any, job_id: Any, extra: list, junk: Any, limit: Any
+) -> None:
+    _fuzz_cursor(store_server, created, job_id, extra, junk, limit)
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None, suppress_health_check=_HEALTH)
+@given(**_CURSOR_PARTS)
+def test_fuzzed_cursors_and_limits_never_5xx_long(
+    store_server: ServerProcess, created: Any, job_id: Any, extra: list, junk: Any, limit: Any
+) -> None:
+    _fuzz_cursor(store_server, created, job_id, extra, junk, limit)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from dxcontract import codec
 from tests.conftest import ServerProcess, start_server, stop_server
@@ -295,6 +296,7 @@ def test_a_job_computes_the_function_version_it_was_submitted_with(tmp_path: Pat
 
 
 # --- restarts ----------------------------------------------------------------------------
+@pytest.mark.slow  # a restart
 def test_a_directory_stores_half_written_files_are_removed_on_restart(tmp_path: Path) -> None:
     """What a process killed mid-write leaves in a directory store (a partial result's
     temporary file, a job directory without its record) is gone once it restarts."""

@@ -233,6 +233,7 @@ def test_many_keys_count_as_leaves(http: httpx.Client) -> None:
     assert r.json()["field"].startswith("contexts[0]")
 
 
+@pytest.mark.slow  # a server of its own and 5,000 keys
 def test_a_large_key_array_within_the_body_limits(
     make_server: Callable[..., ServerProcess],
 ) -> None:
