@@ -3,17 +3,35 @@ documents) is shown only to callers with a token; probes and computing stay open
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
+
+from tests.conftest import ServerProcess, start_server, stop_server
 
 PRIVATE = ("/functions", "/functions/rosenbrock", "/metrics", "/docs", "/redoc", "/openapi.json")
 OPEN = ("/health", "/ready")
 TOKEN = "s3cret-token"
 
 
-def test_private_metadata_needs_the_token(make_server: Any) -> None:
-    srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
+@pytest.fixture(scope="module")
+def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with a token and private metadata, shared: the tests only read from it."""
+    srv = start_server(
+        tmp_path_factory.mktemp("private"),
+        env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"},
+        modules=("dxserve.examples",),
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def test_private_metadata_needs_the_token(private: ServerProcess) -> None:
+    srv = private
     with httpx.Client(base_url=srv.url) as http:
         for path in PRIVATE:
             anonymous = http.get(path)
@@ -52,10 +70,10 @@ def test_metadata_is_open_by_default(server: Any) -> None:
             assert http.get(path).status_code == 200, path
 
 
-def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
+def test_private_metadata_names_no_function_in_a_404(private: ServerProcess) -> None:
     """An unknown function's 404 suggests no close names when they are private: the
     caller may be one who may not list them (with or without a token)."""
-    srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
+    srv = private
     with httpx.Client(base_url=srv.url) as http:
         for token in (None, "nope", TOKEN):
             headers = {"authorization": f"Bearer {token}"} if token else {}
