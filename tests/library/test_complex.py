@@ -244,7 +244,21 @@ def _cases() -> list:
                         operator, kind, backend, key, dtype,
                         id=f"{operator}-{kind}-{bid}-{dtype}",
                     ))
-    return out
+    return _one_dtype_each_in_make_test(out)
+
+
+def _one_dtype_each_in_make_test(cases: list) -> list:
+    """Each (operator, kind, backend) runs at one dtype in ``make test``, complex128 and
+    complex64 in turn; its other dtype is marked slow (``make test-slow``, which CI runs)."""
+    triples: list[str] = []
+    for p in cases:
+        triple = p.id.rsplit("-", 1)[0]
+        if triple not in triples:
+            triples.append(triple)
+    dtypes = ("complex128", "complex64")
+    fast = {f"{t}-{dtypes[i % 2]}" for i, t in enumerate(triples)}
+    return [p if p.id in fast else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+            for p in cases]
 
 
 def _close(got: Any, want: Any, key: str, dtype: str) -> None:
