@@ -1,4 +1,6 @@
-"""The conformance scenarios through the client, over a real socket, in every encoding.
+"""The conformance scenarios through the client, over a real socket, in every encoding
+(``make test``: one scenario of each kind, each case in one encoding, the encodings in
+turn; the rest is marked slow and runs in ``make test-slow``, which CI runs).
 
 For JAX backends the served result must equal the in-process library's to the last
 bit (same executable, lossless wire formats), and both must match the analytic
@@ -64,10 +66,18 @@ def _call(api, f, s, op, backend):
     return getattr(api, op)(f, backend, *args, *s.contexts)
 
 
-@pytest.fixture(scope="module", params=ENCODINGS)
-def client(request, server):
-    with Client(server.url, encoding=request.param) as c:
-        yield c
+def _encoded_cases() -> list:
+    """Every case in every encoding; in ``make test`` each fast case in one encoding."""
+    out, turn = [], 0
+    for p in CASES:
+        ((s, op, b),), fast_case = p.values, not p.marks
+        ident = f"{s.name}-{op}-{getattr(b, 'type', b)}"
+        for j, encoding in enumerate(ENCODINGS):
+            fast = fast_case and j == turn % len(ENCODINGS)
+            out.append(pytest.param(encoding, (s, op, b), id=f"{encoding}-{ident}",
+                                    marks=() if fast else pytest.mark.slow))
+        turn += fast_case
+    return out
 
 
 def test_every_scenario_is_served(server):
@@ -76,14 +86,13 @@ def test_every_scenario_is_served(server):
     assert {s.name for s in sc.SCENARIOS} <= names
 
 
-@pytest.mark.parametrize(
-    "case", CASES, ids=[f"{s.name}-{op}-{getattr(b, 'type', b)}" for (s, op, b), in (p.values for p in CASES)]
-)
-def test_served_equals_library_to_the_bit(client, case):
+@pytest.mark.parametrize(("encoding", "case"), _encoded_cases())
+def test_served_equals_library_to_the_bit(server, encoding, case):
     s, op, backend = case
-    got = _call(client, s.name, s, op, backend)
+    with Client(server.url, encoding=encoding) as client:
+        got = _call(client, s.name, s, op, backend)
     want = _call(dxserve, s.f, s, op, backend)
-    _identical(got, want, f"{s.name} {op} via {client.encoding}")
+    _identical(got, want, f"{s.name} {op} via {encoding}")
     sc.assert_close(got, sc.expected(s, op, sc.tangents(s, op)), rtol=1e-8, atol=1e-10)
 
 
