@@ -67,12 +67,16 @@ def _like(x, scale):
     return {k: scale * np.ones_like(v) for k, v in x.items()} if isinstance(x, dict) else scale * np.ones_like(x)
 
 
-def _calls(x, contexts, scalar, pytree, y):
-    """(operator, args) pairs applicable to one function."""
+def _calls(x, contexts, scalar, pytree, y, turn=None):
+    """(operator, args) pairs applicable to one function: every operator with every
+    backend, or (``turn`` an int) with one first- and one second-order backend, taken in
+    turn."""
     t = (_like(x, 0.3), _like(x, -0.7))
     c = (np.full(np.shape(y), 0.4), np.full(np.shape(y), -1.1))
     calls = [("value", (x, *contexts))]
-    for b in FIRST:
+    first = FIRST if turn is None else [FIRST[turn % len(FIRST)]]
+    second = SECOND if turn is None else [SECOND[turn % len(SECOND)]]
+    for b in first:
         calls += [
             ("pushforward", (b, x, t, *contexts)),
             ("value_and_pushforward", (b, x, t, *contexts)),
@@ -83,7 +87,7 @@ def _calls(x, contexts, scalar, pytree, y):
         if not pytree:
             calls += [("jacobian", (b, x, *contexts)), ("value_and_jacobian", (b, x, *contexts))]
     if scalar:
-        for b in SECOND:
+        for b in second:
             calls += [("hvp", (b, x, t, *contexts)), ("gradient_and_hvp", (b, x, t, *contexts))]
             if not pytree:
                 calls += [("hessian", (b, x, *contexts)), ("value_gradient_and_hessian", (b, x, *contexts))]
@@ -110,14 +114,26 @@ def fresh(tmp_path_factory):
     stop_server(srv)
 
 
+# make test: every operator, a backend of each order in turn; make test-slow: every backend
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_uploaded_export_matches_in_process(fresh, case):
+    _uploaded_matches(fresh, case, turn=CASES.index(case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_uploaded_export_matches_in_process_every_backend(fresh, case):
+    _uploaded_matches(fresh, case, turn=None)
+
+
+def _uploaded_matches(fresh, case, turn):
     name, fn, x, contexts, scalar, pytree = case
     with Client(fresh.url) as client:
-        remote = client.register(fn, x, *contexts, name=name, description="uploaded")
+        remote = client.register(fn, x, *contexts, name=name, description="uploaded",
+                                 replace=True)
         assert remote.kind == "export"
         y = fn(x, *contexts)
-        for op, args in _calls(x, contexts, scalar, pytree, y):
+        for op, args in _calls(x, contexts, scalar, pytree, y, turn):
             if op == "value":
                 got = client.value(remote, "auto", *args)
                 want = dxserve.value(fn, "auto", *args)
