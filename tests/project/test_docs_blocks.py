@@ -193,7 +193,24 @@ def _check(block: Block, url: str, workdir: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("block", DOC_BLOCKS, ids=[b.id for b in DOC_BLOCKS])
+#: Pages whose every block runs in ``make test``: a newcomer's first ones.
+FIRST_PAGES = ("index.md", "quickstart.md")
+
+
+def _doc_params() -> list:
+    """Each block of the docs; in ``make test`` every block of ``FIRST_PAGES`` and the last
+    block of every other page (with the blocks it continues, the most of the page one
+    process runs), the others marked slow (``make test-slow``, which CI runs): each block
+    is a Python process of its own that imports JAX."""
+    last = {b.page: b for b in DOC_BLOCKS}
+    return [
+        pytest.param(b, id=b.id, marks=()
+                     if b.page.name in FIRST_PAGES or last[b.page] is b else pytest.mark.slow)
+        for b in DOC_BLOCKS
+    ]
+
+
+@pytest.mark.parametrize("block", _doc_params())
 def test_docs_block_runs(block: Block, docs_server: ServerProcess, tmp_path: Path) -> None:
     _check(block, docs_server.url, tmp_path)
 
