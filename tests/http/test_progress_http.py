@@ -22,6 +22,7 @@ import pytest
 
 from dxclient import AsyncClient, Client
 from dxcontract import codec
+from tests.conftest import start_server, stop_server
 from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 
 SSE = "text/event-stream"
@@ -201,9 +202,21 @@ def worker_is_free(url: str) -> bool:
     return True
 
 
-def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
-    srv = make_server()
+@pytest.fixture(scope="module")
+def cancel_server(tmp_path_factory):
+    """A server of the default settings for the cancellation tests (they count from what
+    it has cancelled before them), and LONG compiled once for both."""
+    srv = start_server(tmp_path_factory.mktemp("cancel"), modules=("dxserve.examples",))
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def test_closing_a_stream_cancels_and_frees_the_worker(cancel_server) -> None:
+    srv = cancel_server
     serves_small_gradient(srv.url)  # compiled and warm
+    before = cancelled(srv.url)
     with httpx.stream(
         "POST", srv.url + "/hessian", json=LONG, headers={"accept": SSE}
     ) as r:
@@ -211,7 +224,7 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
             if line == "event: progress":
                 break  # the first progress event: the computation runs in chunks
     # the connection is closed: within a chunk the work stops and the worker is free
-    assert wait_for(lambda: cancelled(srv.url) >= 1, 120), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= before + 1, 120), srv.output()
     assert worker_is_free(srv.url)
 
     # Ctrl-C in the client (here: raised by its progress callback) closes the stream too
@@ -221,13 +234,14 @@ def test_closing_a_stream_cancels_and_frees_the_worker(make_server) -> None:
     with Client(srv.url) as client, pytest.raises(KeyboardInterrupt):
         client.hessian("rosenbrock", "finite-differences", np.asarray(LONG["x"]),
                        progress=interrupt)
-    assert wait_for(lambda: cancelled(srv.url) >= 2, 120), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= before + 2, 120), srv.output()
     assert worker_is_free(srv.url)
 
 
-def test_closing_a_plain_request_cancels_and_frees_the_worker(make_server) -> None:
-    srv = make_server()
+def test_closing_a_plain_request_cancels_and_frees_the_worker(cancel_server) -> None:
+    srv = cancel_server
     serves_small_gradient(srv.url)
+    before = cancelled(srv.url)
     body = json.dumps(LONG).encode()
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
     try:
@@ -235,12 +249,14 @@ def test_closing_a_plain_request_cancels_and_frees_the_worker(make_server) -> No
             b"POST /hessian HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % len(body) + body
         )
-        # running in chunks once the server logs its compile; then a few chunks more
+        # running in chunks once it is on a device worker (and compiled: the server logs
+        # it, here or in the test before); then a few chunks more
+        assert wait_for(lambda: device_pending(srv.url) >= 1, 300)
         assert wait_for(lambda: "compiled hessian of rosenbrock" in srv.output(), 300)
         time.sleep(2.0)
     finally:
         sock.close()
-    assert wait_for(lambda: cancelled(srv.url) >= 1, 120), srv.output()
+    assert wait_for(lambda: cancelled(srv.url) >= before + 1, 120), srv.output()
     assert worker_is_free(srv.url)
 
 
