@@ -88,7 +88,5 @@ def test_private_metadata_names_no_function_in_a_404(private: ServerProcess) -> 
 
 
 def test_open_metadata_still_suggests_close_names(server: Any) -> None:
-    r = httpx.post(
-        f"{server.url}/gradient", json={"function": "rosenbrok", "x": [1.0, 2.0]}
-    )
+    r = httpx.post(f"{server.url}/gradient", json={"function": "rosenbrok", "x": [1.0, 2.0]})
     assert r.status_code == 404 and "'rosenbrock'" in r.json()["detail"], r.text

@@ -204,8 +204,11 @@ def _doc_params() -> list:
     is a Python process of its own that imports JAX."""
     last = {b.page: b for b in DOC_BLOCKS}
     return [
-        pytest.param(b, id=b.id, marks=()
-                     if b.page.name in FIRST_PAGES or last[b.page] is b else pytest.mark.slow)
+        pytest.param(
+            b,
+            id=b.id,
+            marks=() if b.page.name in FIRST_PAGES or last[b.page] is b else pytest.mark.slow,
+        )
         for b in DOC_BLOCKS
     ]
 

@@ -15,8 +15,19 @@ from tests.conftest import HTTP_TIMEOUT, LIVENESS_TIMEOUT, REQUEST_DEADLINE
 
 TESTS = Path(__file__).resolve().parents[1]
 #: The calls that make an HTTP client or send a request.
-_HTTPX = {"get", "post", "put", "patch", "delete", "head", "options", "request", "stream",
-          "Client", "AsyncClient"}
+_HTTPX = {
+    "get",
+    "post",
+    "put",
+    "patch",
+    "delete",
+    "head",
+    "options",
+    "request",
+    "stream",
+    "Client",
+    "AsyncClient",
+}
 #: Tests about timeouts themselves: they give short ones on purpose.
 _ABOUT_TIMEOUTS = {"client/test_async_transport.py", "client/test_client_twins.py"}
 
@@ -48,21 +59,32 @@ def _short_timeouts(path: Path) -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         f = node.func
-        http = (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
-                and f.value.id == "httpx" and f.attr in _HTTPX)
+        http = (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "httpx"
+            and f.attr in _HTTPX
+        )
         if not (http or isinstance(f, ast.Name) and f.id in ("Client", "AsyncClient")):
             continue
         for kw in node.keywords:
             value = kw.value
-            if (kw.arg == "timeout" and isinstance(value, ast.Constant)
-                    and isinstance(value.value, (int, float)) and value.value < REQUEST_DEADLINE):
+            if (
+                kw.arg == "timeout"
+                and isinstance(value, ast.Constant)
+                and isinstance(value.value, (int, float))
+                and value.value < REQUEST_DEADLINE
+            ):
                 found.append(f"{path.relative_to(TESTS)}:{node.lineno} timeout={value.value}")
     return found
 
 
 def test_no_test_client_gives_a_timeout_shorter_than_the_servers_deadline() -> None:
-    short = [hit for path in sorted(TESTS.rglob("test_*.py"))
-             if path.relative_to(TESTS).as_posix() not in _ABOUT_TIMEOUTS
-             for hit in _short_timeouts(path)]
+    short = [
+        hit
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if path.relative_to(TESTS).as_posix() not in _ABOUT_TIMEOUTS
+        for hit in _short_timeouts(path)
+    ]
     assert short == [], "\n".join(short)
     assert LIVENESS_TIMEOUT >= 30  # a probe's answer may wait behind a loaded machine
