@@ -41,7 +41,7 @@ def _over_the_wire(client: Client, case: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(FAST_TIMEOUT)
-@settings(max_examples=FAST // 4, deadline=None, derandomize=True,
+@settings(max_examples=FAST // 2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_dtype_grid_over_the_wire(client: Client, case: dict[str, Any]) -> None:
