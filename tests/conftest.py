@@ -121,6 +121,11 @@ def uvicorn_in_thread(app: Callable, **options: object) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+#: Tries at a free port: another process (a second ``make test`` beside this one) may take
+#: the port ``free_port`` found before the server listens on it.
+PORT_TRIES = 5
+
+
 def start_server(
     workdir: Path,
     *,
@@ -129,7 +134,28 @@ def start_server(
     modules: Sequence[str] = FUNCTION_MODULES,
     timeout: float = STARTUP_TIMEOUT,
 ) -> ServerProcess:
-    """Start ``dxserve serve`` and wait (bounded) until ``/health`` answers."""
+    """Start ``dxserve serve`` and wait (bounded) until ``/health`` answers; on a port
+    taken meanwhile (the server says so and exits), again on another."""
+    for _ in range(PORT_TRIES - 1):
+        try:
+            return _start_server(workdir, env=env, args=args, modules=modules, timeout=timeout)
+        except PortTaken:
+            continue
+    return _start_server(workdir, env=env, args=args, modules=modules, timeout=timeout)
+
+
+class PortTaken(RuntimeError):
+    """The server exited at once: its port was taken after ``free_port`` found it."""
+
+
+def _start_server(
+    workdir: Path,
+    *,
+    env: Mapping[str, str] | None,
+    args: Sequence[str],
+    modules: Sequence[str],
+    timeout: float,
+) -> ServerProcess:
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "store"
     log = workdir / "server.log"
@@ -154,9 +180,13 @@ def start_server(
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
+            if f"port {port} on 127.0.0.1 is already in use" in server.output():
+                raise PortTaken(server.output())
             raise RuntimeError(f"dxserve exited with {proc.returncode}:\n{server.output()}")
         try:
-            if httpx.get(server.url + "/health").status_code == 200:
+            # answered, and by this process (not by another's server on a port taken meanwhile)
+            answer = httpx.get(server.url + "/health", timeout=LIVENESS_TIMEOUT)
+            if answer.status_code == 200 and proc.poll() is None:
                 return server
         except httpx.HTTPError:
             pass
