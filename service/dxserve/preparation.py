@@ -1351,19 +1351,21 @@ class Ready:
                 return NOT_READY
         if self.device_of() is not self.device:
             return NOT_READY
+        if self.precise():
+            return self.finish(self.run(x, tangents, contexts))
+        with self.prep.framework.precision_scope():  # results moved to the device too
+            return self.finish(self.run(x, tangents, contexts))
+
+    def run(self, x: Any, tangents: Any, contexts: tuple) -> Any:
+        """The executable's outputs, its errors reported as ``Prep.run`` reports them."""
         try:
-            if self.precise():
-                out = self.exe(x, tangents, contexts)
-            else:
-                with self.prep.framework.precision_scope():
-                    out = self.exe(x, tangents, contexts)
+            return self.exe(x, tangents, contexts)
         except DxError:
             raise
-        except Exception as exc:  # as ``Prep.run`` reports it
+        except Exception as exc:
             raise out_of_memory(exc) or FunctionEvaluationError(
                 _short(exc), field="function"
             ) from exc
-        return self.finish(out)
 
 
 def _straight(
