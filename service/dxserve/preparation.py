@@ -1289,7 +1289,7 @@ class Ready:
         else:
             self.x_spec = self.t_specs = None
             self.c_specs = [(v.shape, v.dtype) for v in fw.leaves(inputs)]
-        self.kinds = frozenset({np.ndarray, *getattr(fw, "array_types", ())})
+        self.kinds = frozenset({np.ndarray, *_SCALARS, *getattr(fw, "array_types", ())})
         self.flatten = fw.flatten
         #: says whether calls already run in the precision the prep was compiled in
         self.precise = getattr(fw, "in_precision_scope", None) or (lambda: False)
@@ -1395,6 +1395,11 @@ def _straight(
             return exe, lambda out: out[0]
         return exe, lambda out: returned(op, out, has_aux)
     return exe, lambda out: _finish(prep, operator, tangents, out)
+
+
+#: numpy's scalars (``np.float64(0.7)``): programs take them as 0-d arrays of their dtype
+_SCALARS = (np.float64, np.float32, np.float16, np.complex128, np.complex64, np.int64,
+            np.int32, np.bool_)
 
 
 def _is_array(value: Any) -> bool:
