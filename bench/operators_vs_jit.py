@@ -226,7 +226,9 @@ def cases(sizes: dict[str, int], dense: dict[str, int]) -> list[Case]:
 # --- in process ----------------------------------------------------------------------
 def paired(candidates: dict[str, Callable], rounds: int, budget: float) -> dict[str, list[float]]:
     """Seconds per call of each candidate, round robin (order rotated each round); fast
-    calls are repeated within a sample so one sample lasts at least 20 ms."""
+    calls are repeated within a sample so one sample lasts at least 20 ms. ``"<name> cpu"``:
+    the calling thread's CPU seconds per call, which other processes' load does not
+    inflate as it does wall time (XLA runs small programs on the calling thread)."""
     names = list(candidates)
     inner = {}
     for name, fn in candidates.items():
@@ -235,14 +237,16 @@ def paired(candidates: dict[str, Callable], rounds: int, budget: float) -> dict[
         jax.block_until_ready(fn())
         inner[name] = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
     times: dict[str, list[float]] = {name: [] for name in names}
+    times.update({f"{name} cpu": [] for name in names})
     started = time.perf_counter()
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, n = candidates[name], inner[name]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(n):
                 jax.block_until_ready(fn())
             times[name].append((time.perf_counter() - start) / n)
+            times[f"{name} cpu"].append((time.thread_time() - cpu) / n)
         if r >= 4 and time.perf_counter() - started > budget:
             break
     return times
@@ -270,6 +274,9 @@ def in_process(all_cases: list[Case], rounds: int, out: Tee) -> dict[str, float]
         over = statistics.median(a - b for a, b in zip(d, j, strict=True)) * 1e6
         ratio = statistics.median(a / b for a, b in zip(d, j, strict=True))
         md, mj = statistics.median(d), statistics.median(j)
+        cpu = statistics.median(
+            a - b for a, b in zip(times["dxserve cpu"], times["jit cpu"], strict=True)
+        )
         lib_times[case.label] = md
         ok = over <= OVERHEAD_US or (mj >= COMPUTE_BOUND_S and ratio <= RATIO)
         rows.append(
@@ -279,6 +286,7 @@ def in_process(all_cases: list[Case], rounds: int, out: Tee) -> dict[str, float]
                 f"{mj * 1e3:.4f}",
                 f"{over:+.1f}",
                 f"{ratio:.2f}x",
+                f"{cpu * 1e6:+.1f}",
                 "yes" if ok else "**no**",
             ]
         )
@@ -291,6 +299,7 @@ def in_process(all_cases: list[Case], rounds: int, out: Tee) -> dict[str, float]
                 "jax.jit ms",
                 "overhead µs (median of pairs)",
                 "ratio (median of pairs)",
+                "thread CPU µs over jit",
                 "within",
             ],
             rows,
