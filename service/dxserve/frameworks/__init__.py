@@ -23,7 +23,7 @@ keeps process-wide state takes its own lock (an ``RLock``: calls nest) around wh
 runs it: ``probe``, ``eval_shape``, the executables ``compile`` returns, and, for
 operators that are not compiled (an engine with ``traces=False``, or ``probe`` saying
 the function does not trace), the engine's ``pushforward``/``pullback`` themselves.
-Torch's is ``frameworks/torch.RUN_LOCK``.
+Torch's is its ``RUN_LOCK``.
 """
 
 from __future__ import annotations
