@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import struct
 import sys
 import tempfile
 import time
@@ -59,6 +57,7 @@ from _common import (
     median,
     ms,
 )
+from _floor import RawFloor, request_head, response_size
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
@@ -73,35 +72,6 @@ SMALL_TARGET = 1.35
 #: dxserve (binary) / raw floor, by n
 FLOOR_TARGETS = {10**5: 3.0, 10**6: 1.6}
 ASYNC_TARGET = 1.1
-_PREFIX = struct.Struct("<QQ")
-
-
-class RawFloor:
-    """A client of ``echo_app.py --raw-port``: one kept-open socket; each ``exchange``
-    writes ``head + body`` with one ``sendmsg`` and reads ``n_out`` bytes into a fresh
-    buffer with ``recv_into``."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def exchange(self, head: bytes, body: bytes, n_out: int) -> bytearray:
-        parts = [_PREFIX.pack(len(head) + len(body), n_out), head, body]
-        total = sum(len(p) for p in parts)
-        sent = self.sock.sendmsg(parts)
-        if sent < total:  # the kernel took part of it: the rest in one go
-            self.sock.sendall(memoryview(b"".join(parts))[sent:])
-        out = bytearray(n_out)
-        view, got = memoryview(out), 0
-        while got < n_out:
-            n = self.sock.recv_into(view[got:])
-            if not n:
-                raise ConnectionError("raw floor server closed the connection")
-            got += n
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Echo:
@@ -121,21 +91,6 @@ class Echo:
 
     def close(self) -> None:
         self.http.close()
-
-
-def request_head(url: httpx.URL, headers: dict[str, str], body: bytes) -> bytes:
-    """The request line and headers httpx writes for this POST (the same byte count)."""
-    request = httpx.Client().build_request("POST", url, content=body, headers=headers)
-    lines = [f"POST {url.raw_path.decode()} HTTP/1.1"]
-    lines += [f"{k.decode()}: {v.decode()}" for k, v in request.headers.raw]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def response_size(response: httpx.Response) -> int:
-    """Bytes of a whole HTTP/1.1 answer: status line, headers, body."""
-    head = f"HTTP/1.1 {response.status_code} {response.reason_phrase}\r\n"
-    head += "".join(f"{k.decode()}: {v.decode()}\r\n" for k, v in response.headers.raw)
-    return len(head.encode("latin-1")) + 2 + len(response.content)
 
 
 def rounds_for(n: int, quick: bool) -> int:
