@@ -14,10 +14,9 @@ For each n and encoding (binary, b64, json) it times, interleaved:
 * dxserve: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   the whole user-visible call (client encode, HTTP, server, client decode);
 * echo: the client's own HTTP stack posting the exact request bytes and headers that
-  encoding produces to ``/echo`` (transport only: the bytes are encoded once). That is
-  the path ``Client`` takes for a body of that size: a direct call to its transport
-  (``dxclient._direct``) where the transport takes the body itself, else its httpx
-  client (``dxclient._http.HttpClient``, transport ``dxclient.transport``);
+  encoding produces to ``/echo`` (transport only: the bytes are encoded once): an
+  ``httpx.Client`` on ``dxclient.transport.LargeBodies`` (urllib3 from 64 KiB on, httpx's
+  own transport below), as ``Client`` makes;
 * raw: the same number of bytes each way over a plain loopback socket: the HTTP
   request the client sends (request line, headers, body) written with one ``sendmsg``,
   dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
@@ -61,9 +60,7 @@ from _floor import RawFloor, request_head, response_size
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
-from dxclient._direct import DirectCalls
-from dxclient._http import HttpClient
-from dxclient.transport import FastTransport
+from dxclient.transport import LargeBodies
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
@@ -75,19 +72,15 @@ ASYNC_TARGET = 1.1
 
 
 class Echo:
-    """Posts request bytes to the echo the way ``Client`` sends a body of their size."""
+    """Posts request bytes to the echo through the client's own httpx stack: an
+    ``httpx.Client`` on ``dxclient.transport.LargeBodies``, as ``Client`` makes."""
 
     def __init__(self, url: str) -> None:
         self.target = httpx.URL(url + "/echo")
-        self.http = HttpClient(timeout=600.0, transport=FastTransport())
-        self.direct = DirectCalls(self.http, self.http._transport)
+        self.http = httpx.Client(timeout=600.0, transport=LargeBodies())
 
     def post(self, call: _models.Call) -> bytes:
-        echo = _models.Call("POST", "/echo", call.body, call.headers)
-        answer = self.direct.send(echo, self.target)
-        if answer is None:
-            answer = self.http.post(self.target, content=echo.body, headers=echo.headers)
-        return answer.content
+        return self.http.post(self.target, content=call.body, headers=call.headers).content
 
     def close(self) -> None:
         self.http.close()
@@ -157,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         + f"; async/sync <= {ASYNC_TARGET}x. dxserve = the whole `dxclient.Client.gradient` "
         "call (client encode + HTTP + server + client decode); echo = the client's own HTTP "
         "stack posting the same request bytes to `POST /echo` (no client encoding), the "
-        "way `Client` sends a body of that size (from 64 KiB on its direct path to its "
-        "transport, below through its httpx client); raw = the "
+        "way `Client` sends a body of that size (its httpx client on "
+        "`dxclient.transport.LargeBodies`); raw = the "
         "same byte counts each way (whole HTTP request, whole HTTP answer) over a plain "
         "loopback socket, `sendmsg` out and `recv_into` a fresh buffer in, no HTTP; "
         "in-process = `dxserve.gradient(..., prep=prep)` blocked until ready. AsyncClient "
