@@ -101,6 +101,24 @@ def test_a_result_past_the_stores_largest_value_is_refused_at_submission(tmp_pat
         stop_server(srv)
 
 
+def test_a_result_past_the_per_call_limits_is_refused_at_submission(tmp_path: Path) -> None:
+    """A job whose Jacobian has more numbers than ``DXSERVE_MAX_RESULT_ELEMENTS`` (here
+    20,000^2 = 4e8, a 3.2 GB result) is the plain call's 422 when it is submitted, not a
+    job accepted and stored as failed once it runs."""
+    srv = server(tmp_path, "elements")
+    try:
+        body = {"function": "sin_cumsum", "x": [0.5] * 20_000}
+        r = httpx.post(f"{srv.url}/jobs/jacobian", json=body, timeout=300)
+        plain = httpx.post(f"{srv.url}/jacobian", json=body, timeout=300)
+        assert plain.status_code == 422, plain.text
+        doc = is_problem(r, 422, "result-too-large")
+        assert doc["type"] == plain.json()["type"] and doc["detail"] == plain.json()["detail"]
+        assert listed(srv.url, None) == []
+        assert srv.proc.poll() is None
+    finally:
+        stop_server(srv)
+
+
 def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
     """48 Hessian jobs of small bodies under a 1 MiB job store: the results they would
     store are counted when each is submitted, so the store never holds past 1 MiB; a
