@@ -16,10 +16,12 @@ Some attacks carry victims of their own (a cold gradient beside a flood of
 ``/sparsity``, gradients after a spinning upload): their answers are checked too, and
 counted in the attack's row. A valid answer that is not 200 is not wrong (503 with
 Retry-After, or 429 from the jobs' shared anonymous quota, are the limits at work);
-wrong values are, as is any 5xx but 503.
+wrong values are, as is any 5xx but 503 (overloaded, retry) and 507 (a job's result
+past the job store, refused at submission).
 
-``/health`` is probed every 0.25 s with a 1 s timeout; a probe that is not a 200 within
-it is a miss, charged to every kind of request in flight at that moment. The server's
+``/health`` is probed every 0.25 s with a 1 s timeout, from a process of its own; a probe
+that is not a 200 within it is a miss, charged to every kind of request in flight during
+that second. The server's
 RSS is sampled every 0.5 s, each sample charged the same way; a guard kills the server
 if it passes ``--max-rss`` (the run then fails). Everything an attack opens is bounded:
 connections per attack, bytes offered per connection.
@@ -33,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -470,45 +474,46 @@ def attack_invented_tokens(http: httpx.Client, rng: random.Random) -> list[tuple
     return out
 
 
-def _watch(s: socket.socket) -> bool:
-    """Read a job's event stream until its final event starts; True if it was a result."""
-    tail = b""
+def _final_event(response: httpx.Response) -> tuple[int, object]:
+    """Read a job's event stream to its final event: (200, the result document) for a
+    result, (the problem's status, None) for an error, (0, None) if it ended without."""
+    name = None
     try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return False
-            tail = (tail + chunk)[-256:]
-            if b"event: result" in tail:
-                return True
-            if b"event: error" in tail:
-                return False
-    except OSError:
-        return False
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: ") and name in ("result", "error"):
+                doc = json.loads(line[6:])
+                return (200, doc) if name == "result" else (int(doc["status"]), None)
+    except httpx.HTTPError:
+        pass
+    return 0, None
 
 
 def attack_watchers(http: httpx.Client, rng: random.Random) -> list[tuple[int, bool]]:
-    """32 event streams on one new job (a 9.7 MB Jacobian), each read up to the start of
-    its result, then dropped (the rest of the result unread)."""
-    r = http.post(
-        "/jobs/jacobian",
-        json={"function": "sin_cumsum", "backend": "jax-forward", "x": [0.5] * 1100},
-    )
+    """32 event streams on one new job (1,100 Rosenbrock gradients in 10 chunks, a 65 KB
+    result), opened at once and then each read to its end; every result is checked."""
+    x = np.asarray([[rng.uniform(-2, 2) for _ in range(3)] for _ in range(1100)])
+    body = {"function": "rosenbrock", "x": x.tolist(), "batch_axis": 0}
+    r = http.post("/jobs/gradient", json=body)
     out = [(r.status_code, r.status_code in (202, 429))]
-    job = r.json()["id"] if r.status_code == 202 else FIXTURES["big job"]
-    request = b"GET /jobs/%s/events HTTP/1.1\r\nhost: x\r\n\r\n" % job.encode()
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(32):
-            s = _connect(str(http.base_url))
-            socks.append(s)
-            s.sendall(request)
-        for s in socks:
-            status = _status_line(s)
-            out.append((status, status == 429 or (status == 200 and _watch(s))))
-    finally:
-        for s in socks:
-            s.close()
+    if r.status_code != 202:
+        return out
+    want = np.stack([rosenbrock_gradient(row) for row in x])
+    path = f"/jobs/{r.json()['id']}/events"
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
+    transport = httpx.HTTPTransport(local_address=_source(), limits=limits)
+    with (
+        httpx.Client(base_url=http.base_url, timeout=120, transport=transport) as watcher,
+        contextlib.ExitStack() as streams,
+    ):
+        opened = [streams.enter_context(watcher.stream("GET", path)) for _ in range(32)]
+        for response in opened:
+            status, doc = response.status_code, None
+            if status == 200:  # the stream began: what its final event said
+                status, doc = _final_event(response)
+            ok = status in (429, 503) or (status == 200 and _close(doc["gradient"], want))
+            out.append((status, ok))
     return out
 
 
@@ -599,6 +604,24 @@ ATTACKS: dict[str, Callable[[httpx.Client, random.Random], int]] = {
 # --------------------------------------------------------------------------- the run
 
 
+#: the /health prober (its own process): argv url, until (time.monotonic, which is
+#: the same clock in every process); prints "<time> [miss]" per probe
+PROBER = """
+import sys, time, httpx
+url, until = sys.argv[1], float(sys.argv[2])
+with httpx.Client(timeout=1.0) as http:
+    while time.monotonic() < until:
+        t = time.monotonic()
+        try:
+            status = http.get(url + "/health").status_code
+            miss = "" if status == 200 else f"status-{status}"
+        except httpx.HTTPError as exc:
+            miss = type(exc).__name__
+        print(f"{t:.3f} {miss}", flush=True)
+        time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
+"""
+
+
 def rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -631,7 +654,20 @@ class Tally:
         self.misses: Counter = Counter()
         self.probes = 0
         self.missed: list[str] = []
+        self.spans: list[tuple[str, float, float]] = []
         self.samples: list[tuple[float, int, frozenset]] = []
+
+    def probed(self, lines: str) -> None:
+        """Count the prober's lines (``<monotonic time> [miss]``): a miss is charged to
+        every kind with a request in flight during that probe's second."""
+        for line in lines.splitlines():
+            at, _, miss = line.partition(" ")
+            self.probes += 1
+            if miss:
+                self.missed.append(miss)
+                t = float(at)
+                for name in {n for n, began, ended in self.spans if began <= t + 1 and ended >= t}:
+                    self.misses[name] += 1
 
     def in_flight(self) -> frozenset:
         with self.lock:
@@ -737,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                         _SOURCE.address = hostile_source if attack else "127.0.0.1"
                         with tally.lock:
                             tally.active[name] += 1
+                        began = time.monotonic()
                         try:
                             if attack:
                                 got = outcomes(ATTACKS[name](hostile, rng))
@@ -749,32 +786,23 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             with tally.lock:
                                 tally.active[name] -= 1
+                                tally.spans.append((name, began, time.monotonic()))
                         with tally.lock:
                             for status, ok in got:
                                 tally.statuses[name][status] += 1
                                 tally.wrong[name] += not ok
 
-            def probe() -> None:  # /health, 1 s timeout, from the valid address
-                with _client(server.url, "127.0.0.1", timeout=1.0) as http:
-                    while time.monotonic() < stop:
-                        busy = tally.in_flight()
-                        try:
-                            status = http.get("/health").status_code
-                            miss = None if status == 200 else f"status {status}"
-                        except httpx.HTTPError as exc:
-                            miss = type(exc).__name__
-                        with tally.lock:
-                            tally.probes += 1
-                            if miss:
-                                tally.missed.append(miss)
-                                for name in busy:
-                                    tally.misses[name] += 1
-                        time.sleep(0.25)
+            # /health from a process of its own: the soak's threads share one GIL, and a
+            # probe must wait on the server only
+            prober = subprocess.Popen(
+                [PYTHON, "-c", PROBER, server.url, str(stop)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
 
             threads = [
                 threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)
             ]
-            threads.append(threading.Thread(target=probe, daemon=True))
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads):
@@ -785,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                     killed = True
                 time.sleep(0.5)
             alive = server.proc.poll() is None and private.proc.poll() is None
+            tally.probed(prober.communicate(timeout=60)[0])
         finally:
             for s in servers:
                 s.stop()
@@ -794,7 +823,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = (
         sum(tally.wrong.values())
         + len(tally.missed)
-        + sum(n for c in tally.statuses.values() for s, n in c.items() if s >= 500 and s != 503)
+        + sum(
+            n
+            for c in tally.statuses.values()
+            for s, n in c.items()
+            if s >= 500 and s not in (503, 507)
+        )
     )
     return 0 if alive and not killed and not bad else 1
 
@@ -813,7 +847,7 @@ def report(out: Tee, args: argparse.Namespace, tally: Tally, alive: bool, killed
     rows = []
     for name in [*VALID, *ATTACKS]:
         counts = tally.statuses.get(name, Counter())
-        five = sum(n for s, n in counts.items() if s >= 500 and s != 503)
+        five = sum(n for s, n in counts.items() if s >= 500 and s not in (503, 507))
         shown = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
         mib = [b / 2**20 for _, b, busy in tally.samples if name in busy and b]
         memory = f"{mib[0]:.0f} / {max(mib):.0f} / {mib[-1]:.0f}" if mib else "-"
@@ -837,7 +871,7 @@ def report(out: Tee, args: argparse.Namespace, tally: Tally, alive: bool, killed
                 "request",
                 "requests",
                 "statuses",
-                "5xx (not 503)",
+                "5xx (not 503/507)",
                 "wrong",
                 "health misses",
                 "RSS MiB in flight: first / peak / last",
@@ -850,14 +884,15 @@ def report(out: Tee, args: argparse.Namespace, tally: Tally, alive: bool, killed
         "A hostile row's requests include its victims' (checked: a cold gradient beside the "
         "/sparsity flood, gradients after a spinning upload); its 'wrong' counts wrong victim "
         "answers and answers other than the expected refusal. A health miss is charged to "
-        "every kind in flight when it happened; RSS samples (every 0.5 s) likewise."
+        "every kind in flight during its second; RSS samples (every 0.5 s) to every kind "
+        "in flight then."
     )
     out()
     valid = sum(sum(tally.statuses.get(n, Counter()).values()) for n in VALID)
     ok = sum(tally.statuses.get(n, Counter()).get(200, 0) for n in VALID)
     out(
         f"valid requests: {valid:,} ({ok:,} answered 200, all checked against closed forms); "
-        f"wrong: {sum(tally.wrong.values())}; 5xx other than 503: {sum(r[4] for r in rows)}; "
+        f"wrong: {sum(tally.wrong.values())}; 5xx other than 503/507: {sum(r[4] for r in rows)}; "
         f"client-side exceptions: {sum(tally.errors.values())}"
         + (f" ({dict(tally.errors.most_common(5))})" if tally.errors else "")
     )
@@ -871,6 +906,13 @@ def report(out: Tee, args: argparse.Namespace, tally: Tally, alive: bool, killed
         last = [m for t, m in mib if t >= mib[-1][0] - 60] or [mib[-1][1]]
         f_med, l_med = float(np.median(first)), float(np.median(last))
         flat = abs(l_med - f_med) <= max(0.15 * f_med, 64)
+        spans = [(lo, lo + 30) for lo in range(0, int(mib[-1][0]) + 1, 30)]
+        parts = []
+        for lo, hi in spans:
+            got = [m for t, m in mib if lo <= t < hi]
+            if got:
+                parts.append(f"{lo}-{hi} s {np.median(got):.0f}/{max(got):.0f}")
+        out("server RSS by 30 s (median/peak MiB): " + ", ".join(parts))
         out(
             f"server RSS (MiB): start {mib[0][1]:.0f}, first minute median {f_med:.0f}, "
             f"last minute median {l_med:.0f}, peak {max(m for _, m in mib):.0f}, "
