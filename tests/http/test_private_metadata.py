@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 
+from tests.health_probe import HealthProbe
+
 PRIVATE = ("/functions", "/functions/rosenbrock", "/metrics", "/docs", "/redoc", "/openapi.json")
 OPEN = ("/health", "/ready")
 TOKEN = "s3cret-token"
@@ -56,7 +58,7 @@ def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
     """An unknown function's 404 suggests no close names when they are private: the
     caller may be one who may not list them (with or without a token)."""
     srv = make_server(env={"DXSERVE_TOKEN": TOKEN, "DXSERVE_PRIVATE_METADATA": "true"})
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+    with HealthProbe(srv.url) as probe, httpx.Client(base_url=srv.url, timeout=30) as http:
         for token in (None, "nope", TOKEN):
             headers = {"authorization": f"Bearer {token}"} if token else {}
             for route in ("/gradient", "/jobs/gradient", "/prepare/gradient"):
@@ -67,6 +69,7 @@ def test_private_metadata_names_no_function_in_a_404(make_server: Any) -> None:
                 assert r.status_code in (401, 404), (route, r.text)
                 assert r.headers["content-type"] == "application/problem+json"
                 assert "rosenbrock" not in r.text and "did you mean" not in r.text, r.text
+        probe.check()
 
 
 def test_open_metadata_still_suggests_close_names(server: Any) -> None:
