@@ -8,6 +8,9 @@ given source tree, with that tree's ``service/`` and ``clients/python/`` first o
 path; runs alternate before, after, before, ... so both see the same phases of a noisy
 machine. Prints, per target ``latency.py`` checks, the median ratio over the runs of each
 tree, and writes ``results/before-after-cpu.md``.
+
+``--client-only``: two client trees side by side against one server, per call, with the
+raw floor (``client_before_after.py``, which takes the other options).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def commit_of(tree: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--client-only" in argv:
+        import client_before_after
+
+        return client_before_after.main([a for a in argv if a != "--client-only"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="source tree of the old commit")
     parser.add_argument("--after", type=Path, default=ROOT, help="source tree of the new one")

@@ -14,10 +14,9 @@ For each n and encoding (binary, b64, json) it times, interleaved:
 * dxserve: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   the whole user-visible call (client encode, HTTP, server, client decode);
 * echo: the client's own HTTP stack posting the exact request bytes and headers that
-  encoding produces to ``/echo`` (transport only: the bytes are encoded once). That is
-  the path ``Client`` takes for a body of that size: a direct call to its transport
-  (``dxclient._direct``) where the transport takes the body itself, else its httpx
-  client (``dxclient._http.HttpClient``, transport ``dxclient.transport``);
+  encoding produces to ``/echo`` (transport only: the bytes are encoded once): an
+  ``httpx.Client`` on ``dxclient.transport.LargeBodies`` (urllib3 from 64 KiB on, httpx's
+  own transport below), as ``Client`` makes;
 * raw: the same number of bytes each way over a plain loopback socket: the HTTP
   request the client sends (request line, headers, body) written with one ``sendmsg``,
   dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
@@ -37,8 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import struct
 import sys
 import tempfile
 import time
@@ -59,12 +56,11 @@ from _common import (
     median,
     ms,
 )
+from _floor import RawFloor, request_head, response_size
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
-from dxclient._direct import DirectCalls
-from dxclient._http import HttpClient
-from dxclient.transport import FastTransport
+from dxclient.transport import LargeBodies
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
@@ -73,69 +69,21 @@ SMALL_TARGET = 1.35
 #: dxserve (binary) / raw floor, by n
 FLOOR_TARGETS = {10**5: 3.0, 10**6: 1.6}
 ASYNC_TARGET = 1.1
-_PREFIX = struct.Struct("<QQ")
-
-
-class RawFloor:
-    """A client of ``echo_app.py --raw-port``: one kept-open socket; each ``exchange``
-    writes ``head + body`` with one ``sendmsg`` and reads ``n_out`` bytes into a fresh
-    buffer with ``recv_into``."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def exchange(self, head: bytes, body: bytes, n_out: int) -> bytearray:
-        parts = [_PREFIX.pack(len(head) + len(body), n_out), head, body]
-        total = sum(len(p) for p in parts)
-        sent = self.sock.sendmsg(parts)
-        if sent < total:  # the kernel took part of it: the rest in one go
-            self.sock.sendall(memoryview(b"".join(parts))[sent:])
-        out = bytearray(n_out)
-        view, got = memoryview(out), 0
-        while got < n_out:
-            n = self.sock.recv_into(view[got:])
-            if not n:
-                raise ConnectionError("raw floor server closed the connection")
-            got += n
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Echo:
-    """Posts request bytes to the echo the way ``Client`` sends a body of their size."""
+    """Posts request bytes to the echo through the client's own httpx stack: an
+    ``httpx.Client`` on ``dxclient.transport.LargeBodies``, as ``Client`` makes."""
 
     def __init__(self, url: str) -> None:
         self.target = httpx.URL(url + "/echo")
-        self.http = HttpClient(timeout=600.0, transport=FastTransport())
-        self.direct = DirectCalls(self.http, self.http._transport)
+        self.http = httpx.Client(timeout=600.0, transport=LargeBodies())
 
     def post(self, call: _models.Call) -> bytes:
-        echo = _models.Call("POST", "/echo", call.body, call.headers)
-        answer = self.direct.send(echo, self.target)
-        if answer is None:
-            answer = self.http.post(self.target, content=echo.body, headers=echo.headers)
-        return answer.content
+        return self.http.post(self.target, content=call.body, headers=call.headers).content
 
     def close(self) -> None:
         self.http.close()
-
-
-def request_head(url: httpx.URL, headers: dict[str, str], body: bytes) -> bytes:
-    """The request line and headers httpx writes for this POST (the same byte count)."""
-    request = httpx.Client().build_request("POST", url, content=body, headers=headers)
-    lines = [f"POST {url.raw_path.decode()} HTTP/1.1"]
-    lines += [f"{k.decode()}: {v.decode()}" for k, v in request.headers.raw]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def response_size(response: httpx.Response) -> int:
-    """Bytes of a whole HTTP/1.1 answer: status line, headers, body."""
-    head = f"HTTP/1.1 {response.status_code} {response.reason_phrase}\r\n"
-    head += "".join(f"{k.decode()}: {v.decode()}\r\n" for k, v in response.headers.raw)
-    return len(head.encode("latin-1")) + 2 + len(response.content)
 
 
 def rounds_for(n: int, quick: bool) -> int:
@@ -202,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         + f"; async/sync <= {ASYNC_TARGET}x. dxserve = the whole `dxclient.Client.gradient` "
         "call (client encode + HTTP + server + client decode); echo = the client's own HTTP "
         "stack posting the same request bytes to `POST /echo` (no client encoding), the "
-        "way `Client` sends a body of that size (from 64 KiB on its direct path to its "
-        "transport, below through its httpx client); raw = the "
+        "way `Client` sends a body of that size (its httpx client on "
+        "`dxclient.transport.LargeBodies`); raw = the "
         "same byte counts each way (whole HTTP request, whole HTTP answer) over a plain "
         "loopback socket, `sendmsg` out and `recv_into` a fresh buffer in, no HTTP; "
         "in-process = `dxserve.gradient(..., prep=prep)` blocked until ready. AsyncClient "

@@ -1,21 +1,20 @@
-"""Small requests through httpx's own transport (the default) or dxclient's fast path.
+"""Small requests through httpx's own transport (the default) or urllib3's.
 
     .venv/bin/python bench/small_bodies.py            # n = 10 and 1e3
     .venv/bin/python bench/small_bodies.py --quick
 
-``dxclient.transport`` sends bodies from ``FAST_MIN_BYTES`` (64 KiB) up through its
-own HTTP/1.1 path and leaves smaller ones to httpx's transport (httpcore and h11).
-This benchmark asks what the fast path would do for small bodies too
-(``FastTransport(min_bytes=0)``), on both sides of the latency table's ratio:
+``dxclient.transport.LargeBodies`` sends bodies from ``LARGE_MIN_BYTES`` (64 KiB) up
+through urllib3 and leaves smaller ones to httpx's transport (httpcore and h11). This
+benchmark asks what urllib3 would do for small bodies too
+(``LargeBodies(min_bytes=0)``), on both sides of the latency table's ratio:
 
 * Client: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
-  with the default transport, and with ``transport=FastTransport(min_bytes=0)``;
-* echo: the client's own httpx client (``dxclient._http.HttpClient``) posting the same
-  request bytes to ``bench/echo_app.py`` through ``FastTransport()`` (as in
-  ``bench/latency.py``) and through
-  ``FastTransport(min_bytes=0)``;
-* AsyncClient (binary): the default transport, and
-  ``AsyncFastTransport(min_bytes=0)``, each call driven by ``loop.run_until_complete``.
+  with the default transport, and with ``transport=LargeBodies(min_bytes=0)``;
+* echo: an ``httpx.Client`` posting the same request bytes to ``bench/echo_app.py``
+  through ``LargeBodies()`` (as in ``bench/latency.py``) and through
+  ``LargeBodies(min_bytes=0)``;
+* AsyncClient (binary): the default transport (``AsyncFast``), and httpx's own
+  (``httpx.AsyncHTTPTransport``), each call driven by ``loop.run_until_complete``.
 
 Every encoding's six candidates are timed as one shuffled interleaved group against
 the same two servers (dxserve and the echo, on 127.0.0.1, stopped by PID).
@@ -45,8 +44,7 @@ from _common import (
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
-from dxclient._http import HttpClient
-from dxclient.transport import AsyncFastTransport, FastTransport
+from dxclient.transport import LargeBodies
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             echo.stop()
             dx.stop()
 
-    out("# Small requests: httpx's transport (default) vs dxclient's fast path for every body")
+    out("# Small requests: httpx's transport (default) vs urllib3 for every body (\"fast path\")")
     out()
     out(f"{machine_line()}; loopback, uvicorn log level warning on both servers; "
         f"medians of {rounds} shuffled interleaved rounds per encoding.")
@@ -109,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ))
     out()
     out("default = the transports as shipped (bodies under 64 KiB go through httpx's own "
-        "transport); fast path = `FastTransport(min_bytes=0)` / "
-        "`AsyncFastTransport(min_bytes=0)`, every body through `dxclient.transport`. "
+        "transport; AsyncClient's through h11, `AsyncFast`); fast path = "
+        "`LargeBodies(min_bytes=0)`, every body through urllib3, and for AsyncClient "
+        "httpx's own `AsyncHTTPTransport`. "
         "The echo posts the request bytes that encoding produces, with no client encoding; "
         "each dxserve/echo ratio compares calls made through the same transport.")
     if args.save:
@@ -124,17 +123,17 @@ def run(sizes: list[int], rounds: int, dx_url: str, echo_url: str) -> tuple[list
     echo_target = httpx.URL(echo_url + "/echo")
     echoes = {
         # the client's own httpx client (cookies read only when an answer sets one)
-        "default": HttpClient(timeout=600.0, transport=FastTransport()),
-        "fast": HttpClient(timeout=600.0, transport=FastTransport(min_bytes=0)),
+        "default": httpx.Client(timeout=600.0, transport=LargeBodies()),
+        "fast": httpx.Client(timeout=600.0, transport=LargeBodies(min_bytes=0)),
     }
     clients = {
         (enc, kind): Client(dx_url, encoding=enc, timeout=600.0, transport=transport)
         for enc in ENCODINGS
-        for kind, transport in (("default", None), ("fast", FastTransport(min_bytes=0)))
+        for kind, transport in (("default", None), ("fast", LargeBodies(min_bytes=0)))
     }
     aclients = {
         "default": AsyncClient(dx_url, timeout=600.0),
-        "fast": AsyncClient(dx_url, timeout=600.0, transport=AsyncFastTransport(min_bytes=0)),
+        "fast": AsyncClient(dx_url, timeout=600.0, transport=httpx.AsyncHTTPTransport()),
     }
     rows, async_rows = [], []
     try:

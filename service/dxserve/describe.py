@@ -51,8 +51,8 @@ def facts(
 ) -> dict[str, Any] | None:
     """What ``describe`` shows of ``fn`` called on ``args`` (arrays or ``jax.ShapeDtypeStruct``s,
     ``(x, *contexts)``): their specs and the output's by ``jax.eval_shape`` (another
-    framework's ``eval_shape`` for a function written in it: torch's runs on meta
-    tensors), and the example's JSON (when ``example`` holds values). None if ``fn``
+    framework's ``eval_shape``, on its own ``spec``s, for a function written in it:
+    torch's runs on meta tensors), and the example's JSON (when ``example`` holds values). None if ``fn``
     cannot be traced on them. Call it in float64 scope: float64 examples stay float64."""
     import jax
 
@@ -61,8 +61,9 @@ def facts(
         framework = framework_of(fn)
         if framework.name == DEFAULT:
             output = jax.eval_shape(fn, *specs)
-        else:
-            output = framework.eval_shape(fn, *specs)
+        else:  # another framework gets specs of its own kind (``Framework.spec``)
+            own = jax.tree_util.tree_map(lambda s: framework.spec(tuple(s.shape), s.dtype), specs)
+            output = framework.eval_shape(fn, *own)
         found: dict[str, Any] = {
             "x": tree_spec(specs[0], "x"),
             "contexts": [tree_spec(c, f"contexts[{i}]") for i, c in enumerate(specs[1:])],

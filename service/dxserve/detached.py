@@ -49,6 +49,7 @@ from dxcontract.encodings import ENCODINGS, costs_of
 from dxcontract.encodings.common import LIST_MARKER, TUPLE_MARKER, SeqNode
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.errors import (
+    BudgetExceededError,
     DeadlineExceededError,
     DxError,
     InternalError,
@@ -56,6 +57,8 @@ from dxcontract.errors import (
     JobCancelledError,
     JobNotFinishedError,
     OverloadedError,
+    RequestShapeError,
+    ResultTooLargeError,
     StorageFullError,
     UnauthorizedError,
     UnknownFunctionError,
@@ -347,8 +350,10 @@ class Detached:
 
     async def _expected_bytes(self, call: OperatorCall, req: OperatorRequest) -> int:
         """The bytes the job's result is expected to take (and its checkpoints, pieces of
-        it), from its operator's prep; 0 for a request whose prep fails on its inputs
-        (the job fails when it runs, with the plain call's error, and stores nothing)."""
+        it), from its operator's prep. A prep past a per-call limit (result size, XLA's
+        estimates, request shape) is that limit's 422 now, before anything is stored;
+        0 for a request whose prep fails otherwise on its inputs (the job fails when it
+        runs, with the plain call's error, and stores nothing)."""
         try:
             nbytes = await self.service.result_bytes(
                 call.op.name, req.function, req.backend, req.x, req.tangents, req.contexts,
@@ -356,6 +361,8 @@ class Detached:
             )
         except (OverloadedError, DeadlineExceededError):
             raise  # busy now: retry the submission
+        except (ResultTooLargeError, BudgetExceededError, RequestShapeError):
+            raise  # a limit, decided at submission as the plain call decides it
         except DxError:
             return 0
         except Exception:  # noqa: BLE001 - the run will meet it too, and store it as its error

@@ -41,6 +41,7 @@ from .preparation import (
     BATCH_RESULTS,
     CACHE,
     FAMILIES,
+    NOT_READY,
     Inputs,
     Prep,
     PrepCache,
@@ -71,6 +72,12 @@ def call(
     JAX's shapes, see ``dxcontract.operators.returned``). ``wrt``: the arguments
     differentiated (``dxserve.wrt``; None: x). ``cotangent`` (the HVP family): f is
     array-valued and ``<cotangent, f>`` is differentiated (``preparation.with_cotangent``)."""
+    if prep is not None and wrt is None and cotangent is None:  # its executable, straight
+        ready = prep.ready.get(operator)
+        if ready is not None:
+            out = ready(f, backend, x, tangents, contexts, batch_axis, has_aux)
+            if out is not NOT_READY:
+                return out
     if wrt is not None:
         f, x, contexts = select(f, x, contexts, wrt)
     if cotangent is not None:

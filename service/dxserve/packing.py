@@ -73,14 +73,20 @@ def single(run: Callable, batched: Iterable[int], batch_axis: int | None) -> Cal
     at = frozenset(batched)
 
     def one(x: Tree, tangent: Tree, contexts: tuple) -> tuple:
-        out = run(x, jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, axis), tangent),
+        out = run(x, jax.tree_util.tree_map(lambda v: _xp(v).expand_dims(v, axis), tangent),
                   contexts)
         return tuple(
-            jax.tree_util.tree_map(lambda v: jnp.squeeze(v, axis), o) if i in at else o
+            jax.tree_util.tree_map(lambda v: _xp(v).squeeze(v, axis), o) if i in at else o
             for i, o in enumerate(out)
         )
 
     return one
+
+
+def _xp(v: Any) -> Any:
+    """numpy for host arrays (a numpy framework's program: kept on the host, float64
+    kept, never JAX's default float32), else ``jnp``."""
+    return np if isinstance(v, np.ndarray | np.generic) else jnp
 
 
 class Single:

@@ -236,6 +236,8 @@ class Prep:
             self.on_grow(self)
     #: (operator, device)s whose every executable is compiled (``compile_for``)
     warmed: set = field(default_factory=set, repr=False)
+    #: operator -> ``Ready``: its executable called straight, once a call has run it
+    ready: dict[str, Ready] = field(default_factory=dict, repr=False)
 
     @property
     def report(self) -> dict[str, Any]:
@@ -319,21 +321,10 @@ class Prep:
         inputs; the executable persists across restarts when that cache is configured.
         ``chunk``: for a chunk of a batch (``chunking.Slicer``), checked as one call."""
         results = self.results(operator) if only is None else only
-        build = self.build
-
-        def run(x, tangents, contexts):
-            out = build(x, tangents, contexts)
-            return tuple(out[name] for name in results)
-
         if not self.traced:
-            return self._packed(run, results, tangents)
+            return self._packed(self._run(results), results, tangents)
         batch_axis = self.signature.batch_axis
-        batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
-        one = tangents is not None and len(tangents) == 1 and not chunk and only is None
-        if one:  # one tangent: passed and answered as it is, nothing stacked or cut
-            program, args = packing.single(run, batched, batch_axis), tangents[0]
-        else:  # the tangents stacked, one argument per leaf: compile time independent of k
-            program, args = run, packing.pack(tangents, batch_axis)
+        program, args, batched, one = self._program(results, tangents, chunk or only is not None)
         key = self.framework.executable_key(
             self.function, self.resolved, results, x, args, contexts, batch_axis,
         )
@@ -367,6 +358,42 @@ class Prep:
         if self.limits is not None:  # once per executable, before it ever runs
             self.limits.check(exe, operator, self.framework)
         return exe
+
+    def _run(self, results: tuple[str, ...]) -> Callable:
+        """The builder's function returning the tuple of ``results``."""
+        build = self.build
+
+        def run(x, tangents, contexts):
+            out = build(x, tangents, contexts)
+            return tuple(out[name] for name in results)
+
+        return run
+
+    def _program(
+        self, results: tuple[str, ...], tangents: tuple | None, packed: bool = False
+    ) -> tuple[Callable, Any, tuple[int, ...], bool]:
+        """``(program, the tangents as it takes them, where its per-tangent results are,
+        one)``: what is compiled for ``results``. One tangent (unless ``packed``) is
+        passed and answered as it is, nothing stacked or cut (``one``); else the tangents
+        are stacked, one argument per leaf, so compile time does not depend on k."""
+        run = self._run(results)
+        batch_axis = self.signature.batch_axis
+        batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
+        if tangents is not None and len(tangents) == 1 and not packed:
+            return packing.single(run, batched, batch_axis), tangents[0], batched, True
+        return run, packing.pack(tangents, batch_axis), batched, False
+
+    def lowered(self, operator: str, x: Any, tangents: Any, contexts: Sequence) -> Any:
+        """``operator``'s program for these inputs, lowered as it is compiled and not
+        compiled (JAX: a ``jax.stages.Lowered``; ``as_text()`` is its StableHLO), to read
+        or compare it with hand-written code; None where the operator is not compiled."""
+        lower = getattr(self.framework, "lower", None)
+        if not self.traced or lower is None:
+            return None
+        x, tangents, contexts = normalize(x, tangents, contexts)
+        program, args, _, _ = self._program(self.results(operator), tangents)
+        with self.framework.precision_scope():
+            return lower(program, x, args, contexts)
 
     def _packed(self, exe: Callable, results: tuple[str, ...], tangents: tuple | None) -> Callable:
         """``exe`` (which takes packed tangents, see ``packing``) as an executable that
@@ -700,7 +727,7 @@ def _prepare_with(
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
-        return replace(twin, backend=backend, reason=reason)
+        return replace(twin, backend=backend, reason=reason, ready={})
     compiled = traced and engine.traces and (inner is None or inner.traces)
     runs_in = fw if compiled else fw.eager()
     build = spec.build(output, engine, inner, inputs)
@@ -778,8 +805,10 @@ def trace_error(
     contexts: tuple, y: Tree, framework: Framework,
 ) -> str | None:
     """Why ``family`` of ``f`` does not trace with the concrete ``backend`` at these
-    (one point's) inputs, or None when it does: the operator is built and evaluated
-    abstractly (``Framework.eval_shape``), nothing compiled or run."""
+    (one point's) inputs, or None when it does: the operator is built as preparation
+    compiles it and lowered (``Framework.lower`` where the framework has one, else
+    ``eval_shape``), nothing compiled or run. Lowered, not only traced: some refusals
+    come at lowering (JAX's forward mode through a ``custom_vjp`` without a batch axis)."""
     try:
         engine, inner = engines_for(
             backend, traced=True, complex_numbers=has_complex(framework, x, y)
@@ -788,10 +817,28 @@ def trace_error(
         if inner is not None:
             inner.use(framework)
         run = FAMILIES[family].build(f, engine, inner, Inputs(x, tangents, contexts, y, framework))
-        framework.eval_shape(run, x, packing.pack(tangents), contexts)
+        if tangents is not None and len(tangents) == 1:  # as ``Prep._compile`` builds it
+            results = OPERATORS[family].results
+            batched = tuple(i for i, name in enumerate(results) if name in BATCH_RESULTS)
+            program = packing.single(_all_results(run, results), batched, None)
+            args = (x, tangents[0], contexts)
+        else:
+            program, args = run, (x, packing.pack(tangents), contexts)
+        lower = getattr(framework, "lower", None)
+        (lower or framework.eval_shape)(program, *args)
     except Exception as exc:  # noqa: BLE001 - any failure is the reason
         return _why(exc)
     return None
+
+
+def _all_results(run: Callable, results: tuple[str, ...]) -> Callable:
+    """``run`` returning the tuple of ``results`` (what ``packing.single`` takes)."""
+
+    def ordered(x: Tree, tangents: Tree, contexts: tuple) -> tuple:
+        out = run(x, tangents, contexts)
+        return tuple(out[name] for name in results)
+
+    return ordered
 
 
 def _cannot(
@@ -1188,12 +1235,177 @@ def call(
         )
         prep = found.prep or found.prepare(cache)
         out = prep.run(found.operator, *found.inputs)
-        from_host = getattr(prep.framework, "from_host", None)
-        if from_host is not None:  # a framework whose programs answer on the host (torch)
-            out = from_host(out)
-        elif found.tangents is not None and prep.traced and len(found.tangents) > 1:
-            out = _on_device(prep.framework, prep.results(found.operator), out)
+        if found.prep is not None and found.operator not in prep.ready:
+            Ready.make(prep, found.operator, found.inputs)
+        return _finish(prep, found.operator, found.tangents, out)
+
+
+def _finish(prep: Prep, operator: str, tangents: tuple | None, out: tuple) -> Any:
+    """``operator``'s outputs (``prep.run``'s) as the library returns them."""
+    from_host = getattr(prep.framework, "from_host", None)
+    if from_host is not None:  # a framework whose programs answer on the host (torch)
+        out = from_host(out)
+    elif tangents is not None and prep.traced and len(tangents) > 1:
+        out = _on_device(prep.framework, prep.results(operator), out)
     return returned(OPERATORS[operator], out, prep.has_aux)
+
+
+#: what ``Prep.call_ready`` returns when the call needs the full path
+NOT_READY = object()
+
+
+class Ready:
+    """A prepared operator called as a ``jax.jit`` function is: the inputs' structure,
+    shapes and dtypes compared with the prep's in one pass, then its executable run
+    (the framework's own dispatch takes the numpy arrays as they are).
+
+    Made by the first call with the prep that ran the executable itself (not in
+    chunks, on the framework's or numpy's arrays). A later call whose inputs are not
+    exactly the prep's arrays (Python numbers or lists to normalize, another shape, a
+    traced value, another device, another function or backend) gets ``NOT_READY`` and
+    takes the full path, which normalizes, or raises what differs.
+    """
+
+    __slots__ = ("prep", "operator", "function", "backend", "signature", "device",
+                 "device_of", "structure", "x_spec", "t_specs", "c_specs", "simple",
+                 "kinds", "flatten", "precise", "exe", "finish")
+
+    def __init__(self, prep: Prep, operator: str, inputs: tuple) -> None:
+        fw = prep.framework
+        self.prep, self.operator, self.function, self.backend = (
+            prep, operator, prep.function, prep.backend
+        )
+        self.signature = prep.signature
+        self.device_of = fw.device
+        self.device = fw.device()
+        x, tangents, contexts = inputs
+        self.structure = fw.flatten(inputs)[1]
+        # x, each tangent and each context one array: checked without flattening
+        self.simple = all(_is_array(v) for v in (x, *(tangents or ()), *contexts))
+        if self.simple:
+            self.x_spec = (x.shape, x.dtype)
+            self.t_specs = None if tangents is None else [(t.shape, t.dtype) for t in tangents]
+            self.c_specs = [(c.shape, c.dtype) for c in contexts]
+        else:
+            self.x_spec = self.t_specs = None
+            self.c_specs = [(v.shape, v.dtype) for v in fw.leaves(inputs)]
+        self.kinds = frozenset({np.ndarray, *_SCALARS, *getattr(fw, "array_types", ())})
+        self.flatten = fw.flatten
+        #: says whether calls already run in the precision the prep was compiled in
+        self.precise = getattr(fw, "in_precision_scope", None) or (lambda: False)
+        exe = prep.executables[(operator, prep._bound(self.device))]
+        self.exe, self.finish = _straight(prep, operator, exe, tangents)
+
+    @staticmethod
+    def make(prep: Prep, operator: str, inputs: tuple) -> None:
+        """Keep a ``Ready`` for ``operator`` on ``prep`` where its executable runs whole."""
+        fw = prep.framework
+        kinds = (np.ndarray, *getattr(fw, "array_types", ()))
+        if (
+            prep.traced and getattr(fw, "from_host", None) is None
+            and (operator, prep._bound(fw.device())) in prep.executables
+            and not prep.chunked(operator)
+            and all(type(v) in kinds for v in fw.leaves(inputs))
+        ):
+            prep.ready[operator] = Ready(prep, operator, inputs)
+
+    def __call__(
+        self, f: Callable, backend: Any, x: Any, tangents: Any, contexts: Any,
+        batch_axis: int | None, has_aux: bool,
+    ) -> Any:
+        """``call``'s answer, or ``NOT_READY`` where this call needs the full path."""
+        signature = self.signature
+        if (
+            f is not self.function or batch_axis != signature.batch_axis
+            or has_aux != signature.has_aux or type(contexts) is not tuple
+        ):
+            return NOT_READY
+        if backend is not self.backend and backend != self.backend and (
+            backend_from_json(backend) != self.backend
+        ):
+            return NOT_READY
+        kinds = self.kinds
+        if self.simple:
+            shape, dtype = self.x_spec
+            if type(x) not in kinds or x.shape != shape or x.dtype != dtype:
+                return NOT_READY
+            specs = self.t_specs
+            if specs is None:
+                if tangents is not None:
+                    return NOT_READY
+            elif type(tangents) is not tuple or len(tangents) != len(specs):
+                return NOT_READY
+            else:
+                for t, (shape, dtype) in zip(tangents, specs, strict=True):
+                    if type(t) not in kinds or t.shape != shape or t.dtype != dtype:
+                        return NOT_READY
+            leaves: Any = contexts
+            if len(contexts) != len(self.c_specs):
+                return NOT_READY
+        else:
+            leaves, structure = self.flatten((x, tangents, contexts))
+            if structure != self.structure:
+                return NOT_READY
+        for v, (shape, dtype) in zip(leaves, self.c_specs, strict=True):
+            if type(v) not in kinds or v.shape != shape or v.dtype != dtype:
+                return NOT_READY
+        if self.device_of() is not self.device:
+            return NOT_READY
+        if self.precise():
+            return self.finish(self.run(x, tangents, contexts))
+        with self.prep.framework.precision_scope():  # results moved to the device too
+            return self.finish(self.run(x, tangents, contexts))
+
+    def run(self, x: Any, tangents: Any, contexts: tuple) -> Any:
+        """The executable's outputs, its errors reported as ``Prep.run`` reports them."""
+        try:
+            return self.exe(x, tangents, contexts)
+        except DxError:
+            raise
+        except Exception as exc:
+            raise out_of_memory(exc) or FunctionEvaluationError(
+                _short(exc), field="function"
+            ) from exc
+
+
+def _straight(
+    prep: Prep, operator: str, exe: Callable, tangents: tuple | None
+) -> tuple[Callable, Callable]:
+    """``(run(x, tangents, contexts), finish(out))`` for ``Ready``: one tangent goes to
+    the compiled program as it is and its results come back as 1-tuples (as
+    ``packing.Single`` gives them), without the wrapper's own calls in between."""
+    op, has_aux = OPERATORS[operator], prep.has_aux
+    if isinstance(exe, packing.Single):
+        compiled, batched = exe.executable, exe.batched
+        n = len(prep.results(operator))
+
+        def run(x: Tree, tangents: tuple, contexts: tuple) -> Any:
+            return compiled(x, tangents[0], contexts)
+
+        if n == 1 and not has_aux and batched == {0}:  # hvp, pushforward, pullback
+            return run, lambda out: (out[0],)
+
+        def finish(out: tuple) -> Any:
+            return returned(op, [(o,) if i in batched else o for i, o in enumerate(out)],
+                            has_aux)
+
+        return run, finish
+    if tangents is None:
+        if len(op.results) == 1 and not has_aux:
+            return exe, lambda out: out[0]
+        return exe, lambda out: returned(op, out, has_aux)
+    return exe, lambda out: _finish(prep, operator, tangents, out)
+
+
+#: numpy's scalars (``np.float64(0.7)``): programs take them as 0-d arrays of their dtype
+_SCALARS = (np.float64, np.float32, np.float16, np.complex128, np.complex64, np.int64,
+            np.int32, np.bool_)
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(
+        value, dict | list | tuple
+    )
 
 
 def _on_device(framework: Framework, results: tuple[str, ...], outputs: tuple) -> tuple:

@@ -497,14 +497,21 @@ class Service:
             names = batched.results(op.name)
 
             def run_group(items: Sequence[tuple]) -> list:
-                results = self.batcher.run_group(batched, op.name, items)
+                # each item carries its request's record: the group's own run is the
+                # compute of every request it answers, queueing and merging apart
+                start = time.perf_counter()
+                results = self.batcher.run_group(batched, op.name, [i for i, _ in items])
+                seconds = time.perf_counter() - start
+                for _, its_info in items:
+                    if its_info is not None:
+                        its_info.compute = seconds
                 return [
                     r if isinstance(r, BaseException) else results_of(names, r) for r in results
                 ]
 
             return await workers.run_grouped(
-                (batched, op.name), found.inputs, run_group, key, worker=worker, timeout=left,
-                inline=inline,
+                (batched, op.name), (found.inputs, info), run_group, key, worker=worker,
+                timeout=left, inline=inline,
             )
         chunked = ready.chunked(op.name)
         if chunked and job is None:  # its own, so short jobs run between its chunks

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dxclient import Client
+from dxserve.http.schemas import FunctionList
 from tests.conftest import ServerProcess, start_server, stop_server
 
 #: The expressions the docs register (docs/functions.md, the expression kind's example).
@@ -91,6 +92,9 @@ def test_the_list_is_a_summary_and_details_are_one_step_away(described: ServerPr
     detailed = httpx.get(described.url + "/functions", params={"details": "true"}).json()
     assert [f["name"] for f in detailed["functions"]] == [f["name"] for f in functions]
     assert all("operators" in f for f in detailed["functions"])
+    # both forms are what the committed OpenAPI document promises for this route
+    FunctionList.model_validate(listed.json())
+    FunctionList.model_validate(detailed)
     with Client(described.url) as client:
         assert {f.name for f in client.functions()} == {f["name"] for f in functions}
 

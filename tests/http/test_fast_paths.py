@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client
-from dxclient.transport import FAST_MIN_BYTES, AsyncFastTransport, FastTransport
+from dxclient.transport import LARGE_MIN_BYTES, AsyncFast, LargeBodies
 from dxcontract import codec
 from dxserve import JaxReverse
 from tests.conftest import STARTUP_TIMEOUT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-LARGE = FAST_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
+LARGE = LARGE_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
 
 
 def _arrays(dtype: str) -> dict[str, np.ndarray]:
@@ -105,10 +105,10 @@ def _same(a: np.ndarray, b: np.ndarray) -> None:
 @pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
 def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding: str) -> None:
     plain = httpx.Client()
-    fast = httpx.Client(transport=FastTransport(min_bytes=0))
-    default = httpx.Client(transport=FastTransport())  # large bodies only
+    fast = httpx.Client(transport=LargeBodies(min_bytes=0))
+    default = httpx.Client(transport=LargeBodies())  # large bodies only
     aplain = httpx.AsyncClient()
-    afast = httpx.AsyncClient(transport=AsyncFastTransport())
+    afast = httpx.AsyncClient(transport=AsyncFast())
     loop = asyncio.new_event_loop()
     checked = 0
     try:
@@ -160,7 +160,7 @@ def test_gradient_identical_across_transports_and_clients(server, encoding: str)
     backend = JaxReverse()
     fast = Client(server.url, encoding=encoding)
     plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url))
-    assert isinstance(fast.http._transport, FastTransport)
+    assert isinstance(fast.http._transport, LargeBodies)
     loop = asyncio.new_event_loop()
     afast = AsyncClient(server.url, encoding=encoding)
     aplain = AsyncClient(encoding=encoding, http=httpx.AsyncClient(base_url=server.url))
@@ -184,11 +184,11 @@ def test_gradient_identical_across_transports_and_clients(server, encoding: str)
 
 def test_fast_transport_reuses_connections_and_returns_errors(server) -> None:
     """Connections are kept alive and reused; an error answer comes back as it is."""
-    transport = FastTransport(min_bytes=0)
+    transport = LargeBodies(min_bytes=0)
     with httpx.Client(base_url=server.url, transport=transport) as c:
         for _ in range(3):
             assert c.get("/health").status_code == 200
-        assert sum(len(v) for v in transport._idle.values()) == 1
+        assert transport.pool.connection_from_url(server.url).num_connections == 1
         r = c.post("/gradient", content=b"{" + b" " * 64, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem")
 

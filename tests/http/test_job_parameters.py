@@ -1,5 +1,6 @@
 """Every job id, cursor and page parameter is validated: a 4xx problem document, never
-a 5xx, whatever the value, with a SQLite and with a directory store (real servers)."""
+a 5xx, whatever the value, with a SQLite and with a directory store (real servers).
+``/health`` answers 1 s probes throughout."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess, start_server, stop_server
+from tests.health_probe import HealthProbe
 
 PROBLEM = "application/problem+json"
 
@@ -35,7 +37,12 @@ def store_server(
         with httpx.Client(base_url=srv.url) as http:  # one job, so pages exist
             r = http.post("/jobs/gradient", json={"function": "rosenbrock", "x": [1.0, 2.0]})
             assert r.status_code == 202, r.text
-        yield srv
+        probe = HealthProbe(srv.url)  # through every test of the module: none unanswered
+        try:
+            yield srv
+        finally:
+            probe.stop()
+        probe.check()
     finally:
         stop_server(srv)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ import pytest
 
 from dxcontract import codec
 from tests.conftest import ServerProcess, start_server, stop_server
+from tests.health_probe import HealthProbe
 from tests.http.test_jobs_http import follow, is_problem, status, submit
 
 #: a Hessian of 20 chunks taking seconds: it keeps the one runner busy while a test
@@ -50,7 +52,33 @@ def server(tmp_path: Path, name: str, tokens: tuple[str, ...] = (), **env: str) 
         path = tmp_path / f"{name}-tokens"
         path.write_text("\n".join(tokens) + "\n")
         settings["DXSERVE_TOKENS_FILE"] = str(path)
-    return start_server(tmp_path / name, env=settings, modules=MODULES)
+    srv = start_server(tmp_path / name, env=settings, modules=MODULES)
+    PROBES[srv.url] = HealthProbe(srv.url)
+    return srv
+
+
+#: the /health probes (1 s timeout) of the servers ``server`` started, by URL
+PROBES: dict[str, HealthProbe] = {}
+ENDED: list[HealthProbe] = []
+
+
+def stop(srv: ServerProcess) -> None:
+    """Stop ``srv``'s /health probe, then ``srv``."""
+    probe = PROBES.pop(srv.url, None)
+    if probe is not None:
+        probe.stop()
+        ENDED.append(probe)
+    stop_server(srv)
+
+
+@pytest.fixture(autouse=True)
+def health_answers_throughout() -> Iterator[None]:
+    """Every server a test starts with ``server`` is probed on /health with a 1 s timeout
+    from its start to its stop: one unanswered probe fails the test."""
+    yield
+    ended, ENDED[:] = list(ENDED), []
+    for probe in ended:
+        probe.check()
 
 
 def busy_runner(url: str, token: str | None) -> dict:
@@ -99,7 +127,25 @@ def test_a_result_past_the_stores_largest_value_is_refused_at_submission(tmp_pat
         # nothing of the result was ever allocated (it would take 1.07 GB)
         assert srv.proc.poll() is None and peak_rss(srv.proc.pid) < 800 * 2**20
     finally:
-        stop_server(srv)
+        stop(srv)
+
+
+def test_a_result_past_the_per_call_limits_is_refused_at_submission(tmp_path: Path) -> None:
+    """A job whose Jacobian has more numbers than ``DXSERVE_MAX_RESULT_ELEMENTS`` (here
+    20,000^2 = 4e8, a 3.2 GB result) is the plain call's 422 when it is submitted, not a
+    job accepted and stored as failed once it runs."""
+    srv = server(tmp_path, "elements")
+    try:
+        body = {"function": "sin_cumsum", "x": [0.5] * 20_000}
+        r = httpx.post(f"{srv.url}/jobs/jacobian", json=body, timeout=300)
+        plain = httpx.post(f"{srv.url}/jacobian", json=body, timeout=300)
+        assert plain.status_code == 422, plain.text
+        doc = is_problem(r, 422, "result-too-large")
+        assert doc["type"] == plain.json()["type"] and doc["detail"] == plain.json()["detail"]
+        assert listed(srv.url, None) == []
+        assert srv.proc.poll() is None
+    finally:
+        stop(srv)
 
 
 def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
@@ -142,7 +188,7 @@ def test_the_jobs_stored_bytes_stay_under_the_limit(tmp_path: Path) -> None:
         metrics = httpx.get(f"{url}/metrics").text
         assert "dxserve_jobs" in metrics
     finally:
-        stop_server(srv)
+        stop(srv)
 
 
 # --- the in-flight budget ----------------------------------------------------------------
@@ -202,7 +248,7 @@ def test_a_job_body_counts_against_the_inflight_budget_while_it_is_stored(
         job = r.json()
         assert follow(url, job["id"], token=None)[-1][0] == "result"
     finally:
-        stop_server(srv)
+        stop(srv)
 
 
 # --- owners ------------------------------------------------------------------------------
@@ -226,7 +272,7 @@ def test_without_tokens_every_bearer_token_is_the_anonymous_owner(tmp_path: Path
         assert httpx.delete(f"{url}/jobs/{first['id']}").status_code == 202
         assert follow(url, second["id"], token=None)[-1][0] == "result"
     finally:
-        stop_server(srv)
+        stop(srv)
 
 
 def test_owners_take_turns_so_a_long_queue_does_not_hold_back_another_owners_job(
@@ -257,7 +303,7 @@ def test_owners_take_turns_so_a_long_queue_does_not_hold_back_another_owners_job
         # ISO-8601 UTC times of the server's own claims: the victim's came first
         assert all(t > started for t in later), (started, later)
     finally:
-        stop_server(srv)
+        stop(srv)
 
 
 # --- the function's version --------------------------------------------------------------
@@ -292,7 +338,7 @@ def test_a_job_computes_the_function_version_it_was_submitted_with(tmp_path: Pat
         fetched = httpx.get(f"{url}/jobs/{job['id']}/result").json()
         np.testing.assert_allclose(fetched["gradient"], [2.0, 4.0, 6.0], rtol=1e-12)
     finally:
-        stop_server(srv)
+        stop(srv)
 
 
 # --- restarts ----------------------------------------------------------------------------
@@ -308,7 +354,7 @@ def test_a_directory_stores_half_written_files_are_removed_on_restart(tmp_path: 
         job = submit(srv.url, "gradient", {"function": "rosenbrock", "x": [1.0, 2.0]}, token=None)
         assert follow(srv.url, job["id"], token=None)[-1][0] == "result"
     finally:
-        stop_server(srv)
+        stop(srv)
     jobs = root / "jobs"
     partial = jobs / job["id"] / ".tmp-result-killed.tmp"
     partial.write_bytes(b"\0" * 100_000)
@@ -321,4 +367,4 @@ def test_a_directory_stores_half_written_files_are_removed_on_restart(tmp_path: 
         r = httpx.get(f"{srv.url}/jobs/{job['id']}/result")
         assert r.status_code == 200 and r.json()["gradient"]
     finally:
-        stop_server(srv)
+        stop(srv)

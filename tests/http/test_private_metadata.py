@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, start_server, stop_server
+from tests.health_probe import HealthProbe
 
 PRIVATE = ("/functions", "/functions/rosenbrock", "/metrics", "/docs", "/redoc", "/openapi.json")
 OPEN = ("/health", "/ready")
@@ -74,7 +75,7 @@ def test_private_metadata_names_no_function_in_a_404(private: ServerProcess) -> 
     """An unknown function's 404 suggests no close names when they are private: the
     caller may be one who may not list them (with or without a token)."""
     srv = private
-    with httpx.Client(base_url=srv.url) as http:
+    with HealthProbe(srv.url) as probe, httpx.Client(base_url=srv.url) as http:
         for token in (None, "nope", TOKEN):
             headers = {"authorization": f"Bearer {token}"} if token else {}
             for route in ("/gradient", "/jobs/gradient", "/prepare/gradient"):
@@ -85,6 +86,7 @@ def test_private_metadata_names_no_function_in_a_404(private: ServerProcess) -> 
                 assert r.status_code in (401, 404), (route, r.text)
                 assert r.headers["content-type"] == "application/problem+json"
                 assert "rosenbrock" not in r.text and "did you mean" not in r.text, r.text
+        probe.check()
 
 
 def test_open_metadata_still_suggests_close_names(server: Any) -> None:

@@ -7,7 +7,7 @@ default such uploads are refused (422 naming ``export``). With
 deadline, the worker thread running it is abandoned and replaced, 100 Rosenbrock
 gradients are answered right afterwards, a second spin waits (503) while the first
 holds its core (``DXSERVE_MAX_STUCK_COMPUTATIONS=1``), and SIGTERM ends the process,
-also while a spin is still in flight. ``/health`` is probed all along; every probe
+also while a spin is still in flight. ``/health`` is probed all along with a 1 s timeout; every probe
 must answer. (A spinning thread holds one core until the server exits.)
 """
 
@@ -27,7 +27,8 @@ from jax import lax
 from dxclient import Client
 from dxclient.errors import DxError
 from dxclient.export import ReverseModeWarning
-from tests.conftest import LIVENESS_TIMEOUT, start_server, stop_server
+from tests.conftest import start_server, stop_server
+from tests.health_probe import HealthProbe
 from tests.references import rosenbrock_gradient
 
 #: uvicorn stops gracefully, then raises the signal it caught again: killed by SIGTERM
@@ -44,32 +45,6 @@ def spin(x):
 def fori_static(x):
     """A loop with a static trip count (lowered to a while loop too): allowed."""
     return jnp.sum(lax.fori_loop(0, 5, lambda i, c: jnp.sin(c), x))
-
-
-class HealthProbe:
-    """Probes ``/health`` with ``LIVENESS_TIMEOUT`` until stopped; counts what did not answer."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.ok, self.failed = url, 0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=LIVENESS_TIMEOUT) as http:
-            while not self._stop.wait(0.2):
-                try:
-                    r = http.get(self.url + "/health")
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failed.append(r.status_code)
-                except httpx.HTTPError as e:
-                    self.failed.append(repr(e))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def register(client: Client, fn, name: str) -> None:
@@ -90,6 +65,7 @@ def wait_exit(proc: subprocess.Popen) -> int:
 
 def test_unbounded_loops_are_refused_at_upload_by_default(tmp_path):
     srv = start_server(tmp_path / "refuse", modules=("dxserve.examples",))
+    probe = HealthProbe(srv.url)
     try:
         with Client(srv.url) as client:
             with pytest.raises(DxError) as e:
@@ -106,7 +82,9 @@ def test_unbounded_loops_are_refused_at_upload_by_default(tmp_path):
             for _ in range(5):
                 ref, c = ref * np.cos(c), np.sin(c)
             np.testing.assert_allclose(got, ref, rtol=1e-10)
+        probe.check()
     finally:
+        probe.stop()
         stop_server(srv)
 
 

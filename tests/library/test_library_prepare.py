@@ -102,3 +102,49 @@ def test_jax_names_are_not_aliases() -> None:
         assert not hasattr(dxserve, name) and name not in dxserve.__all__
         assert not hasattr(Client, name) and not hasattr(AsyncClient, name)
     assert "jvp" not in OPERATORS and "vjp" not in OPERATORS
+
+
+@pytest.mark.parametrize("op", sorted(o for o in OPERATORS if o != "sparsity"))
+def test_a_prep_called_again_answers_the_same_straight_from_its_executable(op: str) -> None:
+    """The second call with a prep takes its executable straight (``Ready``): the same
+    numbers as the first call and as a call without a prep, for one tangent and two;
+    inputs that need normalizing or differ take the full path (normalized, or refused)."""
+    f, x, extra = _inputs(op)
+    for tangents in ((T[:1],), (T,)) if extra else ((),):
+        prep = getattr(dxserve, f"prepare_{op}")(f, "auto", x, *tangents)
+        run = getattr(dxserve, op)
+        first = run(f, "auto", x, *tangents, prep=prep)
+        assert op in prep.ready  # made by the first call
+        _equal(run(f, "auto", x, *tangents, prep=prep), first)
+        _equal(run(f, "auto", x, *tangents), first)
+        listed = x.tolist() if np.ndim(x) else float(x)  # normalized by the full path
+        _equal(run(f, "auto", listed, *tangents, prep=prep), first)
+        if np.ndim(x):
+            with pytest.raises(dxserve.PreparationMismatchError):
+                run(f, "auto", np.ones(4), *tangents, prep=prep)
+            with pytest.raises(dxserve.PreparationMismatchError):
+                run(f, "auto", x.astype(np.float32), *tangents, prep=prep)
+        with dxserve.float64_scope():  # a JAX array of x's dtype goes straight too
+            xj = jnp.asarray(x)
+        _equal(run(f, "auto", xj, *tangents, prep=prep), first)
+
+
+def test_a_ready_prep_inside_a_transformation_traces() -> None:
+    prep = dxserve.prepare_gradient(rosenbrock, "auto", X)
+    dxserve.gradient(rosenbrock, "auto", X, prep=prep)  # makes its Ready
+    with dxserve.float64_scope():
+        hvp = jax.jvp(lambda u: dxserve.gradient(rosenbrock, "auto", u, prep=prep), (X,), (T[0],))[1]
+        want = jax.jvp(jax.grad(rosenbrock), (X,), (T[0],))[1]
+    np.testing.assert_allclose(hvp, want, rtol=1e-12)
+
+
+def test_a_ready_prep_of_a_pytree_checks_its_structure() -> None:
+    def loss(p):
+        return jnp.sum(p["a"] ** 2) + jnp.sum(jnp.sin(p["b"]))
+
+    p = {"a": np.arange(3.0), "b": np.ones(2)}
+    prep = dxserve.prepare_gradient(loss, "auto", p)
+    first = dxserve.gradient(loss, "auto", p, prep=prep)
+    _equal(dxserve.gradient(loss, "auto", p, prep=prep), first)
+    with pytest.raises(dxserve.PreparationMismatchError):
+        dxserve.gradient(loss, "auto", {"a": np.arange(3.0), "c": np.ones(2)}, prep=prep)

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 
 from tests.conftest import start_server, stop_server
-from tests.http.test_unbounded_loops import HealthProbe
+from tests.health_probe import HealthProbe
 from tests.references import rosenbrock_gradient
 
 FLOOD = 30

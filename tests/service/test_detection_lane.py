@@ -19,7 +19,7 @@ import pytest
 
 from tests import sparse_functions as sf
 from tests.conftest import ServerProcess, start_server, stop_server
-from tests.http.test_unbounded_loops import HealthProbe
+from tests.health_probe import HealthProbe
 from tests.references import rosenbrock_gradient
 
 FLOOD = 12
@@ -104,6 +104,7 @@ def test_a_caller_past_its_detection_cap_gets_429(tmp_path_factory) -> None:
     server = _serve(tmp_path_factory, "detection-cap", 2)
     done: list = []
     lock = threading.Lock()
+    probe = HealthProbe(server.url)
     try:
         flood = _flood(server.url, [1500 + 41 * i for i in range(6)], done, lock)
         for t in flood:
@@ -122,5 +123,7 @@ def test_a_caller_past_its_detection_cap_gets_429(tmp_path_factory) -> None:
             },
         )
         assert r.status_code == 200, r.text  # the cap counts what waits, not what was done
+        probe.check()
     finally:
+        probe.stop()
         stop_server(server)

@@ -58,6 +58,17 @@ def test_every_answer_has_request_id_and_server_timing(app_client: TestClient) -
     assert {"decode", "encode"} <= set(_timing(answers[5].headers["server-timing"]))
 
 
+def test_a_prepared_call_times_its_compute_apart(app_client: TestClient) -> None:
+    # a prep handle's calls go the way requests are merged: compute is still their own
+    body = {"function": "rosenbrock", "x": X, "tangents": [X]}
+    prep = app_client.post("/prepare/hvp", json=body).json()["prep"]
+    answer = app_client.post("/hvp", json={**body, "prep": prep})
+    assert answer.status_code == 200, answer.text
+    split = _timing(answer.headers["server-timing"])
+    assert {"total", "decode", "queue", "compute", "encode"} <= set(split)
+    assert split["queue"] + split["compute"] <= split["total"] + 1e-3
+
+
 def test_unexpected_error_answer_has_the_headers(tmp_path) -> None:
     settings = Settings(store=tmp_path / "store", compilation_cache="", executable_cache_mb=0)
     app = create_app(settings)

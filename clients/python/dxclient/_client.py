@@ -36,13 +36,11 @@ from dxcontract.lru import LRU
 
 from . import _models, models
 from . import progress as progress_events
-from ._direct import DirectCalls
-from ._http import AsyncHttpClient, HttpClient
 from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .errors import ServerUnreachableError
 from .jobs import AsyncJob, Job, Submitter, job_plan, list_plan
-from .transport import BODY_PARTS, AsyncFastTransport, FastTransport
+from .transport import BODY_PARTS, AsyncFast, LargeBodies
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -187,7 +185,7 @@ def _unbind(response: httpx.Response) -> None:
     """Drop httpx's wrapper around the stream of ``response``, which has been read: the
     wrapper refers back to the response, and that cycle keeps the body alive until the
     garbage collector runs. Without it a large answer's buffer is free as soon as the
-    caller lets go of what was decoded from it (and ``dxclient.transport`` reuses it)."""
+    caller lets go of what was decoded from it."""
     response.stream = _READ
 
 
@@ -235,7 +233,7 @@ class _ClientBase(OperatorMethods):
 
     http: Any  # httpx.Client or httpx.AsyncClient
     _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
-    _FAST_TRANSPORT: type[FastTransport] | type[AsyncFastTransport]
+    _FAST_TRANSPORT: type[LargeBodies] | type[AsyncFast]
     _JOB: type[Job] | type[AsyncJob]
 
     def __init__(
@@ -259,19 +257,15 @@ class _ClientBase(OperatorMethods):
         self.retries = retries
         self.backoff = backoff
         if http is None and transport is None and not urllib.request.getproxies():
-            # large bodies skip httpcore (dxclient.transport); with proxies configured in
-            # the environment httpx's own transports apply them
+            # large bodies through urllib3, small async calls through h11
+            # (dxclient.transport); with proxies configured in the environment httpx's own
+            # transports apply them
             transport = self._FAST_TRANSPORT()
         self.http = http or self._HTTP(
             base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
         )
         if http is not None and token:
             self.http.headers.update(_headers(token))
-        # operator calls the fast transport takes skip httpx's per-request objects
-        self._direct = (
-            DirectCalls(self.http, transport)
-            if http is None and isinstance(transport, self._FAST_TRANSPORT) else None
-        )
         self._urls = _OperatorURLs()
         self._renewed: LRU[str, RemotePrep] = LRU(_RENEWED_HANDLES)
 
@@ -465,8 +459,8 @@ class _ClientBase(OperatorMethods):
 class Client(_ClientBase):
     """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
 
-    _HTTP = HttpClient
-    _FAST_TRANSPORT = FastTransport
+    _HTTP = httpx.Client
+    _FAST_TRANSPORT = LargeBodies
     _JOB = Job
     http: httpx.Client
 
@@ -492,11 +486,7 @@ class Client(_ClientBase):
         return parse(*args, response)
 
     def _send(self, call: Call, url: httpx.URL | None) -> Any:
-        """One try of ``call``: its answer (an ``httpx.Response`` or a direct ``Answer``)."""
-        if url is not None and self._direct is not None:
-            answer = self._direct.send(call, url)
-            if answer is not None:
-                return answer
+        """One try of ``call``: its ``httpx.Response``."""
         response = self.http.request(
             call.method, call.path if url is None else url, **_send_args(call)
         )
@@ -560,8 +550,8 @@ class Client(_ClientBase):
 class AsyncClient(_ClientBase):
     """Asynchronous client: the same methods as ``Client``, awaited."""
 
-    _HTTP = AsyncHttpClient
-    _FAST_TRANSPORT = AsyncFastTransport
+    _HTTP = httpx.AsyncClient
+    _FAST_TRANSPORT = AsyncFast
     _JOB = AsyncJob
     http: httpx.AsyncClient
 
@@ -589,11 +579,7 @@ class AsyncClient(_ClientBase):
         return parse(*args, response)
 
     async def _send(self, call: Call, url: httpx.URL | None) -> Any:
-        """One try of ``call``: its answer (an ``httpx.Response`` or a direct ``Answer``)."""
-        if url is not None and self._direct is not None:
-            answer = await self._direct.asend(call, url)
-            if answer is not None:
-                return answer
+        """One try of ``call``: its ``httpx.Response``."""
         response = await self.http.request(
             call.method, call.path if url is None else url, **_send_args(call, True)
         )

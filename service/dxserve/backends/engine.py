@@ -37,12 +37,18 @@ Mode = Literal["forward", "reverse"]
 class Engine:
     """Base class of engines: override ``pushforward`` or ``pullback`` (or both).
 
+    They are called from several threads at once (device workers, compile threads):
+    an engine over an AD library with process-wide state holds the framework's lock
+    (an ``RLock``: second order nests engines) around its calls into that library.
+
     Class attributes an engine sets:
 
     * ``traces``: True when the engine's maths runs under its framework's transforms
-      (``jit``, ``vmap``); False for engines that need concrete arrays (a numpy engine
-      beside JAX). An operator is compiled only when every engine it uses traces and
-      the framework can trace the function.
+      (``jit``, ``vmap``), or inside whatever its framework's ``compile`` returns (a
+      framework without a compiler); False for engines that need concrete arrays (a
+      numpy engine beside JAX). An operator is compiled only when every engine it uses
+      traces and the framework's ``probe`` says the function traces; only a compiled
+      operator has an estimate (budgets) and runs in chunks with progress.
     * ``mode``: the direction the engine computes without help. Fallbacks use it to
       pick the cheaper way (columns for forward, rows for reverse). Left unset, it is
       the direction the subclass overrides.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ._tangents import Tree, chunked_vmap
+from ._tangents import Tree, batch_len, chunked_vmap
 from .engine import Engine, Fn
 
 
@@ -25,7 +25,16 @@ class ForwardEngine(Engine):
     mode = "forward"
 
     def pushforward(self, g: Fn, x: Tree, tx: Tree) -> tuple[Tree, Tree]:
-        y, lin = jax.linearize(g, x)
+        k = batch_len(tx)
+        if self.batch_size is None or self.batch_size >= k:
+            # JVPs, vectorized: the primal is computed once (nothing batches it), one
+            # tangent is jax.jvp itself; a linearize would split a while_loop into a
+            # primal loop and a tangent loop that runs the primal again
+            if k == 1:
+                y, t = jax.jvp(g, (x,), (jax.tree_util.tree_map(lambda v: v[0], tx),))
+                return y, jax.tree_util.tree_map(lambda v: v[None], t)
+            return jax.vmap(lambda t: jax.jvp(g, (x,), (t,)), out_axes=(None, 0))(tx)
+        y, lin = jax.linearize(g, x)  # in chunks: the residuals kept once, not the primal
         return y, chunked_vmap(lin, tx, self.batch_size)
 
     def pullback(self, g: Fn, x: Tree, ty: Tree) -> tuple[Tree, Tree]:

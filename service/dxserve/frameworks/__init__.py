@@ -3,8 +3,9 @@
 The operators, the engines' fallbacks, preparation, chunking, budgets and request
 batching are written against ``Framework`` alone; JAX is one framework
 (``frameworks/jax.py``). A function says which framework it is written in with
-``@dxserve.function(framework="name")``; an unmarked one whose code refers to torch
-and not to JAX is torch's (``detect_framework``), any other JAX's.
+``@dxserve.function(framework="name")``; an unmarked one is the first registered
+framework's whose ``owns(f)`` says so, else torch's where its code refers to torch and
+not to JAX (``detect_framework``), else JAX's.
 
 A framework that has no abstract evaluation (torch, numpy) probes by calling the
 function (on meta tensors, or small inputs); one that cannot compile returns its
@@ -14,6 +15,15 @@ for maps, nothing compiled.
 
 Registering a framework is a plug-in's explicit call (``register_framework``);
 importing dxserve registers JAX's lazily, on first use, and changes nothing else.
+``docs/frameworks.md`` builds a small framework and engine step by step.
+
+Threads: the core calls a framework and its engines from several threads at once (one
+worker per device, the compile threads that probe and estimate). A framework whose AD
+keeps process-wide state takes its own lock (an ``RLock``: calls nest) around whatever
+runs it: ``probe``, ``eval_shape``, the executables ``compile`` returns, and, for
+operators that are not compiled (an engine with ``traces=False``, or ``probe`` saying
+the function does not trace), the engine's ``pushforward``/``pullback`` themselves.
+Torch's is its ``RUN_LOCK``.
 """
 
 from __future__ import annotations
@@ -52,6 +62,12 @@ class Framework(Protocol):
     """
 
     name: str
+    # optional: ``owns(f) -> bool``, True for a function written in this framework that
+    # does not say so with ``@dxserve.function(framework=...)``: ``detect_framework``
+    # asks every registered framework that has it (in registration order) before
+    # torch's detection and the JAX default. It must be cheap and must not raise; it
+    # is asked once per function (weakly cached). ``refers_to`` helps write one.
+
     #: the array namespace the fallbacks compute with (``jnp``, ``numpy``): ``eye``,
     #: ``ones``, ``zeros``, ``empty``, ``arange``, ``reshape``, ``ravel``, ``concatenate``,
     #: ``abs``, ``max``, ``maximum``, ``asarray``, ``stack``, ``real``, ``imag``, ``finfo``,
@@ -82,7 +98,9 @@ class Framework(Protocol):
         ...
 
     def spec(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """An abstract array of ``shape`` and ``dtype`` (what ``probe`` returns)."""
+        """An abstract array of ``shape`` and ``dtype`` (what ``probe`` returns): any
+        object with ``shape`` (a tuple of ints) and ``dtype`` (one numpy reads) will do.
+        ``eval_shape`` must accept these as arguments."""
         ...
 
     def to_device(self, tree: Tree) -> Tree:
@@ -109,11 +127,26 @@ class Framework(Protocol):
         """``(traceable, output specs)`` of ``f(x, *contexts)``: can the framework
         transform and compile ``f``, and what it returns (shapes and dtypes), learnt
         without running it where the framework can (``jax.eval_shape``). Errors of
-        the function itself propagate."""
+        the function itself propagate. ``x`` and ``contexts`` are concrete (numpy
+        arrays, or the caller's arrays of this framework).
+
+        ``traceable`` decides how operators run: True compiles them (``compile``, with
+        ``estimate`` for budgets) and lets Jacobians and Hessians run in chunks with
+        progress, provided the engine also has ``traces = True``; False runs the
+        engine on concrete arrays through ``eager()``, one shot, unchunked and
+        unbounded. A framework without a compiler still says True where its engines
+        can run inside the "executables" it returns."""
         ...
 
     def eval_shape(self, fn: Callable, *args: Any) -> Tree:
-        """Output specs of ``fn(*args)`` inside a program being built."""
+        """Output specs of ``fn(*args)`` (``spec``'s kind), ``fn`` not run where the
+        framework can avoid it. ``args`` (a pytree each) hold, leaf by leaf: concrete
+        arrays (numpy, or this framework's), values inside one of this framework's
+        programs (where the engines call it), and specs made by this framework's own
+        ``spec`` (when a served function is described from its example or its
+        annotations). A framework without abstract evaluation calls ``fn`` on arrays
+        of the specs' shapes and dtypes (``numpy.ones``). An exception means "not
+        known": the description shows no shapes."""
         ...
 
     # --- transforming -------------------------------------------------------------
@@ -138,8 +171,16 @@ class Framework(Protocol):
 
     def compile_donating(self, fn: Callable, args: tuple) -> Any:
         """``fn`` compiled for ``args`` with its last argument's buffer donated to the
-        output (a chunk's previous block); the executable has ``out_info``, the
-        output's spec."""
+        output: a chunk of a chunked Jacobian or Hessian.
+
+        ``fn(x, contexts, start, previous) -> block``; ``args`` is ``(x, contexts,
+        np.int32(0), previous)`` with concrete ``x`` and ``contexts``, and ``previous``
+        the spec of one block (from this framework's ``eval_shape``): ``fn`` ignores it,
+        and a framework that cannot donate buffers ignores it too. The executable
+        (called as ``exe(x, contexts, np.int32(start), previous_block)``) must have an
+        attribute ``out_info``: the spec of its output, one array (``shape``,
+        ``dtype``), from which the core allocates the result; ``estimate`` reads its
+        cost as it reads ``compile``'s."""
         ...
 
     def executable_key(
@@ -150,7 +191,16 @@ class Framework(Protocol):
         ...
 
     def estimate(self, executable: Any) -> Any:
-        """``budget.Estimate`` of ``executable``'s memory and work, or None if unknown."""
+        """``Estimate`` of ``executable``'s memory and work, or None if unknown.
+
+        None means unbounded: the compute budgets do not refuse it, and the memory
+        budget never splits it (it still runs in chunks, for progress, from
+        ``DXSERVE_CHUNK_FROM`` basis vectors on). ``memory_bytes`` is what the budgets and the chunk planner read:
+        a Jacobian whose one-shot estimate is over the chunk budget runs in chunks sized
+        from it, and a chunk is shrunk until its own estimate fits. ``flops`` and
+        ``bytes_accessed`` bound the time. A framework without a compiler estimates from
+        what it knows: the bytes of the arguments and outputs, and work from their
+        sizes (one call, or one run on abstract arrays, measures the outputs)."""
         ...
 
     def batch_program(self, run: Callable, inputs: tuple) -> tuple[Any, str]:
@@ -208,8 +258,10 @@ def loaded_frameworks() -> list[Framework]:
 
 
 def register_framework(framework: Framework) -> Framework:
-    """Make ``framework`` available by its ``name`` (replacing one of that name)."""
+    """Make ``framework`` available by its ``name`` (replacing one of that name). Its
+    ``owns(f)``, if it has one, takes part in detection from now on."""
     _FRAMEWORKS[framework.name] = framework
+    _DETECTED.clear()  # a function detected before may now be this framework's
     return framework
 
 
@@ -266,23 +318,42 @@ def _detected(f: Callable) -> str:
 
 
 def detect_framework(f: Callable) -> str:
-    """``"torch"`` when ``f``'s code refers to torch (the module or anything from it: a
-    function, a tensor, an ``nn.Module``, among its globals and closure, and those of
-    the functions it calls in its own modules) and not to JAX; else ``DEFAULT``.
-    Ambiguous and plain-Python functions are JAX's, as before."""
+    """The name of the framework an unmarked ``f`` is written in: the first registered
+    framework whose ``owns(f)`` is true; else ``"torch"`` when ``f``'s code refers to
+    torch (the module or anything from it: a function, a tensor, an ``nn.Module``,
+    among its globals and closure, and those of the functions it calls in its own
+    modules) and not to JAX; else ``DEFAULT``. Ambiguous and plain-Python functions
+    are JAX's, as before."""
+    for framework in list(_FRAMEWORKS.values()):
+        owns = getattr(framework, "owns", None)
+        if owns is not None and owns(f):
+            return framework.name
     if "torch" not in sys.modules:  # nothing can be torch's
         return DEFAULT
     found = _libraries(f, depth=3, seen=set())
     return "torch" if found == {"torch"} else DEFAULT
 
 
-def _libraries(f: Any, depth: int, seen: set[int]) -> set[str]:
-    """The libraries (``_LIBRARIES``' values) that ``f`` refers to."""
+def refers_to(f: Callable, test: Callable[[Any], bool], depth: int = 3) -> bool:
+    """Does ``f``'s code refer to a value for which ``test`` is true: ``f`` itself, or a
+    global or closure variable its code names, or one named by the plain functions
+    those refer to (``depth`` levels down)? What torch's detection walks; a framework's
+    ``owns`` can use it, e.g. ``refers_to(f, lambda v: getattr(v, "__name__", "") ==
+    "autograd.numpy")`` for functions written with ``import autograd.numpy as np``."""
+    return bool(_libraries(f, depth, set(), lambda v: "yes" if test(v) else None))
+
+
+def _libraries(
+    f: Any, depth: int, seen: set[int], label: Callable[[Any], str | None] | None = None
+) -> set[str]:
+    """The labels (``label``, by default ``_library_of``: ``_LIBRARIES``' values) of the
+    values ``f`` refers to; a labelled value is not looked into."""
+    label = label or _library_of
     if id(f) in seen:
         return set()
     seen.add(id(f))
     f = getattr(f, "func", f)  # functools.partial
-    own = _library_of(f)
+    own = label(f)
     if own is not None:
         return {own}
     code = getattr(f, "__code__", None)
@@ -303,11 +374,11 @@ def _libraries(f: Any, depth: int, seen: set[int]) -> set[str]:
             pass
     found: set[str] = set()
     for value in values:
-        library = _library_of(value)
+        library = label(value)
         if library is not None:
             found.add(library)
         elif depth > 0 and isinstance(value, types.FunctionType):
-            found |= _libraries(value, depth - 1, seen)
+            found |= _libraries(value, depth - 1, seen, label)
     return found
 
 
@@ -358,5 +429,5 @@ def astype(xp: Any, a: Any, dtype: Any) -> Any:
 
 __all__ = [
     "DEFAULT", "Estimate", "Framework", "astype", "detect_framework", "framework_of",
-    "get_framework", "host_array", "register_framework",
+    "get_framework", "host_array", "refers_to", "register_framework",
 ]

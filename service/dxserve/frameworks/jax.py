@@ -96,6 +96,12 @@ class JaxFramework(_Trees):
 
     name = "jax"
     xp = jnp
+    #: arrays a compiled program takes as they are, beside numpy's (``preparation.Ready``)
+    array_types = (type(jnp.zeros(())),)
+
+    def in_precision_scope(self) -> bool:
+        """Does JAX already keep float64 here (what ``precision_scope`` turns on)?"""
+        return bool(jax.config.jax_enable_x64)
 
     def to_device(self, tree: Tree) -> Tree:
         return jax.device_put(tree, jax.config.jax_default_device)
@@ -118,6 +124,12 @@ class JaxFramework(_Trees):
 
     def eval_shape(self, fn: Callable, *args: Any) -> Tree:
         return jax.eval_shape(fn, *args)
+
+    def lower(self, fn: Callable, *args: Any) -> Any:
+        """``fn`` traced and lowered for ``args``, not compiled: what ``compile`` would
+        refuse at tracing or lowering (forward mode through a ``custom_vjp`` passes
+        ``eval_shape`` and fails only here), it refuses."""
+        return jax.jit(fn).lower(*args)
 
     def vmap(self, fn: Callable, in_axes: Any = 0) -> Callable:
         return jax.vmap(fn, in_axes=in_axes)

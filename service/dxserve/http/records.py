@@ -88,7 +88,7 @@ def server_timing(info: observe.RequestInfo, start: float, now: float) -> bytes:
     if not info.call_end:
         return b"total;dur=%.3f, decode;dur=%.3f" % (total, decode)
     call, encode = info.call_end - info.call_start, (now - info.call_end) * 1e3
-    if info.compute is None:  # a merged batch: waiting and computing not timed apart
+    if info.compute is None:  # not measured apart: the whole call counts as compute
         return b"total;dur=%.3f, decode;dur=%.3f, compute;dur=%.3f, encode;dur=%.3f" % (
             total, decode, call * 1e3, encode)
     queue = max(call - info.compute, 0.0) * 1e3

@@ -367,7 +367,7 @@ class FunctionSummary(BaseModel):
 
 
 class FunctionList(BaseModel):
-    functions: list[FunctionSummary] = Field(
+    functions: list[FunctionSummary | FunctionInfoModel] = Field(
         description="By name; with `?details=true`, each function's full description "
         "(what `GET /functions/{name}` answers) instead"
     )

@@ -1,12 +1,12 @@
-"""Operator calls that go straight to the client's fast transport (``dxclient._direct``).
+"""Large bodies through the clients' urllib3 path (``dxclient.transport.LargeBodies``).
 
-Against the real server: results equal to those sent through httpx, problems raised
-alike, both clients. Against a scripted ``http.server`` (a real socket) that records
-each request's head and answers with a canned gradient: the head written is byte for
-byte the one httpx writes; header changes on the httpx client reach it; every client
-setting that httpx acts on per request (auth, hooks, cookies, params, redirects) sends
-the call through httpx instead; answers that set cookies or are gzip-encoded are
-handled as httpx handles them; connection errors are httpx's, with their request.
+Against the real server: results equal to those sent through plain httpx transports,
+problems raised alike, both clients. Against a scripted ``http.server`` (a real socket)
+that records each request's head and answers with a canned gradient: header changes on
+the httpx client reach the request; every client setting httpx acts on per request
+(auth, hooks, cookies, params, redirects) holds on this path; answers that set cookies,
+are gzip-encoded or repeat a header are handled as httpx handles them; calls log as
+httpx does; connection errors are httpx's, with their request.
 """
 
 from __future__ import annotations
@@ -25,102 +25,79 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client, _models
-from dxclient._direct import Answer, DirectCalls
-from dxclient.transport import request_head
+from dxclient.transport import LargeBodies
 from dxcontract import codec
 from dxcontract.backends import JaxReverse
 from dxcontract.errors import UnknownFunctionError
 from tests.conftest import HandlerInThread, free_port
 
-N = 20_000  # 160 KB of float64: a body the fast transport takes itself
+N = 20_000  # 160 KB of float64: a body urllib3 sends
 
 
 def _x(n: int = N, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1.5, 1.5, n)
 
 
-class _Spy:
-    """Counts the calls a client's ``DirectCalls`` sent itself (not handed to httpx)."""
-
-    def __init__(self, direct: DirectCalls) -> None:
-        self.taken = 0
-        self.declined = 0
-        send, asend = direct.send, direct.asend
-
-        def counted(answer: Any) -> Any:
-            if answer is None:
-                self.declined += 1
-            else:
-                self.taken += 1
-            return answer
-
-        async def acounted(call: Any, url: Any) -> Any:
-            return counted(await asend(call, url))
-
-        direct.send = lambda call, url: counted(send(call, url))  # type: ignore[method-assign]
-        direct.asend = acounted  # type: ignore[method-assign]
-
-
 # --- against the real server ----------------------------------------------------------
+def _requests(transport: LargeBodies, url: str) -> int:
+    """Requests ``transport`` sent to ``url`` through urllib3."""
+    return transport.pool.connection_from_url(url).num_requests
+
+
 @pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
-def test_direct_results_equal_httpx_results(server, encoding: str) -> None:
+def test_results_equal_plain_httpx_results(server, encoding: str) -> None:
     backend = JaxReverse()
-    direct = Client(server.url, encoding=encoding)
-    plain = Client(server.url, encoding=encoding)
-    plain._direct = None
-    spy = _Spy(direct._direct)
+    transport = LargeBodies()
+    large = Client(server.url, encoding=encoding, transport=transport)
+    plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url))
     try:
         for seed, x in enumerate([_x(), _x(N, 1)[::2].copy(), _x(N).astype(">f8")]):
-            got = direct.gradient("rosenbrock", backend, x)
+            got = large.gradient("rosenbrock", backend, x)
             want = plain.gradient("rosenbrock", backend, x)
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), seed
-            value, grad = direct.value_and_gradient("rosenbrock", backend, x)
+            value, grad = large.value_and_gradient("rosenbrock", backend, x)
             assert np.array_equal(grad, want)
-        prep = direct.prepare_gradient("rosenbrock", backend, _x())
+        prep = large.prepare_gradient("rosenbrock", backend, _x())
         np.testing.assert_array_equal(
-            direct.gradient("rosenbrock", backend, _x(), prep=prep),
+            large.gradient("rosenbrock", backend, _x(), prep=prep),
             plain.gradient("rosenbrock", backend, _x()),
         )
+        assert _requests(transport, server.url) >= 8
     finally:
-        direct.close()
+        large.close()
         plain.close()
-    assert spy.taken >= 8 and spy.declined == 0
 
 
-def test_direct_problem_raises_as_through_httpx(server) -> None:
-    with Client(server.url) as client:
-        spy = _Spy(client._direct)
-        with pytest.raises(UnknownFunctionError) as direct_error:
+def test_problem_raises_as_through_plain_httpx(server) -> None:
+    plain = Client(http=httpx.Client(base_url=server.url))
+    with Client(server.url) as client, plain:
+        with pytest.raises(UnknownFunctionError) as large_error:
             client.gradient("no_such_function", JaxReverse(), _x())
-        client._direct = None
         with pytest.raises(UnknownFunctionError) as httpx_error:
-            client.gradient("no_such_function", JaxReverse(), _x())
-    assert spy.taken == 1
-    assert str(direct_error.value) == str(httpx_error.value)
-    assert direct_error.value.status == httpx_error.value.status == 404
+            plain.gradient("no_such_function", JaxReverse(), _x())
+    assert str(large_error.value) == str(httpx_error.value)
+    assert large_error.value.status == httpx_error.value.status == 404
 
 
-def test_async_direct_results_equal_httpx_results(server) -> None:
-    async def both() -> tuple[list, list, _Spy]:
-        async with AsyncClient(server.url) as direct, AsyncClient(server.url) as plain:
-            plain._direct = None
-            spy = _Spy(direct._direct)
-            xs = [_x(), _x(10), _x(N).astype(np.float32)]
-            got = [await direct.gradient("rosenbrock", JaxReverse(), x) for x in xs]
+def test_async_results_equal_plain_httpx_results(server) -> None:
+    async def both() -> tuple[list, list]:
+        plain_http = httpx.AsyncClient(base_url=server.url)
+        async with AsyncClient(server.url) as ours, AsyncClient(http=plain_http) as plain:
+            xs = [_x(), _x(10), _x(N).astype(np.float32), _x(200_000)]
+            got = [await ours.gradient("rosenbrock", JaxReverse(), x) for x in xs]
             want = [await plain.gradient("rosenbrock", JaxReverse(), x) for x in xs]
-            return got, want, spy
+            return got, want
 
-    got, want, spy = asyncio.run(both())
+    got, want = asyncio.run(both())
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
-    assert spy.taken == 3  # the async transport takes small bodies too
 
 
 def test_small_sync_calls_go_through_httpx(server) -> None:
-    with Client(server.url) as client:
-        spy = _Spy(client._direct)
+    transport = LargeBodies()
+    with Client(server.url, transport=transport) as client:
         client.gradient("rosenbrock", JaxReverse(), _x(10))
-    assert spy.taken == 0 and spy.declined == 1
+        assert _requests(transport, server.url) == 0
 
 
 # --- against a scripted server ---------------------------------------------------------
@@ -175,31 +152,27 @@ def scripted() -> Iterator[ScriptedServer]:
     server.close()
 
 
-def _httpx_head(client: Client, x: np.ndarray) -> bytes:
-    """The head httpx writes for this gradient call (its request built, not sent)."""
-    call = _models.operator_call("gradient", "f", JaxReverse(), x, None, (), None, "binary")
-    url = client._url(call)
-    return request_head(client._direct._request(call, url))
-
-
-def test_direct_head_is_the_one_httpx_writes(scripted: ScriptedServer) -> None:
-    with Client(scripted.url) as client:
-        spy = _Spy(client._direct)
-        for n in (N, N + 1, 3 * N):  # another body length, the same head otherwise
+def test_header_changes_reach_the_request(scripted: ScriptedServer) -> None:
+    transport = LargeBodies()
+    with Client(scripted.url, transport=transport) as client:
+        for n in (N, N + 1, 3 * N):
             x = _x(n)
             np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-            assert scripted.heads[-1] == _httpx_head(client, x)
         client.http.headers["authorization"] = "Bearer new-token"
         client.http.headers["x-trace"] = "abc"
         client.gradient("f", JaxReverse(), _x())
-        assert b"\r\nauthorization: Bearer new-token\r\n" in scripted.heads[-1]
-        assert b"\r\nx-trace: abc\r\n" in scripted.heads[-1]
-        assert scripted.heads[-1] == _httpx_head(client, _x())
-    assert spy.taken == 4
+        head = scripted.heads[-1].lower()
+        assert b"\r\nauthorization: bearer new-token\r\n" in head
+        assert b"\r\nx-trace: abc\r\n" in head
+        assert head.startswith(b"post /gradient http/1.1\r\n")
+        assert _requests(transport, scripted.url) == 4
+
+
+SEEN: list[str] = []
 
 
 def _settings() -> list[tuple[str, Any]]:
-    seen: list[str] = []
+    seen = SEEN
 
     def hook(request: httpx.Request) -> None:
         seen.append(request.url.path)
@@ -214,15 +187,16 @@ def _settings() -> list[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize("name, apply", _settings(), ids=[s[0] for s in _settings()])
-def test_client_settings_httpx_acts_on_send_calls_through_httpx(
+def test_client_settings_httpx_acts_on_hold_for_large_bodies(
     scripted: ScriptedServer, name: str, apply: Any
 ) -> None:
-    with Client(scripted.url) as client:
-        spy = _Spy(client._direct)
+    transport = LargeBodies()
+    SEEN.clear()
+    with Client(scripted.url, transport=transport) as client:
         apply(client.http)
         x = _x()
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-    assert spy.taken == 0 and spy.declined == 1, name
+        assert _requests(transport, scripted.url) == 1, name
     head = scripted.heads[-1].lower()
     if name == "auth":
         assert b"\r\nauthorization: basic " in head
@@ -230,44 +204,44 @@ def test_client_settings_httpx_acts_on_send_calls_through_httpx(
         assert b"\r\ncookie: session=s1\r\n" in head
     elif name == "params":
         assert head.startswith(b"post /gradient?q=1 ")
+    elif name == "event hook":
+        assert SEEN == ["/gradient"]
 
 
 def test_answer_setting_a_cookie_is_stored_as_httpx_stores_it(scripted: ScriptedServer) -> None:
     scripted.extra = [("Set-Cookie", "lb=one; Path=/")]
     with Client(scripted.url) as client:
-        spy = _Spy(client._direct)
         x = _x()
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
         assert dict(client.http.cookies) == {"lb": "one"}
         scripted.extra = []
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-    assert spy.taken == 1 and spy.declined == 1  # with a cookie in the jar: httpx
-    assert b"\r\nCookie: lb=one\r\n" in scripted.heads[-1]
+    assert b"\r\ncookie: lb=one\r\n" in scripted.heads[-1].lower()
 
 
 def test_gzip_answer_is_decoded(scripted: ScriptedServer) -> None:
     scripted.gzip = True
-    with Client(scripted.url) as client:
-        spy = _Spy(client._direct)
+    transport = LargeBodies()
+    with Client(scripted.url, transport=transport) as client:
         x = _x()
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-    assert spy.taken == 1
+        assert _requests(transport, scripted.url) == 1
 
 
 def test_repeated_answer_headers_join_as_in_httpx(scripted: ScriptedServer) -> None:
     scripted.extra = [("X-Multi", "a"), ("x-multi", "b")]
     with Client(scripted.url) as client:
         call = _models.operator_call("gradient", "f", JaxReverse(), _x(), None, (), None, "binary")
-        answer = client._direct.send(call, client._url(call))
-        plain = client.http.post(client._url(call), content=call.body, headers=call.headers)
-    assert isinstance(answer, Answer)
+        answer = client.http.post(client._url(call), content=call.body, headers=call.headers)
+    with httpx.Client() as http:
+        plain = http.post(client._url(call), content=call.body, headers=call.headers)
     assert answer.headers["X-MULTI"] == plain.headers["x-multi"] == "a, b"
     assert answer.headers.get("Content-Type") == plain.headers["content-type"]
     assert "content-length" in answer.headers and "nope" not in answer.headers
-    assert bytes(answer.content) == plain.content
+    assert answer.content == plain.content
 
 
-def test_direct_calls_log_as_httpx(
+def test_large_calls_log_as_httpx(
     scripted: ScriptedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with Client(scripted.url) as client, caplog.at_level(logging.INFO, logger="httpx"):
