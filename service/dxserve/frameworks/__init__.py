@@ -218,12 +218,16 @@ def get_framework(name: str = DEFAULT) -> Framework:
     torch's needs torch installed: the server's ``torch`` extra)."""
     found = _FRAMEWORKS.get(name)
     if found is None and name == DEFAULT:
-        from .jax import JAX  # loaded when first asked for: importing dxserve stays light
+        from dxserve.frameworks.jax.framework import (
+            JAX,  # loaded when first asked for: importing dxserve stays light
+        )
 
         found = _FRAMEWORKS.setdefault(DEFAULT, JAX)
     if found is None and name == "torch":
         try:
-            from .torch import TORCH  # imports torch: only for torch functions
+            from dxserve.frameworks.torch.framework import (
+                TORCH,  # imports torch: only for torch functions
+            )
         except ImportError as exc:
             from dxcontract.extras import SERVER, install_hint
 
@@ -336,7 +340,7 @@ def host_array(value: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, torch.Tensor):
         return None
-    from .torch import host_numpy
+    from dxserve.frameworks.torch.framework import host_numpy
 
     try:
         return host_numpy(value)

@@ -40,8 +40,7 @@ from dxcontract.errors import (
     UnknownPreparationError,
     UnsupportedMediaTypeError,
 )
-
-from ..preparation import out_of_memory
+from dxserve.core.preparation import out_of_memory
 
 PROBLEM_TYPE = "application/problem+json"
 log = logging.getLogger("dxserve.http")

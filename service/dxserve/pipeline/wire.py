@@ -20,9 +20,8 @@ from dxcontract.encodings.common import mark_sequences
 from dxcontract.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxcontract.lru import LRU
 from dxcontract.operators import OperatorSpec
-
-from ..holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
-from ..signature import Signature
+from dxserve.core.holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
+from dxserve.frameworks.jax.signature import Signature
 
 OPERATOR_FIELDS = (
     "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
