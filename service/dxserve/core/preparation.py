@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,15 +65,36 @@ from dxserve.core.backends.selection import (
     mode_name,
 )
 from dxserve.core.chunking import chunker_for, slicer_for
+from dxserve.core.footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
 from dxserve.core.limits import ComputeLimits
 from dxserve.core.progress import Job, JobCancelled
 from dxserve.core.wrt import Dotted, Selected, dotted, refuse_cotangent, select
 from dxserve.frameworks import Framework, framework_of, get_framework, host_array
-from dxserve.frameworks.jax import packing
-from dxserve.frameworks.jax.footprint import EXECUTABLE_BYTES, array_bytes, executable_bytes
-from dxserve.frameworks.jax.signature import Signature
+
+if TYPE_CHECKING:
+    from dxserve.frameworks.jax.signature import Signature
 
 Tree = Any
+
+
+class _Packing:
+    """``frameworks/jax/packing`` (tangent batches, on JAX's tree functions), loaded at
+    the first preparation: importing the core loads no framework."""
+
+    def __getattr__(self, name: str) -> Any:
+        from dxserve.frameworks.jax import packing
+
+        return getattr(packing, name)
+
+
+packing = _Packing()
+
+
+def _signature_of(*args: Any) -> Signature:
+    """``Signature.of(x, tangents, contexts, batch_axis, has_aux)``, loaded when first used."""
+    from dxserve.frameworks.jax.signature import Signature
+
+    return Signature.of(*args)
 _log = logging.getLogger("dxserve.compile")
 #: results that hold one value per tangent, packed by the programs (see ``packing``)
 BATCH_RESULTS = frozenset().union(*(op.batch_results for op in OPERATORS.values()))
@@ -698,7 +719,7 @@ def _prepare_with(
     refuse_low_precision(resolved, fw.leaves(px), traced=traced)
     engine.prepare(family, output, inputs, limits)  # e.g. sparsity detection and colouring
     elements = _check_result_size(family, inputs, max_result_elements, engine, points, aux)
-    signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
+    signature = _signature_of(x, tangents, contexts, batch_axis, has_aux)
     twin_key = (f, operator, resolved, signature)
     twin = cache.get_resolved(twin_key) if cache is not None else None
     if twin is not None:
@@ -1154,7 +1175,7 @@ def lookup(
     if batch_axis is not None:
         check_batch_axis(batch_axis)
     if signature is None:
-        signature = Signature.of(x, tangents, contexts, batch_axis, has_aux)
+        signature = _signature_of(x, tangents, contexts, batch_axis, has_aux)
     key = (f, op.name, backend, signature)
     if prep is not None:
         prep.check(op.family, f, backend, signature)

@@ -207,6 +207,17 @@ def loaded_frameworks() -> list[Framework]:
     return list(_FRAMEWORKS.values())
 
 
+def is_runtime_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a framework's own runtime error (its compiler or device
+    failing: JAX's ``JaxRuntimeError``), by the ``runtime_errors`` (a tuple of exception
+    types; optional) of the frameworks loaded in this process. Such an error can only be
+    raised once its library is loaded, so no framework is loaded to answer."""
+    frameworks = loaded_frameworks()
+    if DEFAULT not in _FRAMEWORKS and _LIBRARIES.get(DEFAULT) in sys.modules:
+        frameworks.append(get_framework(DEFAULT))
+    return any(isinstance(exc, getattr(fw, "runtime_errors", ())) for fw in frameworks)
+
+
 def register_framework(framework: Framework) -> Framework:
     """Make ``framework`` available by its ``name`` (replacing one of that name)."""
     _FRAMEWORKS[framework.name] = framework

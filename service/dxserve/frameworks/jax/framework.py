@@ -94,6 +94,8 @@ class JaxFramework(_Trees):
     """JAX: traced by ``jax.jit``, estimated by XLA's analyses."""
 
     name = "jax"
+    #: what the HTTP door answers as an internal error (or out of memory), not a crash
+    runtime_errors = (jax.errors.JaxRuntimeError,)
     xp = jnp
 
     def to_device(self, tree: Tree) -> Tree:

@@ -45,7 +45,7 @@ from dxcontract.operators import OPERATORS
 from dxserve.core.backends.engine import Engine, Fn
 from dxserve.core.backends.plugins import PLUGINS
 from dxserve.core.backends.real_parts import for_complex
-from dxserve.frameworks.jax.footprint import array_bytes
+from dxserve.core.footprint import array_bytes
 from dxserve.frameworks.jax.sparse_detection import Detector, InProcessDetector, PatternJob, asdex
 
 __all__ = ["BCOO", "SparseEngine", "resolve_sparse", "sparse_engines", "sparse_wire"]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import weakref
 from typing import Any
 
-import jax
 import numpy as np
 
 #: bytes an executable holds whatever its size (code, runtime objects, JAX's wrappers)
@@ -100,11 +100,17 @@ def array_bytes(*objects: Any, depth: int = 4) -> int:
     return sum(_arrays(obj, depth, seen) for obj in objects)
 
 
+def _array_types() -> tuple[type, ...]:
+    """numpy's array type, and JAX's once JAX is loaded (no JAX array exists before)."""
+    jax = sys.modules.get("jax")
+    return (np.ndarray, jax.Array) if jax is not None else (np.ndarray,)
+
+
 def _arrays(obj: Any, depth: int, seen: set[int]) -> int:
     if obj is None or isinstance(obj, (str, bytes, int, float, bool, type)) or id(obj) in seen:
         return 0
     seen.add(id(obj))
-    if isinstance(obj, (np.ndarray, jax.Array)):
+    if isinstance(obj, _array_types()):
         try:
             return int(obj.nbytes)
         except Exception:  # noqa: BLE001 - a deleted or abstract array holds nothing here
