@@ -39,54 +39,21 @@ DIRECT_OFFENDERS: set[str] = {
     "dxserve.server.runtime",
     "dxserve.server.sandboxes.export_gate",
     "dxserve.server.sandboxes.sparsity",
-    "dxserve.server.service",
-    "dxserve.server.worker",
 }
 
 #: Modules outside ``frameworks/`` that still load JAX or torch when imported, directly or
 #: through the modules they import when they load.
 LOADING_OFFENDERS: set[str] = {
-    "dxserve.http",
-    "dxserve.http.app",
-    "dxserve.http.jobs",
-    "dxserve.http.metrics",
-    "dxserve.http.operators",
-    "dxserve.http.problems",
-    "dxserve.http.protocol",
-    "dxserve.http.records",
-    "dxserve.http.routes",
-    "dxserve.http.schemas",
-    "dxserve.http.sending",
-    "dxserve.http.streaming",
-    "dxserve.pipeline",
-    "dxserve.pipeline.operators",
-    "dxserve.pipeline.wire",
-    "dxserve.server.jobs.detached",
-    "dxserve.server.registry",
     "dxserve.server.runtime",
-    "dxserve.server.service",
-    "dxserve.server.worker",
 }
 
 #: Load-time imports that break the folders' rules: ``(module, the module it imports)``.
 LAYER_OFFENDERS: set[tuple[str, str]] = {
-    ("dxserve.pipeline.wire", "dxserve.frameworks.jax"),
-    ("dxserve.pipeline.wire", "dxserve.frameworks.jax.signature"),
-    ("dxserve.server.jobs.detached", "dxserve.frameworks.jax"),
-    ("dxserve.server.jobs.detached", "dxserve.frameworks.jax.precision"),
     ("dxserve.server.jobs.detached", "dxserve.pipeline"),
-    ("dxserve.server.registry", "dxserve.frameworks.jax"),
-    ("dxserve.server.registry", "dxserve.frameworks.jax.executable_cache"),
     ("dxserve.server.runtime", "dxserve.frameworks.jax"),
     ("dxserve.server.runtime", "dxserve.frameworks.jax.executable_cache"),
     ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax"),
     ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax.sparse_detection"),
-    ("dxserve.server.service", "dxserve.frameworks.jax"),
-    ("dxserve.server.service", "dxserve.frameworks.jax.keys"),
-    ("dxserve.server.service", "dxserve.frameworks.jax.precision"),
-    ("dxserve.server.service", "dxserve.frameworks.jax.signature"),
-    ("dxserve.server.service", "dxserve.frameworks.jax.sparse"),
-    ("dxserve.server.service", "dxserve.frameworks.jax.sparse_detection"),
 }
 
 

@@ -218,6 +218,18 @@ def is_runtime_error(exc: BaseException) -> bool:
     return any(isinstance(exc, getattr(fw, "runtime_errors", ())) for fw in frameworks)
 
 
+def clear_caches() -> None:
+    """Each loaded framework's caches of traces and lowerings dropped (``clear_caches``,
+    optional), so a dropped function's constants are freed."""
+    frameworks = loaded_frameworks()
+    if DEFAULT not in _FRAMEWORKS and _LIBRARIES.get(DEFAULT) in sys.modules:
+        frameworks.append(get_framework(DEFAULT))
+    for fw in frameworks:
+        clear = getattr(fw, "clear_caches", None)
+        if clear is not None:
+            clear()
+
+
 def register_framework(framework: Framework) -> Framework:
     """Make ``framework`` available by its ``name`` (replacing one of that name)."""
     _FRAMEWORKS[framework.name] = framework

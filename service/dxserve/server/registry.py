@@ -36,7 +36,6 @@ from dxcontract.errors import (
 )
 from dxcontract.lru import LRU
 from dxserve.core.functions import FunctionInfo, module_functions
-from dxserve.frameworks.jax import executable_cache
 from dxserve.server import kinds
 from dxserve.server.kinds.expression import expression_content
 from dxserve.server.kinds.module import MODULE
@@ -89,6 +88,8 @@ def _build(record: StoredFunction, kind: Any) -> Entry:
         admit(record.content, record.metadata)
     built = kind.build(record.content)
     # Persisted executables of stored functions are keyed by kind and content.
+    from dxserve.frameworks.jax import executable_cache  # keys executables by content
+
     executable_cache.identify(built.fn, kind.name, record.content)
     return Entry(
         record.name,

@@ -22,9 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jax
 import numpy as np
 
 from dxcontract.backends import Backend, backend_from_json
@@ -39,7 +38,6 @@ from dxcontract.errors import (
 )
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS, OperatorSpec, result_names, returned
-from dxcontract.platforms import export_platform
 from dxserve.core.backends import backend_table
 from dxserve.core.holomorphic import maybe as declare
 from dxserve.core.limits import ComputeLimits
@@ -57,11 +55,7 @@ from dxserve.core.preparation import (
 from dxserve.core.progress import Job, JobCancelled
 from dxserve.core.request_batching import Batcher
 from dxserve.core.wrt import refuse_cotangent, select
-from dxserve.frameworks.jax import keys
-from dxserve.frameworks.jax.precision import float64_scope
-from dxserve.frameworks.jax.signature import Signature
-from dxserve.frameworks.jax.sparse import BCOO, sparse_wire
-from dxserve.frameworks.jax.sparse_detection import DetectionBudget
+from dxserve.frameworks import clear_caches, get_framework
 from dxserve.server import observe
 from dxserve.server.admission import Budget, Ticket
 from dxserve.server.compiling import Compiler
@@ -74,6 +68,9 @@ from dxserve.server.sandboxes.sparsity import ChildDetector, DetectionNeeded
 from dxserve.server.stores import open_store
 from dxserve.server.worker import DeviceWorker, Workers
 from dxserve.settings import Settings
+
+if TYPE_CHECKING:
+    from dxserve.frameworks.jax.signature import Signature
 
 Action = Literal["compute", "write", "read"]
 
@@ -155,7 +152,7 @@ class Service:
             resources={"export_gate": self.export_gate},
             suggest=not settings.private_metadata,
         )
-        with float64_scope():  # stored exports may carry float64 signatures
+        with get_framework().precision_scope():  # stored exports: float64 signatures
             #: module -> the names of the functions it registered (``--functions``)
             self.modules = self._add_modules(settings.functions)
             stored = self.registry.load_store()
@@ -163,7 +160,7 @@ class Service:
         #: gives freed heap memory back after large requests and evictions; after preps
         #: were evicted it clears JAX's caches first, where the shapes of their traces and
         #: eager operations stay otherwise (see ``memory``)
-        self.trimmer = Trimmer(settings.trim_after_bytes, clear=jax.clear_caches)
+        self.trimmer = Trimmer(settings.trim_after_bytes, clear=clear_caches)
 
         def evicted(nbytes: int) -> None:
             self.trimmer.released(nbytes, evicted=True)
@@ -181,8 +178,8 @@ class Service:
         # JAX's own trace and lowering caches hold a function's constants by strong
         # reference, so only clearing them frees a dropped export's memory (about its
         # size per rebuild otherwise). Preps hold compiled executables, unaffected.
-        self.registry.on_evict.append(lambda entry: jax.clear_caches())
-        self.registry.on_remove.append(lambda entry: jax.clear_caches())
+        self.registry.on_evict.append(lambda entry: clear_caches())
+        self.registry.on_remove.append(lambda entry: clear_caches())
         self.batcher = Batcher(settings.batching)
         self.workers = Workers(
             settings.queue_size, settings.request_timeout, settings.inline_below,
@@ -197,6 +194,8 @@ class Service:
         self.shapes = ShapeLimits(settings.max_tangents, settings.max_leaves, settings.max_depth)
         self._tokens = settings.tokens()
         #: sparsity detection and colouring, in a bounded child process (sparse_sandbox)
+        from dxserve.frameworks.jax.sparse_detection import DetectionBudget
+
         self.detector = ChildDetector(
             DetectionBudget(
                 settings.max_nnz or None, settings.sparse_detection_seconds,
@@ -404,7 +403,7 @@ class Service:
         op = OPERATORS[operator]
         backend = backend_from_json(backend)  # once, here (a descriptor from the wire: as is)
         self.shapes.check(x, tangents, contexts)  # before anything is traced: 422 past a bound
-        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)  # keys from the wire
+        x, tangents, contexts = _inputs(x, tangents, contexts)  # keys from the wire
         info = observe.enter_call(function, op.name)  # the request's timing, if served over HTTP
         entry = entry or self.registry.loaded(function) or await self._load(function)
         names = entry.signature.get("args") if isinstance(entry.signature, dict) else None
@@ -539,7 +538,7 @@ class Service:
         device = self.workers.device_of(worker)
 
         def compile_it() -> Prep:
-            with jax.default_device(worker.device) if pinned else nullcontext():
+            with get_framework().on_device(worker.device) if pinned else nullcontext():
                 ready = found.prep or found.prepare(self.cache, limit, limits)
                 ready.compile_for(found.operator, *found.inputs)
             return ready
@@ -583,7 +582,7 @@ class Service:
         op = OPERATORS[operator]
         backend = backend_from_json(backend)
         self.shapes.check(x, tangents, contexts)
-        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        x, tangents, contexts = _inputs(x, tangents, contexts)
         entry = self.registry.loaded(function) or await self._load(function)
         found = lookup(
             op.name, entry.fn, backend, x, tangents, contexts, None, self.cache, None,
@@ -620,7 +619,7 @@ class Service:
         info = observe.enter_call(function, f"prepare_{op.name}")
         entry = self.registry.loaded(function) or await self._load(function)
         self.shapes.check(x, tangents, contexts)
-        x, tangents, contexts = keys.inputs_to_jax(x, tangents, contexts)
+        x, tangents, contexts = _inputs(x, tangents, contexts)
         fn = entry.fn
         if wrt is not None:
             fn, x, contexts = select(fn, x, contexts, wrt)
@@ -633,7 +632,7 @@ class Service:
         worker = self.workers.pick()
 
         def compile_it() -> Prep:
-            with jax.default_device(worker.device) if self.workers.pinned else nullcontext():
+            with get_framework().on_device(worker.device) if self.workers.pinned else nullcontext():
                 prep = prepare(
                     op.name, declare(fn, holomorphic), backend, x, tangents, contexts,
                     None, limit, limits, batch_axis, has_aux,
@@ -659,7 +658,7 @@ class Service:
         (a stored function's first use, or its first since it was evicted)."""
 
         def load() -> Any:
-            with float64_scope():  # as at registration: exports may carry float64 signatures
+            with get_framework().precision_scope():  # as at registration: float64 signatures
                 return self.registry.get(function)
 
         return await asyncio.to_thread(load)
@@ -669,7 +668,7 @@ class Service:
         """Register a function from a ``POST /functions`` body: ``(description, created)``."""
 
         def register_it() -> tuple[Any, bool]:
-            with float64_scope():
+            with get_framework().precision_scope():
                 return self.registry.register_body(body)
 
         entry, created = await asyncio.to_thread(register_it)
@@ -703,10 +702,7 @@ class Service:
         """What this server runs on, and how busy it is."""
         return {
             "status": "ready",
-            "platform": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()],
-            "export_platforms": [export_platform(jax.default_backend())],
-            "jax_version": jax.__version__,
+            **get_framework().runtime_info(),  # platform, devices, versions
             "functions": len(self.registry),
             "queued": self.workers.pending,
             "stuck": self.workers.stuck,
@@ -751,11 +747,21 @@ def _host(tree: Any) -> Any:
         return [_host(t) for t in tree]
     if tree is None:  # a None node of a pytree result
         return None
+    from dxserve.frameworks.jax import keys
+    from dxserve.frameworks.jax.sparse import BCOO, sparse_wire
+
     if isinstance(tree, BCOO):  # a sparse result: its wire object (dxcontract.sparse)
         return sparse_wire(tree)
     if keys.is_jax_key(tree):  # a typed PRNG key: its impl and words (dxcontract.keys)
         return keys.key_array(tree)
     return np.asarray(tree)
+
+
+def _inputs(x: Any, tangents: Any, contexts: Any) -> tuple[Any, Any, Any]:
+    """A request's inputs with the wire's ``KeyArray``s as JAX keys."""
+    from dxserve.frameworks.jax import keys
+
+    return keys.inputs_to_jax(x, tangents, contexts)
 
 
 def results_of(names: tuple[str, ...], outputs: tuple) -> dict[str, Any]:

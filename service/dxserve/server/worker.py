@@ -45,12 +45,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import jax
-
 from dxcontract.errors import DeadlineExceededError, OverloadedError
 from dxcontract.lru import LRU
 from dxserve.core import threads
 from dxserve.core.progress import Job
+from dxserve.frameworks import get_framework
 
 T = TypeVar("T")
 log = logging.getLogger("dxserve.worker")
@@ -203,7 +202,7 @@ class DeviceWorker:
         # after they are marked running: one expiring from now on abandons this thread
         live = [j for j in jobs if not j.expired]
         outcomes: list[tuple[bool, Any]] = []
-        with jax.default_device(self.device) if self._pin else nullcontext():
+        with get_framework().on_device(self.device) if self._pin else nullcontext():
             if len(live) == 1 and live[0].progress is not None and live[0].run is not None:
                 progress = live[0].progress
                 progress.pause, self._resumed = self.pause, time.monotonic()
@@ -321,7 +320,7 @@ class Workers:
         self, queue_size: int = 256, timeout: float = 300.0, inline_below: float = 0.001,
         max_batch: int = 1, batch_wait: float = 0.0, nice: int = 0,
     ) -> None:
-        self.devices = jax.devices()
+        self.devices = get_framework().devices()  # the default framework's (JAX's)
         pin = len(self.devices) > 1
         self.workers = [
             DeviceWorker(d, queue_size, timeout, pin, max_batch, batch_wait, nice)

@@ -96,6 +96,29 @@ class JaxFramework(_Trees):
     name = "jax"
     #: what the HTTP door answers as an internal error (or out of memory), not a crash
     runtime_errors = (jax.errors.JaxRuntimeError,)
+
+    def devices(self) -> list[Any]:
+        """The devices a server runs one device worker on each of."""
+        return jax.devices()
+
+    def on_device(self, device: Any) -> AbstractContextManager:
+        """Computations inside run on ``device`` (a worker pinned to one of several)."""
+        return jax.default_device(device)
+
+    def clear_caches(self) -> None:
+        """Drop JAX's trace and lowering caches (they hold a function's constants)."""
+        jax.clear_caches()
+
+    def runtime_info(self) -> dict[str, Any]:
+        """What a server's readiness answer says it runs on."""
+        from dxcontract.platforms import export_platform
+
+        return {
+            "platform": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "export_platforms": [export_platform(jax.default_backend())],
+            "jax_version": jax.__version__,
+        }
     xp = jnp
 
     def to_device(self, tree: Tree) -> Tree:

@@ -63,7 +63,7 @@ from dxcontract.errors import (
 )
 from dxcontract.operators import OPERATORS
 from dxserve.core.progress import Job, JobCancelled
-from dxserve.frameworks.jax.precision import float64_scope
+from dxserve.frameworks import get_framework
 from dxserve.pipeline import Answer, OperatorCall, OperatorRequest, RequestHead
 from dxserve.server.admission import Ticket
 from dxserve.server.jobs.store import (
@@ -801,7 +801,7 @@ def _unpin(registry: Any, data: bytes) -> Any:
         raise InternalError(f"the stored copy of {doc['name']!r} fails its hash check")
     record = StoredFunction(doc["name"], doc["kind"], doc["digest"], content, doc["metadata"],
                             doc["created"])
-    with float64_scope():  # as at registration: exports may carry float64 signatures
+    with get_framework().precision_scope():  # as at registration: float64 signatures
         return registry.version(record)
 
 
