@@ -36,22 +36,17 @@ DIRECT_OFFENDERS: set[str] = {
     "dxserve.server.kinds.export",
     "dxserve.server.kinds.expression",
     "dxserve.server.origins",
-    "dxserve.server.runtime",
     "dxserve.server.sandboxes.export_gate",
     "dxserve.server.sandboxes.sparsity",
 }
 
 #: Modules outside ``frameworks/`` that still load JAX or torch when imported, directly or
 #: through the modules they import when they load.
-LOADING_OFFENDERS: set[str] = {
-    "dxserve.server.runtime",
-}
+LOADING_OFFENDERS: set[str] = set()
 
 #: Load-time imports that break the folders' rules: ``(module, the module it imports)``.
 LAYER_OFFENDERS: set[tuple[str, str]] = {
     ("dxserve.server.jobs.detached", "dxserve.pipeline"),
-    ("dxserve.server.runtime", "dxserve.frameworks.jax"),
-    ("dxserve.server.runtime", "dxserve.frameworks.jax.executable_cache"),
     ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax"),
     ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax.sparse_detection"),
 }

@@ -20,8 +20,8 @@ import pytest
 
 from dxclient.export import export_function
 from dxcontract.errors import PayloadTooLargeError, StorageFullError, UnknownPreparationError
+from dxserve.frameworks.jax.runtime import CachePruner, prune_cache_directory
 from dxserve.server.registry import Registry
-from dxserve.server.runtime import CachePruner, prune_cache_directory
 from dxserve.server.service import Service
 from dxserve.server.stores.directory import DirectoryStore
 from dxserve.settings import Settings
