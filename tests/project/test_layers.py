@@ -47,7 +47,6 @@ LOADING_OFFENDERS: set[str] = set()
 #: Load-time imports that break the folders' rules: ``(module, the module it imports)``.
 LAYER_OFFENDERS: set[tuple[str, str]] = {
     ("dxserve.server.jobs.detached", "dxserve.pipeline"),
-    ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax"),
     ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax.sparse_detection"),
 }
 
@@ -111,12 +110,12 @@ def _with_parents(module: str) -> set[str]:
 
 
 def _load_time_imports(name: str) -> set[str]:
+    """The modules ``name``'s import statements name, run when it loads."""
     tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     found: set[str] = set()
     for node in _load_time_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for target in _targets(node, name):
-                found |= _with_parents(target)
+            found |= _targets(node, name)
     return found - {name}
 
 
@@ -215,7 +214,10 @@ def test_only_frameworks_import_jax_or_torch() -> None:
 def _loading_framework() -> dict[str, str]:
     """``{module: what it loads that loads JAX or torch}``, from load-time imports (a
     module's own packages load before it)."""
-    deps = {name: LOADS[name] | (_with_parents(name) - {name}) for name in MODULES}
+    deps = {
+        name: set().union(*(_with_parents(t) for t in LOADS[name] | {name})) - {name}
+        for name in MODULES
+    }
     found = {
         name: target for name, loads in deps.items() for target in sorted(loads)
         if target.split(".")[0] in FRAMEWORK_TOPS
