@@ -19,7 +19,7 @@ from dxcontract.encodings import binary
 from dxcontract.errors import MalformedRequestError
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS
-from dxserve.core.preparation import Signature
+from dxserve.frameworks.jax.signature import Signature
 from dxserve.http.metrics import _RequestCollector
 from dxserve.pipeline import wire
 
