@@ -28,7 +28,7 @@ def echo(header: dict, payload: bytes) -> tuple[dict, bytes]:
 
 
 async def worker_calls(n: int) -> list[float]:
-    from dxserve.worker import Workers
+    from dxserve.server.worker import Workers
 
     workers = Workers(queue_size=16, timeout=30.0)
     out = []
@@ -43,7 +43,7 @@ async def worker_calls(n: int) -> list[float]:
 
 
 def sandbox_calls(n: int) -> list[float]:
-    from dxserve.sandbox import Limits, Sandbox, _own_paths
+    from dxserve.server.sandboxes.sandbox import Limits, Sandbox, _own_paths
 
     here = os.path.dirname(os.path.abspath(__file__))
     box = Sandbox("abandon_cost:echo", paths=[here, *_own_paths()], name="bench")
@@ -69,7 +69,7 @@ def scan_calls(n: int) -> tuple[list[float], int]:
     import jax.numpy as jnp
     from jax import export, lax
 
-    from dxserve.loops import trip_counts
+    from dxserve.frameworks.jax.loops import trip_counts
 
     def f(x):
         def step(c, _):

@@ -30,7 +30,7 @@ from _common import Tee, machine_line, markdown_table, median, ms, ratio
 from cold_start import CASES, _first_requests, _serve
 
 from dxclient import JaxForward, JaxReverse, SecondOrder
-from dxserve.preparation import PrepCache, call, prepare
+from dxserve.core.preparation import PrepCache, call, prepare
 
 ROUNDS = 7
 

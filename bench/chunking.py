@@ -7,7 +7,7 @@
 In process, float64. Each case is prepared once (tracing and compiling excluded); the
 one-shot candidate runs the prep's one-shot executable (all n basis vectors in one
 vmapped call) and copies the result to numpy as the server does; the chunked candidate
-runs what the server runs from n = 1024 on (``dxserve.chunking``: ~10 compiled calls
+runs what the server runs from n = 1024 on (``dxserve.core.chunking``: ~10 compiled calls
 of n/10 basis vectors, the blocks copied into one numpy array, each block buffer
 donated to the next chunk), with a ``Job`` taking progress reports as a stream would. Interleaved rounds; medians and their ratio. The
 results are compared too (max relative difference).
@@ -21,10 +21,10 @@ import sys
 import numpy as np
 from _common import Tee, interleaved, machine_line, markdown_table, median, ms
 
-from dxserve import preparation
+from dxserve.core import preparation
+from dxserve.core.progress import Job
 from dxserve.examples import rosenbrock, sin_cumsum, tanh_layer
-from dxserve.jobs import Job
-from dxserve.precision import float64_scope
+from dxserve.frameworks.jax.precision import float64_scope
 
 TARGET = 1.10
 

@@ -1,6 +1,6 @@
 """Compile time against request shape: tangents, pytree leaves, depth.
 
-Each case prepares one operator (``dxserve.preparation.prepare``: probe, trace,
+Each case prepares one operator (``dxserve.core.preparation.prepare``: probe, trace,
 compile; for a chunked run also its chunk executable, as the server's compile
 threads do) in a fresh Python process, so no cache is warm, and prints the seconds.
 
@@ -38,8 +38,8 @@ def _one(case: str, size: int) -> None:
     """In a fresh process: prepare one case and print ``{"seconds": ...}``."""
     import numpy as np
 
+    from dxserve.core.preparation import prepare
     from dxserve.examples import least_squares, rosenbrock
-    from dxserve.preparation import prepare
 
     x3 = np.array([1.0, 2.0, 3.0])
     X, Y = np.ones((4, 2)), np.ones((4, 1))
@@ -50,7 +50,7 @@ def _one(case: str, size: int) -> None:
         params: dict = {"w": np.ones((2, 1)), "b": np.zeros(1)}
         extras = {f"u{i}": np.ones(2) for i in range(size - 4)}  # + w, b and 2 contexts
         if case == "deep":
-            from dxserve.request_shapes import MAX_DEPTH
+            from dxserve.server.request_shapes import MAX_DEPTH
 
             for _ in range(MAX_DEPTH - 2):  # leaves at MAX_DEPTH: params, extra, 14 more
                 extras = {"d": extras}
@@ -61,7 +61,7 @@ def _one(case: str, size: int) -> None:
     start = time.perf_counter()
     prep = prepare(*args)
     if hasattr(prep, "compile_for"):  # this tree: the chunk executables too, as served
-        from dxserve.preparation import normalize
+        from dxserve.core.preparation import normalize
 
         prep.compile_for(args[0], *normalize(*args[3:]))
     print(json.dumps({"seconds": time.perf_counter() - start}))
@@ -98,7 +98,7 @@ def main() -> None:
     if args.one:
         _one(args.one[0], int(args.one[1]))
         return
-    from dxserve.request_shapes import MAX_DEPTH, MAX_LEAVES, MAX_TANGENTS
+    from dxserve.server.request_shapes import MAX_DEPTH, MAX_LEAVES, MAX_TANGENTS
 
     out = Tee()
     out(f"# Compile time against request shape\n\n{machine_line()}\n")

@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 from _common import RESULTS  # noqa: E402
 
 from dxclient.export import export_function  # noqa: E402
-from dxserve import export_gate  # noqa: E402
-from dxserve.exported import load_exported  # noqa: E402
+from dxserve.frameworks.jax.exported import load_exported  # noqa: E402
+from dxserve.server.sandboxes import export_gate  # noqa: E402
 
 
 def rosenbrock(x):

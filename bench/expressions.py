@@ -15,7 +15,7 @@ import time
 from _common import Tee, machine_line, markdown_table, median
 
 from dxcontract.errors import InvalidExpressionError
-from dxserve.expressions import MAX_EXPRESSION_CHARS, compile_expression
+from dxserve.frameworks.jax.expressions import MAX_EXPRESSION_CHARS, compile_expression
 
 RUNS = 7
 

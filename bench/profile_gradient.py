@@ -32,10 +32,10 @@ from dxcontract import codec
 from dxcontract.encodings.negotiation import response_encoding
 from dxcontract.operators import OPERATORS
 from dxserve import JaxReverse
+from dxserve.core.preparation import PrepCache, call, lookup
 from dxserve.http import create_app
 from dxserve.pipeline.wire import decode_operator_request
-from dxserve.preparation import PrepCache, call, lookup
-from dxserve.service import results_of as result_payload
+from dxserve.server.service import results_of as result_payload
 from dxserve.settings import Settings
 
 ENCODINGS = ("binary", "b64", "json")

@@ -34,8 +34,8 @@ INFLIGHT = 32
 def _batched_deployment(wait: float):
     from ray import serve
 
-    from dxserve.runtime import bootstrap
-    from dxserve.service import Service
+    from dxserve.server.runtime import bootstrap
+    from dxserve.server.service import Service
     from dxserve.settings import Settings
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},

@@ -35,16 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.sparse_
 from _common import Tee, interleaved, machine_line, markdown_table, median, ms  # noqa: E402
 
 from dxserve import Sparse, SparsePattern  # noqa: E402
-from dxserve.backends.sparse_detection import (  # noqa: E402
-    DetectionBudget,
-    InProcessDetector,
-    PatternJob,
-)
-from dxserve.budget import ComputeLimits  # noqa: E402
-from dxserve.origins import module_origin  # noqa: E402
-from dxserve.precision import float64_scope  # noqa: E402
-from dxserve.preparation import prepare  # noqa: E402
-from dxserve.sparse_sandbox import ChildDetector  # noqa: E402
+from dxserve.core.limits import ComputeLimits  # noqa: E402
+from dxserve.core.preparation import prepare  # noqa: E402
+from dxserve.frameworks.jax.precision import float64_scope  # noqa: E402
+from dxserve.frameworks.jax.sparse_detection import DetectionBudget, InProcessDetector, PatternJob  # noqa: E402
+from dxserve.server.origins import module_origin  # noqa: E402
+from dxserve.server.sandboxes.sparsity import ChildDetector  # noqa: E402
 from tests import sparse_functions as sf  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _common import Tee, machine_line, markdown_table, median, ms, ratio
 
-from dxserve.stores.sqlite import SqliteStore
+from dxserve.server.stores.sqlite import SqliteStore
 
 
 def _wal(db: Path) -> int:

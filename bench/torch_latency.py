@@ -49,7 +49,7 @@ from _common import (
 from torch_functions import torch_rosenbrock
 
 import dxserve
-import dxserve.frameworks.torch as torch_framework
+import dxserve.frameworks.torch.framework as torch_framework
 from dxclient import Client
 from dxserve.examples import rosenbrock
 
@@ -159,12 +159,12 @@ def prep_cache(sizes: list[int], repeats: int) -> list[list]:
         for name, (f, _, reverse) in FRAMEWORKS.items():
             cold, warm = [], []
             for _ in range(repeats):
-                cache = dxserve.preparation.PrepCache()
+                cache = dxserve.core.preparation.PrepCache()
                 start = time.perf_counter()
-                _block(dxserve.preparation.call("gradient", f, reverse, x, None, (), cache=cache))
+                _block(dxserve.core.preparation.call("gradient", f, reverse, x, None, (), cache=cache))
                 cold.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                _block(dxserve.preparation.call("gradient", f, reverse, x, None, (), cache=cache))
+                _block(dxserve.core.preparation.call("gradient", f, reverse, x, None, (), cache=cache))
                 warm.append(time.perf_counter() - start)
             rows.append([f"{n:.0e}", name, ms(median(cold)), ms(median(warm)),
                          ratio(median(cold), median(warm))])

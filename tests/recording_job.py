@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dxserve.jobs import Job
+from dxserve.core.progress import Job
 
 
 class Recording(Job):

@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from dxserve import Engine, register_backend
-from dxserve.backends.plugins import FIRST_ORDER
+from dxserve.core.backends.plugins import FIRST_ORDER
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,14 @@ from dxcontract.errors import (
 # Everything that needs JAX loads on first use (PEP 562), so ``dxserve --help`` and the
 # command line's flag checks answer without importing it.
 if TYPE_CHECKING:
-    from .backends import Engine, register_backend
-    from .differentiate_with import DifferentiateWith
-    from .functions import function
-    from .operators import *  # noqa: F403
-    from .precision import float64_scope
-    from .preparation import CACHE, Prep, resolve
+    from dxserve.core.backends import Engine, register_backend
+    from dxserve.core.differentiate_with import DifferentiateWith
+    from dxserve.core.functions import function
+    from dxserve.core.operators import *  # noqa: F403
+    from dxserve.core.preparation import CACHE, Prep, resolve
+    from dxserve.frameworks.jax.precision import float64_scope
 
-#: The operators of ``dxserve.operators`` (checked against its ``__all__`` by a test).
+#: The operators of ``dxserve.core.operators`` (checked against its ``__all__`` by a test).
 _OPERATOR_NAMES = (
     "derivative", "gradient", "gradient_and_hvp", "hessian", "hvp", "jacobian",
     "prepare_derivative", "prepare_gradient", "prepare_gradient_and_hvp", "prepare_hessian",
@@ -62,10 +62,11 @@ _OPERATOR_NAMES = (
 )  # fmt: skip
 #: Where each lazily loaded name lives.
 _LAZY = {
-    "Engine": "backends", "register_backend": "backends",
-    "DifferentiateWith": "differentiate_with", "function": "functions",
-    "float64_scope": "precision", "CACHE": "preparation", "Prep": "preparation",
-    "resolve": "preparation", **dict.fromkeys(_OPERATOR_NAMES, "operators"),
+    "Engine": "dxserve.core.backends", "register_backend": "dxserve.core.backends",
+    "DifferentiateWith": "dxserve.core.differentiate_with", "function": "dxserve.core.functions",
+    "float64_scope": "dxserve.frameworks.jax.precision", "CACHE": "dxserve.core.preparation",
+    "Prep": "dxserve.core.preparation", "resolve": "dxserve.core.preparation",
+    **dict.fromkeys(_OPERATOR_NAMES, "dxserve.core.operators"),
 }  # fmt: skip
 
 
@@ -74,7 +75,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dxserve' has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
+    value = getattr(import_module(module), name)
     globals()[name] = value
     return value
 

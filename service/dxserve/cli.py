@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import __version__
-from .observe import configure_logging
-from .settings import Settings
+from dxserve import __version__
+from dxserve.server.observe import configure_logging
+from dxserve.settings import Settings
 
 #: ``--functions``: what is served, and how the example functions come in.
 FUNCTIONS_HELP = (
@@ -138,7 +138,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     if worker is None:
         log.info("store: %s", store_location(settings))
     if settings.workers > 1 and worker is None:
-        from .supervisor import supervise
+        from dxserve.server.supervisor import supervise
 
         return supervise(settings, argv if argv is not None else sys.argv[1:])
 
@@ -247,9 +247,9 @@ def _serve_settings(args: argparse.Namespace) -> Settings | None:
 def _load_app(settings: Settings) -> Any:
     """The application for ``settings``, its runtime set up; None, after saying why on
     stderr, where its store is locked or a ``--functions`` module does not import."""
-    from .http import create_app
-    from .runtime import bootstrap
-    from .store import StoreLockedError
+    from dxserve.http import create_app
+    from dxserve.server.runtime import bootstrap
+    from dxserve.server.stores.directory import StoreLockedError
 
     sys.path.insert(0, os.getcwd())  # so --functions can name modules of the working directory
     bootstrap(settings)
@@ -283,7 +283,7 @@ def _run_worker(
     import uvicorn
     from prometheus_client import Gauge
 
-    from .supervisor import reuse_port_socket
+    from dxserve.server.supervisor import reuse_port_socket
 
     # which process answered a scrape: one series per worker (index, pid)
     Gauge(
@@ -328,7 +328,7 @@ def run_ray(args: argparse.Namespace) -> int:
     try:
         import ray
 
-        from . import ray_serve
+        from dxserve import ray_serve
     except ImportError:
         from dxcontract.extras import SERVER, install_hint
 
@@ -392,7 +392,7 @@ def connection_options(settings: Settings, log: logging.Logger) -> dict[str, Any
     """uvicorn's options that bound connections, from ``settings``: its own where it has
     them, and the protocol of ``http.protocol`` (through uvicorn's ``http=`` option) for
     read and write timeouts, the header size and a hard connection cap."""
-    from .http.protocol import (
+    from dxserve.http.protocol import (
         H11_UNPROTECTED,
         UNPROTECTED,
         ConnectionLimits,

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dxcontract.keys import KeyArray
-
-from .functions import function
+from dxserve.core.functions import function
 
 _X3 = np.array([1.0, 2.0, 3.0])
 

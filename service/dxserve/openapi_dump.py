@@ -8,8 +8,8 @@ import tempfile
 
 
 def document() -> dict:
-    from .http import create_app
-    from .settings import Settings
+    from dxserve.http import create_app
+    from dxserve.settings import Settings
 
     with tempfile.TemporaryDirectory() as tmp:
         # documented as a server with a token: the document shows where one goes (a

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .settings import Settings
+from dxserve.settings import Settings
 
 __all__ = ["build", "build_app", "start"]
 
@@ -63,15 +63,15 @@ def _deployment_class() -> Any:
         plus methods for ``DeploymentHandle`` callers (no HTTP on that path)."""
 
         def __init__(self, settings: dict[str, Any] | None = None) -> None:
-            from .runtime import bootstrap
-            from .service import Service
+            from dxserve.server.runtime import bootstrap
+            from dxserve.server.service import Service
 
             self.settings = Settings(**(settings or {}))
             bootstrap(self.settings)
             self.service = Service(self.settings)
 
         def __serve_build_asgi_app__(self) -> Any:
-            from .http import create_app
+            from dxserve.http import create_app
 
             return create_app(self.settings, service=self.service)
 
@@ -85,9 +85,8 @@ def _deployment_class() -> Any:
             from dxcontract.codec import JSON_TYPE
             from dxcontract.errors import InvalidArgumentError
             from dxcontract.operators import OPERATORS
-
-            from .jobs import Job
-            from .pipeline import OperatorCall, RequestHead
+            from dxserve.core.progress import Job
+            from dxserve.pipeline import OperatorCall, RequestHead
 
             op = OPERATORS.get(operator)
             if op is None:

@@ -20,7 +20,7 @@ import pytest
 from dxclient import AsyncClient, Client, JaxReverse
 from dxcontract.errors import NotScalarOutputError, PreparationMismatchError
 from dxserve.examples import BN_MOMENTUM, bn_loss
-from dxserve.precision import float64_scope
+from dxserve.frameworks.jax.precision import float64_scope
 
 STEPS, LR = 20, 0.05
 

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 import dxserve
 from dxclient import Client
 from dxclient.jax import remote_function
-from dxserve.expressions import compile_expression
+from dxserve.frameworks.jax.expressions import compile_expression
 from tests.library.test_dtype_grid import _check, _compositions
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]

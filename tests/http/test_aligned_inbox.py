@@ -13,10 +13,10 @@ import pytest
 
 from dxcontract import codec
 from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
-from dxserve.admission import Budget
+from dxserve.frameworks.jax.precision import float64_scope
 from dxserve.pipeline import BodyBuffer, RequestHead
 from dxserve.pipeline.operators import ONE_BUFFER_BYTES, aligned_buffer
-from dxserve.precision import float64_scope
+from dxserve.server.admission import Budget
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 100_000, 800_469])

@@ -22,7 +22,7 @@ from dxclient import Client
 from dxcontract import codec
 from dxcontract.errors import NotScalarOutputError
 from dxserve.examples import bn_loss
-from dxserve.precision import float64_scope
+from dxserve.frameworks.jax.precision import float64_scope
 from tests.aux_functions import X3, aux_scalar, aux_vector
 from tests.conftest import ServerProcess, start_server, stop_server
 

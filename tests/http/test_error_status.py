@@ -8,7 +8,7 @@ import pytest
 
 from dxclient import errors as E
 from dxclient._models import raise_for_problem
-from dxserve.backends.real_parts import ComplexRefused
+from dxserve.core.backends.real_parts import ComplexRefused
 from dxserve.http.problems import STATUS, problem_document, problem_response, status_of
 
 # Every error class and the status the server answers it with (unchanged from when

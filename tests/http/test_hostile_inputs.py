@@ -260,12 +260,12 @@ def in_process(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 @pytest.mark.parametrize("max_batch", [1, 32])
 def test_device_out_of_memory_outside_prep_run_is_503(in_process, monkeypatch, max_batch):
     """``np.asarray`` of a device result (``service._host``) running out of memory."""
-    import dxserve.service
+    import dxserve.server.service
 
     client = in_process(max_batch=max_batch)
     good = client.post("/gradient", json={"function": "rosenbrock", "x": GOOD_X})
     assert good.status_code == 200
-    monkeypatch.setattr(dxserve.service, "_host", _oom)
+    monkeypatch.setattr(dxserve.server.service, "_host", _oom)
     for _ in range(3):  # first call and warm (batched or inline) calls
         r = client.post("/gradient", json={"function": "rosenbrock", "x": GOOD_X})
         doc = expect_problem(r, (503,))
@@ -295,7 +295,7 @@ def test_out_of_memory_anywhere_in_the_http_layer_is_503(in_process, monkeypatch
 
 
 def test_store_full_disk_is_storage_full(tmp_path, monkeypatch):
-    from dxserve.store import DirectoryStore
+    from dxserve.server.stores.directory import DirectoryStore
 
     store = DirectoryStore(tmp_path / "store")
     try:
@@ -426,7 +426,7 @@ def test_concurrent_registrations_never_pass_the_cap(make_server):
 )
 def test_registry_writes_are_closed_beyond_loopback_without_a_token(tmp_path, host, env, writes):
     from dxcontract.errors import ForbiddenError
-    from dxserve.service import Service
+    from dxserve.server.service import Service
     from dxserve.settings import Settings
 
     service = Service(Settings(host=host, store=tmp_path / "s", compilation_cache="",
@@ -447,7 +447,7 @@ def test_registry_writes_are_closed_beyond_loopback_without_a_token(tmp_path, ho
 
 def test_a_token_decides_on_any_host(tmp_path):
     from dxcontract.errors import UnauthorizedError
-    from dxserve.service import Service
+    from dxserve.server.service import Service
     from dxserve.settings import Settings
 
     service = Service(Settings(host="0.0.0.0", token="s3cret", store=tmp_path / "s",

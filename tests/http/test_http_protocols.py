@@ -28,11 +28,11 @@ import pytest
 import dxserve
 from dxclient import _models
 from dxcontract.backends import JaxForward, JaxReverse
-from dxserve.admission import SMALL_BYTES
 from dxserve.cli import connection_options
 from dxserve.examples import rosenbrock
 from dxserve.http.app import create_app
 from dxserve.pipeline import OperatorCall
+from dxserve.server.admission import SMALL_BYTES
 from dxserve.settings import Settings
 from tests.conftest import start_server, stop_server, uvicorn_in_thread
 

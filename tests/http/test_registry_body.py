@@ -22,8 +22,8 @@ from dxcontract.errors import (
     InvalidExpressionError,
     MalformedRequestError,
 )
-from dxserve.registry import Registry
-from dxserve.store import DirectoryStore
+from dxserve.server.registry import Registry
+from dxserve.server.stores.directory import DirectoryStore
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from dxclient import Client, JaxForward, JaxReverse, SecondOrder
 from dxclient.export import export_function
 from dxcontract.errors import InvalidExportError, PayloadTooLargeError, TooManyFunctionsError
 from dxcontract.operators import OPERATORS
-from dxserve.expressions import compile_expression
+from dxserve.frameworks.jax.expressions import compile_expression
 from tests.conftest import start_server, stop_server
 
 RTOL = 1e-12

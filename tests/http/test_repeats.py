@@ -19,9 +19,9 @@ from dxcontract.encodings import binary
 from dxcontract.errors import MalformedRequestError
 from dxcontract.lru import LRU
 from dxcontract.operators import OPERATORS
+from dxserve.frameworks.jax.signature import Signature
 from dxserve.http.metrics import _RequestCollector
 from dxserve.pipeline import wire
-from dxserve.preparation import Signature
 
 
 @pytest.fixture(autouse=True)

@@ -81,7 +81,7 @@ def test_tanh_layer_with_a_bad_W_names_contexts_0_W(door: ServerProcess) -> None
 
 
 def test_an_annotation_that_declares_nothing_is_said(caplog: pytest.LogCaptureFixture) -> None:
-    from dxserve.kinds.module import MODULE
+    from dxserve.server.kinds.module import MODULE
 
     def f(x: "float64[3]"):  # noqa: F722, F821, UP037 - a string form dxserve does not read
         return (x**2).sum()

@@ -35,12 +35,12 @@ from dxserve import (
     JaxReverse,
     SecondOrder,
     Sparse,
-    preparation,
     register_backend,
 )
-from dxserve.budget import ComputeLimits
-from dxserve.jobs import Job
-from dxserve.precision import float64_scope
+from dxserve.core import preparation
+from dxserve.core.limits import ComputeLimits
+from dxserve.core.progress import Job
+from dxserve.frameworks.jax.precision import float64_scope
 from tests.aux_functions import (
     X3,
     aux_context,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dxserve import preparation
+from dxserve.core import preparation
+from dxserve.core.progress import Job, JobCancelled
 from dxserve.examples import rosenbrock, sin_cumsum
-from dxserve.jobs import Job, JobCancelled
-from dxserve.precision import float64_scope
+from dxserve.frameworks.jax.precision import float64_scope
 from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 
 

@@ -40,9 +40,9 @@ from dxserve import (
     Sparse,
     backend_from_json,
 )
-from dxserve.backends.finite_differences import uses_finite_differences
-from dxserve.budget import ComputeLimits
-from dxserve.holomorphic import declared
+from dxserve.core.backends.finite_differences import uses_finite_differences
+from dxserve.core.holomorphic import declared
+from dxserve.core.limits import ComputeLimits
 
 jax.config.update("jax_enable_x64", True)  # the references, in complex128
 
@@ -438,7 +438,7 @@ def test_complex_jacobians_run_one_shot_under_chunking_limits() -> None:
     """Basis chunks are of real basis vectors; complex x runs in one call, correct."""
     z = (np.linspace(0.1, 1.0, 24) + 1j * np.linspace(-1.0, 0.5, 24))
     for backend in ("jax-forward", "jax-reverse"):
-        prep = dxserve.preparation.prepare(
+        prep = dxserve.core.preparation.prepare(
             "jacobian", declared(h_vector), backend, z, None, (),
             limits=ComputeLimits(chunk_from=4),
         )

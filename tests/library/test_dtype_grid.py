@@ -1,6 +1,6 @@
 """A property-based conformance grid: random ``jnp`` compositions x dtypes x backends x operators.
 
-Hypothesis writes a function as a whitelisted expression (``dxserve.expressions``): a
+Hypothesis writes a function as a whitelisted expression (``dxserve.frameworks.jax.expressions``): a
 random composition of ``sin``, ``cos``, ``tanh``, ``exp``, ``square``, ``cumsum``, ``flip``,
 ``+``, ``-``, ``*`` on a vector ``x`` of 1 to 6 entries, in float16, bfloat16, float32,
 float64, complex64 or complex128, sometimes scaled by an int32 context ``k``. Scalar functions are ``sum`` of it (real dtypes) or
@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 import dxserve
 from dxcontract.errors import UnsupportedOperatorError
 from dxserve import FiniteDifferences, JaxForward, JaxReverse, SecondOrder
-from dxserve.expressions import compile_expression
+from dxserve.frameworks.jax.expressions import compile_expression
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64),

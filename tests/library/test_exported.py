@@ -1,7 +1,7 @@
 """Uploaded JAX exports: every AD mode on the loaded callable equals the original.
 
 Each function is exported in-process with ``dxclient.export.export_function``,
-loaded with ``dxserve.exported.load_exported``, and every transformation of the
+loaded with ``dxserve.frameworks.jax.exported.load_exported``, and every transformation of the
 loaded ``g`` is compared with the same transformation of the original ``f`` at
 rtol 1e-12 in float64, all under ``jax.jit``.
 """
@@ -25,7 +25,7 @@ from dxcontract.errors import (  # noqa: E402
     ShapeMismatchError,
     UnsupportedOperatorError,
 )
-from dxserve.exported import (  # noqa: E402
+from dxserve.frameworks.jax.exported import (  # noqa: E402
     ALLOWED_CUSTOM_CALL_TARGETS,
     custom_call_targets,
     load_exported,
@@ -489,11 +489,11 @@ def test_empty_tangent_batch():
 
 
 # ----------------------------------------------------------------------------
-# the export gate (dxserve.export_gate): checked in a child before read in process
+# the export gate (dxserve.server.sandboxes.export_gate): checked in a child before read in process
 # ----------------------------------------------------------------------------
 import hashlib  # noqa: E402
 
-from dxserve import export_gate  # noqa: E402
+from dxserve.server.sandboxes import export_gate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -573,7 +573,7 @@ def test_admit_trusts_only_a_matching_stamp(rosen_bundle, monkeypatch):
 
 
 def test_export_kind_refuses_to_read_ungated_content(rosen_bundle, monkeypatch):
-    from dxserve.kinds.export import EXPORT
+    from dxserve.server.kinds.export import EXPORT
 
     gate = export_gate.ExportGate()
 

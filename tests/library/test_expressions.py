@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dxcontract.errors import InvalidArgumentError, InvalidExpressionError
-from dxserve.expressions import (
+from dxserve.frameworks.jax.expressions import (
     ALLOWED_CONSTANTS,
     ALLOWED_FUNCTIONS,
     MAX_EXPRESSION_CHARS,
@@ -517,7 +517,7 @@ def test_fuzz_only_typed_errors(source):
 
 def _sample_call(name: str) -> str:
     """A call of ``name`` that passes every allowed keyword (checks our table vs jax)."""
-    from dxserve.expressions import _SIGNATURES
+    from dxserve.frameworks.jax.expressions import _SIGNATURES
 
     sig = _SIGNATURES[name]
     values = {

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dxserve import frameworks
-from dxserve.describe import facts
 from dxserve.frameworks import detect_framework, framework_of, refers_to, register_framework
+from dxserve.server.describe import facts
 
 markerlib = types.ModuleType("markerlib")
 markerlib.square = lambda v: v * v

@@ -478,7 +478,7 @@ def test_operators_reject_invalid_backends():
 
 
 def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
-    import dxserve.preparation as preparation
+    import dxserve.core.preparation as preparation
     from dxcontract.errors import ResultTooLargeError
 
     monkeypatch.setattr(preparation, "MAX_RESULT_ELEMENTS", 10_000)
@@ -520,7 +520,7 @@ def test_device_out_of_memory_is_a_503_and_other_failures_a_422():
 def test_requests_looked_up_together_compile_once():
     """Concurrent first requests for one signature are looked up before any compiles;
     only the first compiles, the rest reuse its prep."""
-    from dxserve.preparation import PrepCache, lookup
+    from dxserve.core.preparation import PrepCache, lookup
 
     f = counted(sin_sq)
     cache = PrepCache()

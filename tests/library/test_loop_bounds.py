@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export, lax
 
-from dxserve.loops import trip_counts, unbounded_loops
+from dxserve.frameworks.jax.loops import trip_counts, unbounded_loops
 from tests.trace_functions import newton_sqrt
 
 

@@ -22,8 +22,8 @@ import dxserve
 from dxcontract import dtypes
 from dxcontract.errors import PreparationMismatchError, UnsupportedOperatorError
 from dxserve import FiniteDifferences, JaxReverse, SecondOrder, Sparse
+from dxserve.core.request_batching import agree_to_rounding
 from dxserve.examples import rosenbrock, sin_cumsum
-from dxserve.request_batching import agree_to_rounding
 from tests.references import rosenbrock_gradient, rosenbrock_hessian
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,4 @@
-"""Chunked execution of dense Jacobians and Hessians (``dxserve.chunking``), in process.
+"""Chunked execution of dense Jacobians and Hessians (``dxserve.core.chunking``), in process.
 
 The chunked path against the one-shot path (the same executables the server runs) and
 against analytic derivatives; memory-sized chunks from a small budget; progress
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dxcontract.errors import BudgetExceededError
-from dxserve import preparation
-from dxserve.budget import ComputeLimits
-from dxserve.chunking import CHUNK_FROM
+from dxserve.core import preparation
+from dxserve.core.chunking import CHUNK_FROM
+from dxserve.core.limits import ComputeLimits
+from dxserve.core.progress import Job, JobCancelled
 from dxserve.examples import rosenbrock, sin_cumsum, tanh_layer
-from dxserve.jobs import Job, JobCancelled
-from dxserve.precision import float64_scope
+from dxserve.frameworks.jax.precision import float64_scope
 from tests.recording_job import Recording
 from tests.references import rosenbrock_hessian, sin_cumsum_jacobian
 

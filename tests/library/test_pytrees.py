@@ -28,8 +28,8 @@ from dxcontract.errors import (
     UnsupportedOperatorError,
 )
 from dxserve import JaxForward, JaxReverse, SecondOrder
+from dxserve.core.preparation import prepare
 from dxserve.http import create_app
-from dxserve.preparation import prepare
 from dxserve.settings import Settings
 from tests import pytree_functions as pf
 
@@ -311,7 +311,7 @@ def test_unknown_leaf_through_the_client_names_its_path(http: TestClient) -> Non
 
 # --- expressions over structured inputs -------------------------------------------------------
 def test_expression_indexes_pytree_inputs(http: TestClient) -> None:
-    from dxserve.expressions import compile_expression
+    from dxserve.frameworks.jax.expressions import compile_expression
 
     source = 'jnp.sum(x["w"] ** 2) * x["b"][0] + jnp.sum(jnp.sin(x["b"][1]))'
     f = compile_expression(source, ["x"])
@@ -331,7 +331,7 @@ def test_expression_indexes_pytree_inputs(http: TestClient) -> None:
 )
 def test_expression_strings_only_as_whole_subscripts(source: str) -> None:
     from dxcontract.errors import InvalidExpressionError
-    from dxserve.expressions import compile_expression
+    from dxserve.frameworks.jax.expressions import compile_expression
 
     with pytest.raises(InvalidExpressionError) as info:
         compile_expression(source, ["x"])

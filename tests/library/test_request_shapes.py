@@ -15,7 +15,7 @@ import pytest
 
 from dxclient import Client
 from dxcontract.errors import RequestShapeError
-from dxserve.request_shapes import MAX_LEAVES, MAX_TANGENTS, ShapeLimits
+from dxserve.server.request_shapes import MAX_LEAVES, MAX_TANGENTS, ShapeLimits
 
 X3 = [1.0, 2.0, 3.0]
 

@@ -29,7 +29,7 @@ import dxserve
 from dxclient import Client
 from dxcontract.errors import BudgetExceededError, UnsupportedOperatorError
 from dxserve import Engine, register_backend
-from dxserve.budget import ComputeLimits
+from dxserve.core.limits import ComputeLimits
 from dxserve.examples import sin_cumsum
 from dxserve.frameworks import Estimate, get_framework, register_framework
 from tests.recording_job import Recording
@@ -325,7 +325,7 @@ def test_preparation_compiles_through_the_framework() -> None:
 )
 def test_chunked_runs_report_progress(operator: str, f, backend, expected) -> None:
     x = np.linspace(0.1, 1.3, 40)
-    prep = dxserve.preparation.prepare(
+    prep = dxserve.core.preparation.prepare(
         operator, f, backend, x, None, (), limits=ComputeLimits(chunk_from=20)
     )
     assert prep.chunked(operator)
@@ -338,12 +338,12 @@ def test_chunked_runs_report_progress(operator: str, f, backend, expected) -> No
 def test_a_request_over_budget_is_refused_before_it_runs() -> None:
     x = np.linspace(0.1, 1.3, 64)
     with pytest.raises(BudgetExceededError) as numpy_refusal:
-        dxserve.preparation.prepare(
+        dxserve.core.preparation.prepare(
             "jacobian", np_sin_cumsum, CS, x, None, (),
             limits=ComputeLimits(max_memory_bytes=4096),
         )
     with pytest.raises(BudgetExceededError) as jax_refusal:
-        dxserve.preparation.prepare(
+        dxserve.core.preparation.prepare(
             "jacobian", sin_cumsum, "jax-forward", x, None, (),
             limits=ComputeLimits(max_memory_bytes=4096),
         )
@@ -358,7 +358,7 @@ def test_batches_of_points() -> None:
     got = dxserve.hessian(np_rosenbrock, HESSIAN, xs, batch_axis=0)
     _close(got, np.stack([rosenbrock_hessian(x) for x in xs]))
     # sliced into chunks of points, with progress
-    prep = dxserve.preparation.prepare(
+    prep = dxserve.core.preparation.prepare(
         "gradient", np_rosenbrock, CS, xs, None, (), limits=ComputeLimits(chunk_from=2),
         batch_axis=0,
     )

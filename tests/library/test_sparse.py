@@ -21,16 +21,16 @@ from dxclient import Client
 from dxclient import sparse as wire
 from dxcontract.errors import BudgetExceededError, ResultTooLargeError, ShapeMismatchError
 from dxserve import JaxForward, JaxReverse, SecondOrder, Sparse
-from dxserve.backends import sparse as sparse_backend
-from dxserve.backends.sparse_detection import (
+from dxserve.core.limits import ComputeLimits
+from dxserve.core.preparation import prepare
+from dxserve.frameworks.jax import sparse as sparse_backend
+from dxserve.frameworks.jax.sparse_detection import (
     DetectionBudget,
     InProcessDetector,
     PatternJob,
     colouring_steps,
 )
-from dxserve.budget import ComputeLimits
 from dxserve.http import create_app
-from dxserve.preparation import prepare
 from dxserve.settings import Settings
 from tests import sparse_functions as sf
 

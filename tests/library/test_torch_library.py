@@ -26,7 +26,7 @@ from dxcontract.errors import (  # noqa: E402
     UnsupportedOperatorError,
 )
 from dxserve import SecondOrder, TorchForward, TorchReverse  # noqa: E402
-from dxserve.budget import ComputeLimits  # noqa: E402
+from dxserve.core.limits import ComputeLimits  # noqa: E402
 from dxserve.frameworks import framework_of  # noqa: E402
 from tests.recording_job import Recording  # noqa: E402
 from tests.references import rosenbrock_gradient, rosenbrock_hessian, sin_cumsum_jacobian  # noqa: E402
@@ -152,7 +152,7 @@ def test_module_parameters_are_the_pytree_x() -> None:
 ])
 def test_chunked_runs_report_progress(operator, f, backend, expected) -> None:
     x = np.linspace(0.1, 1.3, 40)
-    prep = dxserve.preparation.prepare(
+    prep = dxserve.core.preparation.prepare(
         operator, f, backend, x, None, (), limits=ComputeLimits(chunk_from=20)
     )
     assert prep.chunked(operator)
@@ -168,7 +168,7 @@ def test_chunked_runs_report_progress(operator, f, backend, expected) -> None:
 def test_chunks_fit_the_memory_budget_by_the_estimate() -> None:
     x = np.linspace(0.1, 1.3, 300)
     fd = SecondOrder(dxserve.FiniteDifferences(), dxserve.FiniteDifferences())
-    prep = dxserve.preparation.prepare(
+    prep = dxserve.core.preparation.prepare(
         "hessian", rosenbrock, fd, x, None, (),
         limits=ComputeLimits(chunk_memory_bytes=8 * 1024**2, chunk_from=0),
     )
@@ -188,7 +188,7 @@ def test_over_budget_is_refused_before_it_runs_as_for_jax() -> None:
     refusals = []
     for f, backend in ((sin_cumsum, "torch-forward"), (jax_sin_cumsum, "jax-forward")):
         with pytest.raises(BudgetExceededError) as info:
-            dxserve.preparation.prepare("jacobian", f, backend, x, None, (),
+            dxserve.core.preparation.prepare("jacobian", f, backend, x, None, (),
                                         limits=ComputeLimits(max_memory_bytes=4096))
         refusals.append(info.value.extra["limit"])
     assert refusals == ["max_request_memory_bytes"] * 2
@@ -200,7 +200,7 @@ def test_a_function_closing_over_tensors_is_not_estimated_but_runs() -> None:
     def weighted(x):
         return torch.sum(weights * x**2)
 
-    prep = dxserve.preparation.prepare("gradient", weighted, "torch-reverse", np.ones(5),
+    prep = dxserve.core.preparation.prepare("gradient", weighted, "torch-reverse", np.ones(5),
                                        None, (), limits=ComputeLimits(max_memory_bytes=1))
     (g,) = prep.run("gradient", np.ones(5), None, ())
     np.testing.assert_allclose(np.asarray(g), 2 * weights.numpy())
@@ -238,12 +238,12 @@ def test_careless_functions_and_inputs_are_typed_errors() -> None:
 
 
 def test_torch_compile_executables_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dxserve.frameworks.torch as torch_framework
+    import dxserve.frameworks.torch.framework as torch_framework
 
     monkeypatch.setattr(torch_framework, "COMPILE", "always")
     x = np.linspace(0.1, 1.3, 7)
-    cache = dxserve.preparation.PrepCache()
-    g = dxserve.preparation.call("gradient", rosenbrock, "torch-reverse", x, None, (),
+    cache = dxserve.core.preparation.PrepCache()
+    g = dxserve.core.preparation.call("gradient", rosenbrock, "torch-reverse", x, None, (),
                                  cache=cache)
     np.testing.assert_allclose(g.numpy(), rosenbrock_gradient(x), rtol=1e-12)
 
@@ -252,7 +252,7 @@ def test_torch_compile_executables_agree(monkeypatch: pytest.MonkeyPatch) -> Non
 def _hot_prep(monkeypatch: pytest.MonkeyPatch, x: np.ndarray) -> tuple[Any, Any]:
     """A gradient prep whose executable compiles after its first call (the threshold
     at 0 s), and that executable."""
-    import dxserve.frameworks.torch as torch_framework
+    import dxserve.frameworks.torch.framework as torch_framework
 
     monkeypatch.setattr(torch_framework, "COMPILE", "hot")
     monkeypatch.setattr(torch_framework, "COMPILE_AFTER", 0.0)
@@ -278,7 +278,7 @@ def test_hot_executables_compile_in_the_background_and_agree(
 def test_a_program_that_does_not_compile_or_disagrees_stays_eager(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import dxserve.frameworks.torch as torch_framework
+    import dxserve.frameworks.torch.framework as torch_framework
 
     def failing(fn: Any, **options: Any) -> Any:
         raise RuntimeError("no C++ compiler here")
@@ -299,7 +299,7 @@ def test_a_program_that_does_not_compile_or_disagrees_stays_eager(
 
 
 def test_the_library_stays_eager_unless_told() -> None:
-    import dxserve.frameworks.torch as torch_framework
+    import dxserve.frameworks.torch.framework as torch_framework
 
     assert torch_framework._compile_mode("") == "off"
     assert torch_framework._compile_mode("1") == "always"
@@ -354,7 +354,7 @@ def test_read_only_inputs_become_tensors_without_warnings(make, dtype: str) -> N
     that per call changed process-wide warning filters from every device thread)."""
     import warnings
 
-    from dxserve.frameworks.torch import numpy_dtype, to_torch
+    from dxserve.frameworks.torch.framework import numpy_dtype, to_torch
 
     np_dtype = numpy_dtype(getattr(torch, dtype))
     value = make(_read_only(np.arange(8).astype(np_dtype)))

@@ -25,7 +25,7 @@ import dxserve
 from dxclient import OPERATORS, AsyncClient, Client, JaxReverse
 from dxcontract.errors import FunctionConflictError, InvalidArgumentError, ShapeMismatchError
 from dxserve.cli import module_list
-from dxserve.functions import module_functions
+from dxserve.core.functions import module_functions
 from dxserve.settings import Settings
 from tests.conftest import REPO, ServerProcess
 
@@ -541,8 +541,8 @@ def test_uploaded_export_describes_itself(server: ServerProcess) -> None:
 def test_annotations_describe_a_module_function() -> None:
     """Without an example, ``jax.ShapeDtypeStruct`` (or ``float``) annotations give the
     shapes; a bare type such as ``jax.Array`` gives none."""
-    from dxserve.describe import describe
-    from dxserve.kinds.module import MODULE
+    from dxserve.server.describe import describe
+    from dxserve.server.kinds.module import MODULE
 
     def scaled(x: jax.ShapeDtypeStruct((4,), np.float32), a: float):
         return a * jnp.sum(x)
@@ -568,9 +568,9 @@ def test_annotations_describe_a_module_function() -> None:
 def test_descriptions_survive_a_restart_without_a_build(tmp_path: Path) -> None:
     """A stored function's shapes are kept with its record: the next server describes it
     from the record alone, before (and without) building it."""
-    from dxserve.precision import float64_scope
-    from dxserve.registry import Registry
-    from dxserve.stores import open_store
+    from dxserve.frameworks.jax.precision import float64_scope
+    from dxserve.server.registry import Registry
+    from dxserve.server.stores import open_store
 
     store = open_store(str(tmp_path / "store"))
     with float64_scope():

@@ -137,9 +137,9 @@ def test_help_imports_no_jax() -> None:
 
 def test_lazy_names_are_the_operators() -> None:
     import dxserve
-    import dxserve.operators
+    import dxserve.core.operators
 
-    assert set(dxserve._OPERATOR_NAMES) == set(dxserve.operators.__all__)
+    assert set(dxserve._OPERATOR_NAMES) == set(dxserve.core.operators.__all__)
     for name in dxserve.__all__:
         assert getattr(dxserve, name) is not None, name
     assert "gradient" in dir(dxserve)

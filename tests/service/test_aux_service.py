@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from dxserve.examples import bn_loss
-from dxserve.precision import float64_scope
-from dxserve.service import Service
+from dxserve.frameworks.jax.precision import float64_scope
+from dxserve.server.service import Service
 from dxserve.settings import Settings
 
 

@@ -139,7 +139,7 @@ def test_in_process_refusals_name_the_field() -> None:
         dxserve.hvp(rosenbrock, "auto", X, (T[:5],), batch_axis=0)
     assert err.value.field == "tangents[0]"
     with pytest.raises(DxError) as err:  # 1000 points * (10*10 + 10) numbers
-        dxserve.preparation.prepare(
+        dxserve.core.preparation.prepare(
             "jacobian", sin_cumsum, "auto", X, None, (), max_result_elements=50_000, batch_axis=0
         )
     assert err.value.field == "x" and "1,000 points" in str(err.value)
@@ -285,7 +285,7 @@ def test_other_bad_batches(http: TestClient) -> None:
 def test_concurrent_batches_through_the_request_batcher(tmp_path: Any) -> None:
     # Concurrent requests of one prep may be merged into one call (request_batching);
     # a batch of points is then a batch of batches, and each answer must still be its own.
-    from dxserve.service import Service
+    from dxserve.server.service import Service
 
     service = Service(Settings(
         store=tmp_path, compilation_cache="", functions=["dxserve.examples"], warm_up=False,

@@ -23,10 +23,10 @@ import pytest
 import dxserve
 from dxclient import Client
 from dxcontract.errors import DeadlineExceededError
-from dxserve.frameworks.jax import primitives
-from dxserve.preparation import prepare
-from dxserve.request_batching import Batcher, bucket
-from dxserve.worker import DeviceWorker
+from dxserve.core.preparation import prepare
+from dxserve.core.request_batching import Batcher, bucket
+from dxserve.frameworks.jax.framework import primitives
+from dxserve.server.worker import DeviceWorker
 
 
 def cube_sum(x):

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from dxcontract.errors import BudgetExceededError, OverloadedError
-from dxserve import executable_cache, preparation
-from dxserve.admission import SMALL_BYTES, Budget
-from dxserve.budget import ComputeLimits, estimate
+from dxserve.core import preparation
+from dxserve.core.limits import ComputeLimits, estimate
+from dxserve.frameworks.jax import executable_cache
+from dxserve.server.admission import SMALL_BYTES, Budget
 from tests.conftest import REQUEST_DEADLINE, memory_of
 
 #: n⁴ intermediates that XLA cannot simplify away (a plain sum of the outer products

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from dxcontract.errors import BudgetExceededError, UnknownPreparationError
-from dxserve.backends import sparse as sparse_backend
+from dxserve.core.footprint import EXECUTABLE_BYTES, constant_bytes, executable_bytes
+from dxserve.core.preparation import PrepCache, call, prepare
 from dxserve.examples import rosenbrock, softmax
-from dxserve.footprint import EXECUTABLE_BYTES, constant_bytes, executable_bytes
-from dxserve.memory import Trimmer, malloc_trim
-from dxserve.preparation import PrepCache, call, prepare
-from dxserve.service import PrepHandles, Service
+from dxserve.frameworks.jax import sparse as sparse_backend
+from dxserve.server.memory import Trimmer, malloc_trim
+from dxserve.server.service import PrepHandles, Service
 from dxserve.settings import Settings
 
 

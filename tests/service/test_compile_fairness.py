@@ -76,7 +76,7 @@ def test_the_compile_share_counts_what_waits_or_runs_and_is_given_back() -> None
     import pytest
 
     from dxcontract.errors import TooManyQueuedError
-    from dxserve.compiling import Compiler
+    from dxserve.server.compiling import Compiler
 
     compiler = Compiler(threads=1, queue_size=8, per_caller=2)
     gate = threading.Event()

@@ -1,4 +1,4 @@
-"""The persistent executable cache (``dxserve.executable_cache``).
+"""The persistent executable cache (``dxserve.frameworks.jax.executable_cache``).
 
 (a) a restarted process loads its operators without running the function's Python
 body and returns the same bits; an executable that JAX itself loaded from its
@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import dxserve
-from dxserve import JaxForward, JaxReverse, executable_cache
-from dxserve.preparation import prepare
-from dxserve.registry import expression_content
+from dxserve import JaxForward, JaxReverse
+from dxserve.core.preparation import prepare
+from dxserve.frameworks.jax import executable_cache
+from dxserve.server.registry import expression_content
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,8 +63,8 @@ SCRIPT = """
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     import dxserve
-    from dxserve import executable_cache as ec
-    from dxserve.preparation import prepare
+    from dxserve.frameworks.jax import executable_cache as ec
+    from dxserve.core.preparation import prepare
 
     jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/jax")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -252,7 +253,7 @@ def test_closures_and_lambdas_are_not_persisted(cache_dir):
 
 
 def test_registered_functions_are_keyed_by_content(cache_dir):
-    from dxserve.expressions import compile_expression
+    from dxserve.frameworks.jax.expressions import compile_expression
 
     content = expression_content("jnp.sum(x**2)", ["x"])
     a, b = compile_expression("jnp.sum(x**2)", ["x"]), compile_expression("jnp.sum(x**2)", ["x"])

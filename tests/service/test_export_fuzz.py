@@ -182,7 +182,7 @@ def _crashes_outside_the_gate(bundle: Path) -> bool:
     """Whether plain ``load_exported`` (no gate) kills its process on this bundle."""
     code = (
         "import sys, jax; jax.config.update('jax_enable_x64', True)\n"
-        "from dxserve.exported import load_exported\n"
+        "from dxserve.frameworks.jax.exported import load_exported\n"
         "try:\n    load_exported(open(sys.argv[1], 'rb').read())\n"
         "except Exception:\n    pass\n"
     )

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dxserve.preparation import prepare
-from dxserve.request_batching import ROUNDING_ULPS, Batcher, agree_to_rounding
+from dxserve.core.preparation import prepare
+from dxserve.core.request_batching import ROUNDING_ULPS, Batcher, agree_to_rounding
 from dxserve.settings import Settings
 
 

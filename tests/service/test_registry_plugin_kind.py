@@ -1,7 +1,7 @@
 """Adding a kind of function is one module: this file defines one and uses it.
 
 ``polynomial``: body field ``coefficients`` (c_0, c_1, ...), f(x) = sum_j sum_i c_i x_j**i.
-It is added through ``dxserve.kinds.add_kind`` and then registered, differentiated,
+It is added through ``dxserve.server.kinds.add_kind`` and then registered, differentiated,
 persisted and listed like the built-in kinds, without any other change.
 """
 
@@ -21,10 +21,10 @@ from pydantic import Field
 import dxserve
 from dxcontract.errors import InvalidArgumentError
 from dxcontract.operators import OPERATORS
-from dxserve import kinds
-from dxserve.kinds import BaseKind, Built
-from dxserve.registry import Registry
-from dxserve.store import DirectoryStore
+from dxserve.server import kinds
+from dxserve.server.kinds import BaseKind, Built
+from dxserve.server.registry import Registry
+from dxserve.server.stores.directory import DirectoryStore
 
 MAX_DEGREE = 64
 
@@ -96,7 +96,7 @@ def test_a_kind_registers_differentiates_and_persists(
             "signature": {"args": ["x"], "coefficients": COEFFICIENTS},
             "digest": entry.digest,
             "created": entry.created,
-            # what dxserve.describe tells from a signature that gives no shapes
+            # what dxserve.server.describe tells from a signature that gives no shapes
             "arguments": [{"name": "x", "role": "x", "shape": None, "dtype": None}],
             "output": None,
             "shapes_from": None,
@@ -213,7 +213,7 @@ class _MemoryStore:
         self._records: dict[str, Any] = {}
 
     def put(self, name, kind, content, metadata, *, replace=False):  # noqa: ANN001, ANN201
-        from dxserve.store import StoredFunction, content_digest
+        from dxserve.server.stores.directory import StoredFunction, content_digest
 
         record = StoredFunction(name, kind, content_digest(content), content, metadata, "now")
         created = name not in self._records

@@ -1,6 +1,6 @@
 """Sparse backends inside the server's budgets, over real sockets to a real server.
 
-Detection and colouring run in a bounded child process (``dxserve.sparse_sandbox``):
+Detection and colouring run in a bounded child process (``dxserve.server.sandboxes.sparsity``):
 a request whose pattern would take gigabytes (softmax at n = 8000: 64 million
 nonzeros) is a 422 while the server's own peak RSS stays put; ``/health`` answers
 while a pattern is found and coloured; a child that crashes, runs out of memory or
@@ -314,7 +314,7 @@ def test_in_process_patterns_take_whole_numbers_only() -> None:
 # --- what comes back from the child is checked before it is used -------------------------------
 def test_an_inconsistent_answer_from_the_child_is_refused() -> None:
     from dxcontract.errors import SparsityDetectionError
-    from dxserve.backends.sparse_detection import (
+    from dxserve.frameworks.jax.sparse_detection import (
         DetectionBudget,
         InProcessDetector,
         PatternJob,
@@ -357,7 +357,7 @@ def test_an_inconsistent_answer_from_the_child_is_refused() -> None:
 
 def test_a_refusal_from_the_child_keeps_only_known_fields() -> None:
     from dxcontract.errors import BudgetExceededError
-    from dxserve.sparse_sandbox import _refusal
+    from dxserve.server.sandboxes.sparsity import _refusal
 
     err = _refusal({"type": "budget-exceeded", "detail": "over",
                     "extra": {"limit": "max_nnz", "estimate": 5, "field": "x", "status": 200}})

@@ -1,4 +1,4 @@
-"""Compute threads run below the event loop (dxserve.threads; Linux per-thread nice)."""
+"""Compute threads run below the event loop (dxserve.core.threads; Linux per-thread nice)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from dxserve import threads
+from dxserve.core import threads
 from dxserve.settings import Settings
 
 linux_only = pytest.mark.skipif(
@@ -71,9 +71,9 @@ def test_xla_threads_inherit_the_lower_priority():
         """
         import json, os, threading
         import jax, jax.numpy as jnp
-        from dxserve import threads
+        from dxserve.core import threads
         before = set(threads.thread_priorities())
-        assert threads.start_backend_at_low_priority(7)
+        assert threads.start_backend_at_low_priority(7, start=jax.devices)
         ran = []
         def work():
             assert threads.lower_priority_of_current_thread(7)
@@ -112,7 +112,7 @@ def test_compute_nice_setting(monkeypatch):
 
 def test_switch_interval_setting(monkeypatch, tmp_path):
     from dxserve.http import create_app
-    from dxserve.runtime import bootstrap
+    from dxserve.server.runtime import bootstrap
 
     assert Settings().switch_interval == 0.001
     monkeypatch.setenv("DXSERVE_SWITCH_INTERVAL", "0")

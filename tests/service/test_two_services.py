@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dxcontract.errors import BudgetExceededError, InvalidArgumentError, UnknownFunctionError
-from dxserve.service import Service
+from dxserve.server.service import Service
 from dxserve.settings import Settings
 
 X = np.array([1.0, 2.0, 3.0])

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dxcontract.errors import StorageFullError, TooManyJobsError
-from dxserve.store import DirectoryStore
-from dxserve.stores import open_store
-from dxserve.stores.jobs import DirectoryJobs, JobRecord, SqlJobs, open_jobs
+from dxserve.server.jobs.store import DirectoryJobs, JobRecord, SqlJobs, open_jobs
+from dxserve.server.stores import open_store
+from dxserve.server.stores.directory import DirectoryStore
 
 T0 = 1_000_000.0
 LEASE = 10.0
@@ -317,7 +317,7 @@ def test_a_result_past_its_reservation_is_stored_only_where_there_is_room(opened
     for it, so the store stays under its limit even when an estimate was short."""
     from types import SimpleNamespace
 
-    from dxserve.detached import Detached
+    from dxserve.server.jobs.detached import Detached
     from dxserve.settings import Settings
 
     _, jobs = opened

@@ -19,10 +19,10 @@ from dxcontract.errors import (
     StorageFullError,
     UnknownFunctionError,
 )
-from dxserve.registry import Registry
-from dxserve.store import DirectoryStore, content_digest
-from dxserve.stores import describe_store, open_store
-from dxserve.stores.sqlite import SqliteStore
+from dxserve.server.registry import Registry
+from dxserve.server.stores import describe_store, open_store
+from dxserve.server.stores.directory import DirectoryStore, content_digest
+from dxserve.server.stores.sqlite import SqliteStore
 
 E2 = b'{"args": ["x"], "expression": "jnp.sum(x ** 2)"}'
 E3 = b'{"args": ["x"], "expression": "jnp.sum(x ** 3)"}'

@@ -1,4 +1,4 @@
-"""Tests for the persistent, content-addressed function store (dxserve.store)."""
+"""Tests for the persistent, content-addressed function store (dxserve.server.stores.directory)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dxcontract.errors import FunctionConflictError, InvalidArgumentError
-from dxserve.store import (
+from dxserve.server.stores.directory import (
     DirectoryStore,
     FunctionStore,
     StoredFunction,
@@ -317,7 +317,7 @@ def test_orphans_kept_while_a_record_is_unreadable(tmp_path: Path) -> None:
 CHILD = textwrap.dedent(
     """
     import sys
-    from dxserve.store import DirectoryStore
+    from dxserve.server.stores.directory import DirectoryStore
 
     s = DirectoryStore(sys.argv[1])
     print("ready", flush=True)

@@ -20,11 +20,11 @@ import pytest
 
 from dxclient.export import export_function
 from dxcontract.errors import PayloadTooLargeError, StorageFullError, UnknownPreparationError
-from dxserve.registry import Registry
-from dxserve.runtime import CachePruner, prune_cache_directory
-from dxserve.service import Service
+from dxserve.frameworks.jax.runtime import CachePruner, prune_cache_directory
+from dxserve.server.registry import Registry
+from dxserve.server.service import Service
+from dxserve.server.stores.directory import DirectoryStore
 from dxserve.settings import Settings
-from dxserve.store import DirectoryStore
 from tests.conftest import start_server, stop_server
 
 

@@ -30,8 +30,8 @@ import httpx
 import pytest
 
 from dxcontract.errors import StorageFullError, TooManyFunctionsError
-from dxserve.stores import open_store
-from dxserve.stores.sqlite import WAL_LIMIT_BYTES, SqliteStore
+from dxserve.server.stores import open_store
+from dxserve.server.stores.sqlite import WAL_LIMIT_BYTES, SqliteStore
 from tests.conftest import start_server, stop_server
 
 E = b'{"args": ["x"], "expression": "jnp.sum(x ** %d)"}'

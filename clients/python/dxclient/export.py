@@ -3,7 +3,7 @@
 A deserialized :class:`jax.export.Exported` runs, and supports reverse mode up to
 its ``vjp_order``, but it has no ``jvp`` and no batching rule. So the client
 exports, besides ``f`` itself, the derivative maps the server needs to rebuild a
-function that every JAX transformation accepts (see ``dxserve.exported``):
+function that every JAX transformation accepts (see ``dxserve.frameworks.jax.exported``):
 
 =============  ===========================  ======================================
 artifact       signature (flat leaves)      meaning (``k`` = symbolic batch size)

@@ -257,6 +257,29 @@ def loaded_frameworks() -> list[Framework]:
     return list(_FRAMEWORKS.values())
 
 
+def is_runtime_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a framework's own runtime error (its compiler or device
+    failing: JAX's ``JaxRuntimeError``), by the ``runtime_errors`` (a tuple of exception
+    types; optional) of the frameworks loaded in this process. Such an error can only be
+    raised once its library is loaded, so no framework is loaded to answer."""
+    frameworks = loaded_frameworks()
+    if DEFAULT not in _FRAMEWORKS and _LIBRARIES.get(DEFAULT) in sys.modules:
+        frameworks.append(get_framework(DEFAULT))
+    return any(isinstance(exc, getattr(fw, "runtime_errors", ())) for fw in frameworks)
+
+
+def clear_caches() -> None:
+    """Each loaded framework's caches of traces and lowerings dropped (``clear_caches``,
+    optional), so a dropped function's constants are freed."""
+    frameworks = loaded_frameworks()
+    if DEFAULT not in _FRAMEWORKS and _LIBRARIES.get(DEFAULT) in sys.modules:
+        frameworks.append(get_framework(DEFAULT))
+    for fw in frameworks:
+        clear = getattr(fw, "clear_caches", None)
+        if clear is not None:
+            clear()
+
+
 def register_framework(framework: Framework) -> Framework:
     """Make ``framework`` available by its ``name`` (replacing one of that name). Its
     ``owns(f)``, if it has one, takes part in detection from now on."""
@@ -270,12 +293,16 @@ def get_framework(name: str = DEFAULT) -> Framework:
     torch's needs torch installed: the server's ``torch`` extra)."""
     found = _FRAMEWORKS.get(name)
     if found is None and name == DEFAULT:
-        from .jax import JAX  # loaded when first asked for: importing dxserve stays light
+        from dxserve.frameworks.jax.framework import (
+            JAX,  # loaded when first asked for: importing dxserve stays light
+        )
 
         found = _FRAMEWORKS.setdefault(DEFAULT, JAX)
     if found is None and name == "torch":
         try:
-            from .torch import TORCH  # imports torch: only for torch functions
+            from dxserve.frameworks.torch.framework import (
+                TORCH,  # imports torch: only for torch functions
+            )
         except ImportError as exc:
             from dxcontract.extras import SERVER, install_hint
 
@@ -407,7 +434,7 @@ def host_array(value: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, torch.Tensor):
         return None
-    from .torch import host_numpy
+    from dxserve.frameworks.torch.framework import host_numpy
 
     try:
         return host_numpy(value)

@@ -1,5 +1,5 @@
 """The HTTP layer: parses, routes and encodes; never differentiates."""
 
-from .app import create_app
+from dxserve.http.app import create_app
 
 __all__ = ["create_app"]

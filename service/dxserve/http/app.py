@@ -32,17 +32,16 @@ from starlette.staticfiles import StaticFiles
 from dxcontract import codec
 from dxcontract.encodings import ENCODINGS
 from dxcontract.operators import OPERATORS, OperatorSpec
-
-from .. import __version__
-from ..detached import Detached
-from ..pipeline import WireMemo
-from ..service import Service
-from ..settings import Settings
-from . import jobs, problems, routes, schemas
-from .metrics import Metrics
-from .operators import OperatorEndpoint, PrepareEndpoint
-from .records import RequestRecords
-from .sending import SendPath
+from dxserve import __version__
+from dxserve.http import jobs, problems, routes, schemas
+from dxserve.http.metrics import Metrics
+from dxserve.http.operators import OperatorEndpoint, PrepareEndpoint
+from dxserve.http.records import RequestRecords
+from dxserve.http.sending import SendPath
+from dxserve.pipeline import WireMemo
+from dxserve.server.jobs.detached import Detached
+from dxserve.server.service import Service
+from dxserve.settings import Settings
 
 _PROBLEMS = {
     400: "Malformed body", 401: "Missing or invalid bearer token (DXSERVE_REQUIRE_TOKEN_FOR_COMPUTE)",

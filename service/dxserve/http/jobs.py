@@ -33,14 +33,13 @@ from starlette.types import Receive, Scope, Send
 from dxcontract import codec
 from dxcontract.errors import DxError
 from dxcontract.operators import OPERATORS
-
-from ..detached import Detached, stored_error
-from ..pipeline import WireMemo
-from ..service import Service
-from .operators import admit, bearer_token, read_body, request_head
-from .problems import problem_document
-from .sending import cover
-from .streaming import EVENT_STREAM, HEARTBEAT, event
+from dxserve.http.operators import admit, bearer_token, read_body, request_head
+from dxserve.http.problems import problem_document
+from dxserve.http.sending import cover
+from dxserve.http.streaming import EVENT_STREAM, HEARTBEAT, event
+from dxserve.pipeline import WireMemo
+from dxserve.server.jobs.detached import Detached, stored_error
+from dxserve.server.service import Service
 
 
 def detached_of(request: Request) -> Detached:

@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ..admission import Budget
-from ..frameworks import loaded_frameworks
-from ..preparation import PrepCache
-from ..request_batching import Batcher
-from ..worker import Workers
+from dxserve.core.preparation import PrepCache
+from dxserve.core.request_batching import Batcher
+from dxserve.frameworks import loaded_frameworks
+from dxserve.server.admission import Budget
+from dxserve.server.worker import Workers
 
 
 class Metrics:

@@ -18,13 +18,12 @@ from starlette.types import Receive, Scope, Send
 from dxcontract import codec
 from dxcontract.errors import PayloadTooLargeError
 from dxcontract.operators import OperatorSpec
-
-from ..admission import SMALL_BYTES
-from ..jobs import Job
-from ..pipeline import Answer, BodyBuffer, OperatorCall, RequestHead, WireMemo
-from ..service import Service
-from .sending import cover
-from .streaming import DisconnectWatch, EventStream
+from dxserve.core.progress import Job
+from dxserve.http.sending import cover
+from dxserve.http.streaming import DisconnectWatch, EventStream
+from dxserve.pipeline import Answer, BodyBuffer, OperatorCall, RequestHead, WireMemo
+from dxserve.server.admission import SMALL_BYTES
+from dxserve.server.service import Service
 
 _HEAD_FIELDS = {
     name: at for at, name in enumerate((

@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from jax.errors import JaxRuntimeError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -40,8 +39,8 @@ from dxcontract.errors import (
     UnknownPreparationError,
     UnsupportedMediaTypeError,
 )
-
-from ..preparation import out_of_memory
+from dxserve.core.preparation import out_of_memory
+from dxserve.frameworks import is_runtime_error
 
 PROBLEM_TYPE = "application/problem+json"
 log = logging.getLogger("dxserve.http")
@@ -152,8 +151,15 @@ def install(app: FastAPI) -> None:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return problem_response(InternalError(f"{type(exc).__name__}; the server logged it"))
 
+    async def _framework_runtime(request: Request, exc: Exception) -> Response:
+        # A framework's own runtime error (JAX's, which is a RuntimeError), by the
+        # frameworks' word; any other RuntimeError goes on as unhandled, as before.
+        if not is_runtime_error(exc):
+            raise exc
+        return await _runtime(request, exc)
+
     app.add_exception_handler(MemoryError, _runtime)
-    app.add_exception_handler(JaxRuntimeError, _runtime)
+    app.add_exception_handler(RuntimeError, _framework_runtime)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -45,8 +45,7 @@ from typing import Any, ClassVar
 
 from dxcontract.codec import dumps
 from dxcontract.errors import DxError, MalformedRequestError, OverloadedError, RequestTimeoutError
-
-from .problems import PROBLEM_TYPE, problem_document
+from dxserve.http.problems import PROBLEM_TYPE, problem_document
 
 log = logging.getLogger("dxserve.http")
 

@@ -21,9 +21,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dxcontract.operators import OPERATORS
-
-from .. import observe
-from .metrics import Metrics
+from dxserve.http.metrics import Metrics
+from dxserve.server import observe
 
 #: An ``X-Request-ID`` sent by the client is echoed when it is this short and plain.
 MAX_REQUEST_ID = 128

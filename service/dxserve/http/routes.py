@@ -18,9 +18,8 @@ from dxcontract.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
-
-from ..service import Action, Service
-from .operators import bearer_token, close_after_answer
+from dxserve.http.operators import bearer_token, close_after_answer
+from dxserve.server.service import Action, Service
 
 
 def service_of(request: Request) -> Service:
@@ -60,7 +59,7 @@ async def list_functions(request: Request, details: bool = False) -> Any:
     authorize(request, "read")
     functions = service_of(request).functions()
     if details:  # each as GET /functions/{name} answers it (its model's fields)
-        from .schemas import FunctionInfoModel
+        from dxserve.http.schemas import FunctionInfoModel
 
         full = [FunctionInfoModel.model_validate(f).model_dump(mode="json") for f in functions]
         return JSONResponse({"functions": full})

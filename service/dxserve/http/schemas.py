@@ -8,10 +8,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from dxcontract.operators import AUX, OPERATORS, OperatorSpec
-
-from ..holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
-from ..kinds import names as kind_names
-from ..kinds import register_model
+from dxserve.core.holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
+from dxserve.server.kinds import names as kind_names
+from dxserve.server.kinds import register_model
 
 
 class TypedArray(BaseModel):
@@ -290,7 +289,7 @@ class Problem(BaseModel):
 
 def __getattr__(name: str) -> Any:
     # RegisterFunction (the POST /functions body) has the fields of every kind added
-    # to dxserve.kinds, so it is built from them when used rather than at import.
+    # to dxserve.server.kinds, so it is built from them when used rather than at import.
     if name == "RegisterFunction":
         return register_model()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..admission import SMALL_BYTES, Budget, Ticket
+from dxserve.server.admission import SMALL_BYTES, Budget, Ticket
 
 #: the scope key under which a request's ``Sending`` is found
 SCOPE_KEY = "dxserve.sending"

@@ -34,10 +34,9 @@ from starlette.types import Receive, Scope, Send
 
 from dxcontract import codec
 from dxcontract.errors import DeadlineExceededError, DxError
-
-from ..jobs import Job
-from ..pipeline import OperatorCall, OperatorRequest
-from .problems import problem_document
+from dxserve.core.progress import Job
+from dxserve.http.problems import problem_document
+from dxserve.pipeline import OperatorCall, OperatorRequest
 
 log = logging.getLogger("dxserve.http")
 

@@ -6,7 +6,7 @@ back validated requests, results with progress and cancellation, and encoded
 ``Answer``s, or typed ``DxError``s to answer with. This layer knows no web framework.
 """
 
-from .operators import Answer, BodyBuffer, OperatorCall, RequestHead
-from .wire import OperatorRequest, WireMemo
+from dxserve.pipeline.operators import Answer, BodyBuffer, OperatorCall, RequestHead
+from dxserve.pipeline.wire import OperatorRequest, WireMemo
 
 __all__ = ["Answer", "BodyBuffer", "OperatorCall", "OperatorRequest", "RequestHead", "WireMemo"]

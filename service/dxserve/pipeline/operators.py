@@ -27,11 +27,8 @@ from dxcontract.encodings import ENCODINGS, binary, costs_of
 from dxcontract.encodings.negotiation import decoder_for, response_encoding
 from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
 from dxcontract.operators import OperatorSpec
-
-from ..admission import SMALL_BYTES
-from ..jobs import Job, JobCancelled
-from ..service import Service
-from .wire import (
+from dxserve.core.progress import Job, JobCancelled
+from dxserve.pipeline.wire import (
     OperatorRequest,
     WireMemo,
     decode_operator_request,
@@ -39,6 +36,8 @@ from .wire import (
     result_nbytes,
     results_to_wire,
 )
+from dxserve.server.admission import SMALL_BYTES
+from dxserve.server.service import Service
 
 #: A JSON body up to this size whose arrays are long base64 strings decodes (and such
 #: an answer encodes) quickly enough for the event loop: ~0.1 ms per MB.

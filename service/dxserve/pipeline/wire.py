@@ -9,7 +9,7 @@ validated again).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,9 +20,7 @@ from dxcontract.encodings.common import mark_sequences
 from dxcontract.errors import InvalidArgumentError, InvalidBackendError, MalformedRequestError
 from dxcontract.lru import LRU
 from dxcontract.operators import OperatorSpec
-
-from ..holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
-from ..signature import Signature
+from dxserve.core.holomorphic import FAMILIES as HOLOMORPHIC_FAMILIES
 
 OPERATOR_FIELDS = (
     "function", "backend", "x", "tangents", "contexts", "prep", "batch_axis", "has_aux",
@@ -30,6 +28,9 @@ OPERATOR_FIELDS = (
 )
 #: second-order nests one level; anything deeper is refused before parsing (no recursion).
 MAX_BACKEND_DEPTH = 4
+
+if TYPE_CHECKING:
+    from dxserve.frameworks.jax.signature import Signature
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -161,7 +162,7 @@ class _Repeat:
         self.holomorphic = req.holomorphic
         # with wrt the service differentiates other inputs than those sent: it finds
         # their signature itself
-        self.signature = None if req.wrt is not None else Signature.of(
+        self.signature = None if req.wrt is not None else _signature_of(
             req.x, req.tangents, req.contexts, req.batch_axis, req.has_aux
         )
 
@@ -201,9 +202,17 @@ class _JsonRepeat:
         last = self.last_x  # one read: another thread may replace it meanwhile
         if last is not None and last[0] == x.shape and last[1] is x.dtype:
             return last[2]
-        signature = Signature.of(x, None, (), self.batch_axis, self.has_aux)
+        signature = _signature_of(x, None, (), self.batch_axis, self.has_aux)
         self.last_x = (x.shape, x.dtype, signature)
         return signature
+
+
+def _signature_of(*args: Any) -> Signature:
+    """``Signature.of(x, tangents, contexts, batch_axis, has_aux)``: the inputs' signature,
+    as preparation finds it (loaded when the first request is read)."""
+    from dxserve.frameworks.jax.signature import Signature
+
+    return Signature.of(*args)
 
 
 def _all_binary(obj: dict) -> bool:

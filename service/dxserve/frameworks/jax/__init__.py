@@ -1,0 +1,1 @@
+"""JAX behind the ``Framework`` seam: everything of dxserve that imports JAX."""

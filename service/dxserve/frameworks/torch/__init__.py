@@ -1,0 +1,1 @@
+"""PyTorch behind the ``Framework`` seam: everything of dxserve that imports torch."""

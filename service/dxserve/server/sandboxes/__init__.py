@@ -1,0 +1,1 @@
+"""Bounded child processes, and the two jobs done in them: reading uploads and detecting sparsity."""
