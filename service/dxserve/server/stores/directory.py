@@ -284,6 +284,12 @@ def admit_put(
             raise store_full(now, quota_bytes, growth)
 
 
+def every_function(store: FunctionStore) -> list[StoredFunction]:
+    """Every function of ``store`` with its content, skipping names forgotten meanwhile."""
+    functions = (store.get(rec.name) for rec in store.records())
+    return [f for f in functions if f is not None]
+
+
 def with_content(rec: StoredRecord, content: bytes) -> StoredFunction:
     """``rec`` with its content, holding a private copy of its metadata."""
     return StoredFunction(
@@ -505,12 +511,7 @@ class DirectoryStore:
 
     def list(self) -> list[StoredFunction]:
         """Every function with its content (reads every object: prefer ``records``)."""
-        out = []
-        for rec in self.records():
-            full = self.get(rec.name)
-            if full is not None:
-                out.append(full)
-        return out
+        return every_function(self)
 
     @property
     def used_bytes(self) -> int:

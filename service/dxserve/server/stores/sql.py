@@ -41,6 +41,7 @@ from dxserve.server.stores.directory import (
     checked_put,
     conflict,
     content_digest,
+    every_function,
     with_content,
 )
 
@@ -259,12 +260,7 @@ class SqlStore:
 
     def list(self) -> list[StoredFunction]:
         """Every function with its content (reads every object: prefer ``records``)."""
-        out = []
-        for rec in self.records():
-            full = self.get(rec.name)
-            if full is not None:
-                out.append(full)
-        return out
+        return every_function(self)
 
     @property
     def used_bytes(self) -> int:
