@@ -31,14 +31,7 @@ PAGE = REPO / "docs" / "architecture.md"
 FRAMEWORK_TOPS = ("jax", "jaxlib", "torch", "functorch")
 
 #: Modules outside ``frameworks/`` whose file still imports JAX or torch (at any level).
-DIRECT_OFFENDERS: set[str] = {
-    "dxserve.server.describe",
-    "dxserve.server.kinds.export",
-    "dxserve.server.kinds.expression",
-    "dxserve.server.origins",
-    "dxserve.server.sandboxes.export_gate",
-    "dxserve.server.sandboxes.sparsity",
-}
+DIRECT_OFFENDERS: set[str] = set()
 
 #: Modules outside ``frameworks/`` that still load JAX or torch when imported, directly or
 #: through the modules they import when they load.
@@ -47,7 +40,6 @@ LOADING_OFFENDERS: set[str] = set()
 #: Load-time imports that break the folders' rules: ``(module, the module it imports)``.
 LAYER_OFFENDERS: set[tuple[str, str]] = {
     ("dxserve.server.jobs.detached", "dxserve.pipeline"),
-    ("dxserve.server.sandboxes.sparsity", "dxserve.frameworks.jax.sparse_detection"),
 }
 
 
