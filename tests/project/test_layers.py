@@ -38,9 +38,7 @@ DIRECT_OFFENDERS: set[str] = set()
 LOADING_OFFENDERS: set[str] = set()
 
 #: Load-time imports that break the folders' rules: ``(module, the module it imports)``.
-LAYER_OFFENDERS: set[tuple[str, str]] = {
-    ("dxserve.server.jobs.detached", "dxserve.pipeline"),
-}
+LAYER_OFFENDERS: set[tuple[str, str]] = set()
 
 
 # --- reading the tree ------------------------------------------------------------------

@@ -295,9 +295,7 @@ def _child_check(header: dict[str, Any], bundle: bytes) -> dict[str, Any]:
 
     platform = str(header["platform"])
     try:  # float64 exports are checked as they will run
-        ran = check_bundle(
-            bundle, platform, header.get("unbounded_loops", "refuse") != "allow"
-        )
+        ran = check_bundle(bundle, platform, header.get("unbounded_loops", "refuse") != "allow")
     except InvalidExportError as e:
         return {"status": "refused", "detail": e.detail}
     except DxError as e:
