@@ -13,9 +13,8 @@ A door (the HTTP app) parses and encodes; everything else is here: who owns a jo
 the limits, the records (in the store, ``stores.jobs``), and the runs. A job runs as
 ``POST /{operator}`` would (the request layer's call, handed in by the door as
 ``open_call``: its body decoded, its budgets the operator's), in whichever process
-claims it from the store, under a lease renewed
-while it runs (``job_lease_seconds``); a process that dies leaves its job to be taken
-over once the lease expires. A chunked run keeps every finished chunk in the store
+claims it from the store, under a lease renewed while it runs (``job_lease_seconds``);
+a process that dies leaves its job to be taken over once the lease expires. A chunked run keeps every finished chunk in the store
 (``jobs.Checkpoints``): a resumed run takes those back instead of computing them again,
 so its result is the uninterrupted run's, bit for bit.
 
@@ -234,13 +233,14 @@ class _StoredJob(Job):
 #: content type, binary header length, body length) -> call`` with ``ticket``,
 #: ``decode``, ``run`` and ``encode`` (``pipeline.stored_calls``: an authorized
 #: ``OperatorCall``). The door that owns the runner gives it: the layer is above this one.
-OpenCall = Callable[[str, "str | None", "str | None", int], Any]
+OpenCall = Callable[[str, str | None, str | None, int], Any]
 
 
 class Detached:
     """The detached jobs of one server process: the API its doors call, and the runner
     that claims and runs jobs from the store (see the module). ``open_call`` runs a
-    job's request (``OpenCall``); without it, jobs are stored and read but not run."""
+    job's request (``OpenCall``); without it, ``start`` refuses (a store's jobs can
+    still be read, as a test of the records does)."""
 
     def __init__(
         self, service: Service, store: JobStore | None = None, *,
