@@ -38,7 +38,7 @@ from dxserve.http.metrics import Metrics
 from dxserve.http.operators import OperatorEndpoint, PrepareEndpoint
 from dxserve.http.records import RequestRecords
 from dxserve.http.sending import SendPath
-from dxserve.pipeline import WireMemo
+from dxserve.pipeline import WireMemo, stored_calls
 from dxserve.server.jobs.detached import Detached
 from dxserve.server.service import Service
 from dxserve.settings import Settings
@@ -62,7 +62,7 @@ def create_app(settings: Settings | None = None, *, service: Service | None = No
     """
     service = service or Service(settings or Settings())
     #: detached jobs: this process claims and runs them from the store while it serves
-    detached = Detached(service)
+    detached = Detached(service, open_call=stored_calls(service))
     metrics = Metrics(
         service.cache, service.batcher, service.workers, service.cancelled, service.budget,
         jobs=detached.counts if detached.store is not None else None,

@@ -6,7 +6,21 @@ back validated requests, results with progress and cancellation, and encoded
 ``Answer``s, or typed ``DxError``s to answer with. This layer knows no web framework.
 """
 
-from dxserve.pipeline.operators import Answer, BodyBuffer, OperatorCall, RequestHead
+from dxserve.pipeline.operators import (
+    Answer,
+    BodyBuffer,
+    OperatorCall,
+    RequestHead,
+    stored_calls,
+)
 from dxserve.pipeline.wire import OperatorRequest, WireMemo
 
-__all__ = ["Answer", "BodyBuffer", "OperatorCall", "OperatorRequest", "RequestHead", "WireMemo"]
+__all__ = [
+    "Answer",
+    "BodyBuffer",
+    "OperatorCall",
+    "OperatorRequest",
+    "RequestHead",
+    "WireMemo",
+    "stored_calls",
+]

@@ -17,7 +17,8 @@ framework: a door hands in a ``RequestHead`` and gets back ``Answer``s and ``DxE
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from dxcontract import codec
 from dxcontract.encodings import ENCODINGS, binary, costs_of
 from dxcontract.encodings.negotiation import decoder_for, response_encoding
 from dxcontract.errors import MalformedRequestError, PayloadTooLargeError
-from dxcontract.operators import OperatorSpec
+from dxcontract.operators import OPERATORS, OperatorSpec
 from dxserve.core.progress import Job, JobCancelled
 from dxserve.pipeline.wire import (
     OperatorRequest,
@@ -37,6 +38,7 @@ from dxserve.pipeline.wire import (
     results_to_wire,
 )
 from dxserve.server.admission import SMALL_BYTES
+from dxserve.server.answers import Answer
 from dxserve.server.service import Service
 
 #: A JSON body up to this size whose arrays are long base64 strings decodes (and such
@@ -58,17 +60,6 @@ class RequestHead:
     content_length: int | None = None
     #: the bearer token presented ("" for another scheme, None for none)
     token: str | None = None
-
-
-@dataclass(slots=True)
-class Answer:
-    """An encoded answer: its body as consecutive bytes-like parts of ``nbytes`` in all."""
-
-    media_type: str
-    parts: list[Any]
-    nbytes: int
-    headers: dict[str, str] = field(default_factory=dict)
-    status: int = 200
 
 
 class OperatorCall:
@@ -263,6 +254,21 @@ class BodyBuffer:
         pieces = self.pieces
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+
+
+def stored_calls(service: Service) -> Callable[[str, str | None, str | None, int], OperatorCall]:
+    """What a job runner (``server.jobs.detached.Detached``) runs a stored request with,
+    as ``POST /{operator}`` would: ``(operator name, content type, binary header length,
+    body length) -> OperatorCall`` on ``service``, authorized (its caller was, when it
+    submitted the job)."""
+
+    def open_call(
+        operator: str, content_type: str | None, header_length: str | None, length: int
+    ) -> OperatorCall:
+        head = RequestHead(content_type, None, header_length, length, None)
+        return OperatorCall(service, OPERATORS[operator], head, authorized=True)
+
+    return open_call
 
 def _fits(data: Any, views: bool) -> bool:
     """Can ``data`` (a whole body) be kept as it is: 64-byte aligned where its arrays

@@ -33,7 +33,7 @@ from dxcontract import codec
 from dxcontract.bundle import tree_spec
 from dxcontract.keys import KeyArray, impl_of, is_key_dtype
 from dxcontract.operators import OPERATORS
-from dxserve.frameworks import DEFAULT, framework_of, host_array
+from dxserve.frameworks import DEFAULT, framework_of, get_framework
 
 #: An example request is given for inputs of at most this many numbers in all.
 MAX_EXAMPLE_ELEMENTS = 1024
@@ -53,15 +53,17 @@ def facts(
     framework's ``eval_shape``, on its own ``spec``s, for a function written in it:
     torch's runs on meta tensors), and the example's JSON (when ``example`` holds values). None if ``fn``
     cannot be traced on them. Call it in float64 scope: float64 examples stay float64."""
-    import jax
+    from dxserve.frameworks.jax.specs import spec_tree
 
     try:
-        specs = [_spec_tree(a) for a in args]
+        specs = [spec_tree(a) for a in args]
         framework = framework_of(fn)
         if framework.name == DEFAULT:
-            output = jax.eval_shape(fn, *specs)
+            output = framework.eval_shape(fn, *specs)
         else:  # another framework gets specs of its own kind (``Framework.spec``)
-            own = jax.tree_util.tree_map(lambda s: framework.spec(tuple(s.shape), s.dtype), specs)
+            own = get_framework(DEFAULT).tree_map(
+                lambda s: framework.spec(tuple(s.shape), s.dtype), specs
+            )
             output = framework.eval_shape(fn, *own)
         found: dict[str, Any] = {
             "x": tree_spec(specs[0], "x"),
@@ -89,7 +91,7 @@ def annotated_args(fn: Callable) -> list[Any] | None:
     a float annotation that allows float64 is float64); a ``ShapeDtypeStruct``, an
     array, and ``float`` (a float64 scalar) are read too. Anything else (a bare type, a
     string such as ``"float64[3]"``) declares no shapes, and the server's log says so."""
-    import jax
+    framework = get_framework(DEFAULT)  # annotations are read as JAX specs (its own ``spec``)
 
     try:
         params = list(inspect.signature(fn, eval_str=True).parameters.values())
@@ -102,7 +104,7 @@ def annotated_args(fn: Callable) -> list[Any] | None:
             continue
         note = p.annotation
         if note is float:
-            out.append(jax.ShapeDtypeStruct((), np.float64))
+            out.append(framework.spec((), np.float64))
             continue
         if _is_jaxtyping(note):
             index = _jaxtyping_spec(note, scope)
@@ -113,7 +115,7 @@ def annotated_args(fn: Callable) -> list[Any] | None:
         if isinstance(note, type) or not (hasattr(note, "shape") and hasattr(note, "dtype")):
             return None  # a type (jax.Array, np.ndarray) says no shape
         try:
-            out.append(jax.ShapeDtypeStruct(tuple(note.shape), np.dtype(note.dtype)))
+            out.append(framework.spec(tuple(note.shape), np.dtype(note.dtype)))
         except (TypeError, ValueError):
             return None
     if scope.pending:
@@ -145,17 +147,9 @@ class _SymbolicScope:
         return len(self.pending) - 1
 
     def specs(self) -> list[Any]:
-        import jax
-        from jax import export
+        from dxserve.frameworks.jax.specs import symbolic_specs
 
-        names = list(dict.fromkeys(d for dims, _ in self.pending for d in dims if not d.isdigit()))
-        symbols = (
-            dict(zip(names, export.symbolic_shape(", ".join(names)), strict=True)) if names else {}
-        )
-        return [
-            jax.ShapeDtypeStruct(tuple(int(d) if d.isdigit() else symbols[d] for d in dims), dtype)
-            for dims, dtype in self.pending
-        ]
+        return symbolic_specs(self.pending)
 
 
 def _jaxtyping_spec(note: Any, scope: _SymbolicScope) -> int | None:
@@ -371,24 +365,6 @@ def _example(name: str, known: dict[str, Any] | None, operators: list[str]) -> d
 
 
 # --- specs and values ---------------------------------------------------------------------
-def _spec_tree(value: Any) -> Any:
-    import jax
-
-    from dxserve.frameworks.jax import keys
-
-    def leaf(v: Any) -> Any:
-        if isinstance(v, jax.ShapeDtypeStruct):
-            return v
-        host = host_array(v)  # a torch tensor: read on the host
-        if host is not None:
-            return jax.ShapeDtypeStruct(host.shape, host.dtype)
-        v = keys.to_jax(v)  # a KeyArray example: JAX's key, whose dtype is the spec's
-        a = v if keys.is_jax_key(v) else np.asarray(v)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype)
-
-    return jax.tree_util.tree_map(leaf, value)
-
-
 def _leaves(spec: Any) -> list[dict]:
     if not isinstance(spec, dict):
         return []

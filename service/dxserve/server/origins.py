@@ -75,12 +75,9 @@ def rebuild(origin: Origin, content: bytes) -> Callable:
     if origin.kind == "module":
         return _follow(importlib.import_module(origin.module), origin.qualname)
     if origin.kind == "export":
-        import jax
+        from dxserve.frameworks.jax.exported import load_float64
 
-        from dxserve.frameworks.jax.exported import load_exported
-
-        with jax.enable_x64(True):  # as the export kind loads it
-            return load_exported(content).fn
+        return load_float64(content).fn  # as the export kind loads it
     from dxserve.server import kinds
 
     if kinds.get_kind(origin.kind) is None and origin.module:

@@ -149,6 +149,11 @@ def server_platform() -> str:
     return export_platform(jax.devices()[0].platform)
 
 
+def jax_version() -> str:
+    """The version of JAX that reads bundles here (an export gate's pass records it)."""
+    return jax.__version__
+
+
 # ----------------------------------------------------------------------------
 # artifacts + primitive
 # ----------------------------------------------------------------------------
@@ -770,6 +775,26 @@ def _check_artifact(
         if re.search(re.escape(op) + r"\b", text):
             raise _bad(f"artifact {art!r} uses {op}, which is not allowed")
     return found, unbounded
+
+
+def load_float64(bundle: bytes, **options: Any) -> LoadedExport:
+    """``load_exported(bundle, **options)`` in 64-bit mode (this thread only), as dxserve
+    runs an export: a float64 export loads as float64 whether or not the process turned
+    64-bit mode on globally."""
+    with jax.enable_x64(True):
+        return load_exported(bundle, **options)
+
+
+def check_bundle(bundle: bytes, platform: str, refuse_loops: bool) -> list[str]:
+    """Everything a server will do with ``bundle``, once, in 64-bit mode: load it for
+    ``platform``, refuse unbounded loops (``refuse_loops``; before running it: it might
+    not end), and ``exercise`` it where it runs on the CPU. The maps run; raises what
+    loading (``InvalidExportError``) or running raises."""
+    with jax.enable_x64(True):
+        loaded = load_exported(bundle, platform=platform)
+        if refuse_loops:
+            refuse_unbounded_loops(loaded)
+        return exercise(loaded) if "cpu" in loaded.platforms else []
 
 
 def refuse_unbounded_loops(loaded: LoadedExport) -> None:

@@ -48,7 +48,7 @@ __all__ = [
     "Detector",
     "InProcessDetector", "PatternJob", "analyse_here", "asdex", "colour_arrays",
     "colored_pattern", "colouring_steps",
-    "decode", "encode",
+    "decode", "encode", "warm_up_jax",
 ]
 
 #: Bytes a prep holds per nonzero of its pattern, measured (bench/sparse_detection.py:
@@ -200,6 +200,22 @@ def analyse_here(
     colouring = colour_arrays(pattern, job)
     budget.check_seeds(int(colouring.count), int(colouring.colors.size))
     return pattern, colouring
+
+
+def warm_up_jax() -> None:
+    """Start JAX's backend and detect, colour and encode a tiny pattern once, in 64-bit
+    mode as the server traces, so the next analysis in this process finds JAX's caches
+    filled (a sandboxed detector's child does it while it waits for its job)."""
+    import jax.numpy as jnp
+
+    from dxserve.frameworks.jax.precision import float64_scope
+
+    job = PatternJob("jacobian", (4, 4), "column")
+    with float64_scope():
+        pattern, colouring = analyse_here(
+            job, lambda v: jnp.sin(v) * jnp.cumsum(v), np.zeros(4), (), DetectionBudget()
+        )
+    encode(pattern, colouring)
 
 
 def detect(kind: str, f: Callable, x: Any, contexts: tuple) -> Any:

@@ -1,7 +1,7 @@
 """Detached jobs: operator requests that outlive their connection, their client and their
 server process.
 
-    detached = Detached(service)                      # one per server process
+    detached = Detached(service, open_call=stored_calls(service))  # one per process
     detached.start()                                  # its runner: runs what is queued
     doc = await detached.submit(call, req, body)      # validated, stored, answered 202
     doc = await detached.status(job_id, token)        # status, progress, timings, error
@@ -11,10 +11,10 @@ server process.
 
 A door (the HTTP app) parses and encodes; everything else is here: who owns a job,
 the limits, the records (in the store, ``stores.jobs``), and the runs. A job runs as
-``POST /{operator}`` would (``pipeline.OperatorCall``: its body decoded, its budgets the
-operator's), in whichever process claims it from the store, under a lease renewed
-while it runs (``job_lease_seconds``); a process that dies leaves its job to be taken
-over once the lease expires. A chunked run keeps every finished chunk in the store
+``POST /{operator}`` would (the request layer's call, handed in by the door as
+``open_call``: its body decoded, its budgets the operator's), in whichever process
+claims it from the store, under a lease renewed while it runs (``job_lease_seconds``);
+a process that dies leaves its job to be taken over once the lease expires. A chunked run keeps every finished chunk in the store
 (``jobs.Checkpoints``): a resumed run takes those back instead of computing them again,
 so its result is the uninterrupted run's, bit for bit.
 
@@ -37,10 +37,10 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,11 +64,10 @@ from dxcontract.errors import (
     UnknownFunctionError,
     UnknownJobError,
 )
-from dxcontract.operators import OPERATORS
 from dxserve.core.progress import Job, JobCancelled
 from dxserve.frameworks import get_framework
-from dxserve.pipeline import Answer, OperatorCall, OperatorRequest, RequestHead
 from dxserve.server.admission import Ticket
+from dxserve.server.answers import Answer
 from dxserve.server.jobs.store import (
     ID_PATTERN,
     JobRecord,
@@ -81,6 +80,9 @@ from dxserve.server.jobs.store import (
 from dxserve.server.jobs.watch import JobWatches, Watch
 from dxserve.server.service import Service
 from dxserve.server.stores.directory import StoredFunction, content_digest
+
+if TYPE_CHECKING:  # the request layer above: its calls are handed in (``open_call``)
+    from dxserve.pipeline import OperatorCall, OperatorRequest
 
 log = logging.getLogger("dxserve.jobs")
 
@@ -227,12 +229,25 @@ class _StoredJob(Job):
             self.cancel()
 
 
+#: How the runner opens the request layer's call for a stored request: ``(operator name,
+#: content type, binary header length, body length) -> call`` with ``ticket``,
+#: ``decode``, ``run`` and ``encode`` (``pipeline.stored_calls``: an authorized
+#: ``OperatorCall``). The door that owns the runner gives it: the layer is above this one.
+OpenCall = Callable[[str, str | None, str | None, int], Any]
+
+
 class Detached:
     """The detached jobs of one server process: the API its doors call, and the runner
-    that claims and runs jobs from the store (see the module)."""
+    that claims and runs jobs from the store (see the module). ``open_call`` runs a
+    job's request (``OpenCall``); without it, ``start`` refuses (a store's jobs can
+    still be read, as a test of the records does)."""
 
-    def __init__(self, service: Service, store: JobStore | None = None) -> None:
+    def __init__(
+        self, service: Service, store: JobStore | None = None, *,
+        open_call: OpenCall | None = None,
+    ) -> None:
         self.service = service
+        self.open_call = open_call
         self.settings = service.settings
         self.store = store if store is not None else open_jobs(service.store)
         #: this process's name in the store's leases
@@ -612,6 +627,8 @@ class Detached:
         """Start claiming and running jobs on the running event loop (once)."""
         if self.store is None or self._loop_task is not None:
             return
+        if self.open_call is None:
+            raise RuntimeError("this Detached cannot run jobs: it was given no open_call")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._loop_task = self._loop.create_task(self._claiming(), name="dxserve-jobs")
@@ -727,10 +744,10 @@ class Detached:
             await self._finish(rec, job, "failed", error=InternalError(
                 "the job's request body is missing from the store"))
             return
-        head = RequestHead(rec.content_type, None, rec.header_length, len(body), None)
+        assert self.open_call is not None  # ``start`` checked it
         try:
             entry = await self._version(rec) if rec.digest is not None else None
-            call = OperatorCall(self.service, OPERATORS[rec.operator], head, authorized=True)
+            call = self.open_call(rec.operator, rec.content_type, rec.header_length, len(body))
             with call.ticket:
                 req = await call.decode(body)
                 try:

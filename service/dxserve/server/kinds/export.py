@@ -63,17 +63,14 @@ class ExportKind(BaseKind):
         # The bundle itself is checked here (InvalidExportError, field "export"):
         # loading it is the check, and validate would only do it twice. The native
         # reader runs in process only on content that passed the gate.
-        import jax
-
-        from dxserve.frameworks.jax.exported import load_exported, refuse_unbounded_loops
+        from dxserve.frameworks.jax.exported import load_float64, refuse_unbounded_loops
 
         gate = self._gate()
         gate.require(content)
 
         # dxserve computes float64 in 64-bit mode, which need not be on globally: a
         # float64 export is checked and loaded in that mode, as it will run.
-        with jax.enable_x64(True):
-            loaded = load_exported(content)
+        loaded = load_float64(content)
         # here too: a stored bundle's stamp may date from a server that allowed them
         if gate.config.unbounded_loops != "allow":
             refuse_unbounded_loops(loaded)

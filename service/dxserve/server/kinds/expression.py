@@ -66,11 +66,12 @@ def probe(fn: Any, n_args: int) -> dict[str, Any] | None:
     ``operators``, those that some combination it takes allows. None if none works."""
     import itertools
 
-    import jax
     import numpy as np
 
-    from dxserve.frameworks.jax.precision import float64_scope
+    from dxserve.frameworks import get_framework
     from dxserve.server.describe import allowed_operators, facts
+
+    framework = get_framework("jax")  # an expression is written in jnp
 
     if n_args <= PROBE_EVERY_COMBINATION:
         combos = list(itertools.product(PROBE_SHAPES, repeat=n_args))
@@ -78,8 +79,8 @@ def probe(fn: Any, n_args: int) -> dict[str, Any] | None:
         combos = [(shape,) * n_args for shape in PROBE_SHAPES]
     working = []
     for shapes in combos:
-        args = [jax.ShapeDtypeStruct(shape, np.float64) for shape in shapes]
-        with float64_scope():
+        args = [framework.spec(shape, np.float64) for shape in shapes]
+        with framework.precision_scope():
             found = facts(fn, args, "probe")
         if found is not None:
             working.append(found)

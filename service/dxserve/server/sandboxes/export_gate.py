@@ -92,12 +92,12 @@ def _platform() -> str:
 
 
 def _make_stamp(hexdigest: str, platform: str) -> dict[str, Any]:
-    import jax
+    from dxserve.frameworks.jax.exported import jax_version
 
     return {
         "sha256": hexdigest,
         "version": GATE_VERSION,
-        "jax": jax.__version__,
+        "jax": jax_version(),
         "platform": platform,
     }
 
@@ -267,10 +267,8 @@ def _sandbox() -> Sandbox:
 
 
 def gate_prepare() -> None:
-    """In the fork server, once: import JAX and the reader (JAX is not initialised), so
-    children start fast."""
-    import jax  # noqa: F401
-
+    """In the fork server, once: import the reader and JAX with it (JAX is not
+    initialised), so children start fast."""
     from dxserve.frameworks.jax import exported  # noqa: F401
 
 
@@ -292,18 +290,12 @@ def _child_check(header: dict[str, Any], bundle: bytes) -> dict[str, Any]:
     elif fault == "oom":
         _ = bytearray(1 << 62)
 
-    import jax
-
     from dxcontract.errors import DxError
-    from dxserve.frameworks.jax.exported import exercise, load_exported, refuse_unbounded_loops
+    from dxserve.frameworks.jax.exported import check_bundle
 
     platform = str(header["platform"])
-    try:
-        with jax.enable_x64(True):  # float64 exports are checked as they will run
-            loaded = load_exported(bundle, platform=platform)
-            if header.get("unbounded_loops", "refuse") != "allow":
-                refuse_unbounded_loops(loaded)  # before running it: it might not end
-            ran = exercise(loaded) if "cpu" in loaded.platforms else []
+    try:  # float64 exports are checked as they will run
+        ran = check_bundle(bundle, platform, header.get("unbounded_loops", "refuse") != "allow")
     except InvalidExportError as e:
         return {"status": "refused", "detail": e.detail}
     except DxError as e:

@@ -38,7 +38,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,17 +51,12 @@ from dxcontract.errors import (
 from dxcontract.keys import KeyArray, dtype_name, impl_of, is_key_dtype
 from dxcontract.lru import LRU
 from dxserve.core.holomorphic import undeclared
-from dxserve.frameworks.jax.sparse_detection import (
-    Analysis,
-    DetectionBudget,
-    PatternJob,
-    analyse_here,
-    decode,
-    encode,
-)
 from dxserve.server.compiling import Compiler
 from dxserve.server.origins import Origin, rebuild
 from dxserve.server.sandboxes.sandbox import Limits, Outcome, Sandbox
+
+if TYPE_CHECKING:  # detection itself is the JAX framework's (asdex), loaded when it runs
+    from dxserve.frameworks.jax.sparse_detection import Analysis, DetectionBudget, PatternJob
 
 __all__ = ["ChildDetector", "DetectionNeeded"]
 
@@ -132,6 +127,8 @@ class ChildDetector:
 
     def _make(self, need: DetectionNeeded) -> Analysis:
         """In the lane's thread: run the child, keep its analysis for the compilation."""
+        from dxserve.frameworks.jax.sparse_detection import Analysis, decode
+
         started = time.perf_counter()
         outcome = self.sandbox.run(need.header, need.payload, self._limits(need.job))
         reply = _check(outcome, self)
@@ -150,6 +147,8 @@ class ChildDetector:
         if job.given is not None:
             self.budget.check_nnz(int(job.given[0].size), "given")
             if not job.colour:  # nothing to compute: no child
+                from dxserve.frameworks.jax.sparse_detection import Analysis
+
                 return Analysis(_pattern(job), None, 0.0)
             header["given"] = int(job.given[0].size)
             parts += [np.ascontiguousarray(a, dtype="<i4").tobytes() for a in job.given]
@@ -323,7 +322,13 @@ def _zeros(spec: Any) -> Any:
 # --- in the child -------------------------------------------------------------------------
 def child_job(header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
     """One detection job (``sandbox`` runs it in a bounded child)."""
-    import jax
+    from dxserve.frameworks.jax.precision import float64_scope
+    from dxserve.frameworks.jax.sparse_detection import (
+        DetectionBudget,
+        PatternJob,
+        analyse_here,
+        encode,
+    )
 
     budget = DetectionBudget(**header["budget"])
     shape = (int(header["shape"][0]), int(header["shape"][1]))
@@ -336,7 +341,7 @@ def child_job(header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], b
                  np.frombuffer(payload, "<i4", nnz, 4 * nnz).astype(np.int64))
     job = PatternJob(header["kind"], shape, header["coloring"], bool(header["colour"]), given)
     try:
-        with jax.enable_x64(True):  # as the server traces: float64 stays float64
+        with float64_scope():  # as the server traces: float64 stays float64
             if given is None:
                 try:
                     f = rebuild(Origin.from_json(header["function"]), payload)
@@ -383,12 +388,6 @@ def warm_up() -> None:
 def warm_child() -> None:
     """In each child while it waits for its job: start JAX's backend and detect, colour
     and encode a tiny pattern once, so the job finds JAX's caches filled."""
-    import jax
-    import jax.numpy as jnp
+    from dxserve.frameworks.jax.sparse_detection import warm_up_jax
 
-    job = PatternJob("jacobian", (4, 4), "column")
-    with jax.enable_x64(True):
-        pattern, colouring = analyse_here(
-            job, lambda v: jnp.sin(v) * jnp.cumsum(v), np.zeros(4), (), DetectionBudget()
-        )
-    encode(pattern, colouring)
+    warm_up_jax()
