@@ -478,10 +478,10 @@ def test_operators_reject_invalid_backends():
 
 
 def test_result_size_limit_refuses_huge_dense_results(monkeypatch):
-    import dxserve.core.preparation as preparation
     from dxcontract.errors import ResultTooLargeError
+    from dxserve.core.preparation import pipeline  # the module whose ``prepare`` reads it
 
-    monkeypatch.setattr(preparation, "MAX_RESULT_ELEMENTS", 10_000)
+    monkeypatch.setattr(pipeline, "MAX_RESULT_ELEMENTS", 10_000)
     x = np.ones(200)
     with pytest.raises(ResultTooLargeError) as info:
         dxserve.hessian(lambda v: jnp.sum(v**3), "auto", x)  # 200² + ... > 10,000
