@@ -73,20 +73,33 @@ def single(run: Callable, batched: Iterable[int], batch_axis: int | None) -> Cal
     at = frozenset(batched)
 
     def one(x: Tree, tangent: Tree, contexts: tuple) -> tuple:
-        out = run(x, jax.tree_util.tree_map(lambda v: _xp(v).expand_dims(v, axis), tangent),
-                  contexts)
+        out = run(x, jax.tree_util.tree_map(lambda v: _expand(v, axis), tangent), contexts)
         return tuple(
-            jax.tree_util.tree_map(lambda v: _xp(v).squeeze(v, axis), o) if i in at else o
+            jax.tree_util.tree_map(lambda v: _squeeze(v, axis), o) if i in at else o
             for i, o in enumerate(out)
         )
 
     return one
 
 
-def _xp(v: Any) -> Any:
-    """numpy for host arrays (a numpy framework's program: kept on the host, float64
-    kept, never JAX's default float32), else ``jnp``."""
-    return np if isinstance(v, np.ndarray | np.generic) else jnp
+def _expand(v: Any, axis: int) -> Any:
+    """``v`` with a new axis of length one at ``axis``, in ``v``'s own library: numpy
+    arrays stay on the host (a numpy framework's float64 kept), JAX arrays and tracers
+    in ``jnp``, any other framework's tensor (torch's) by indexing."""
+    if isinstance(v, np.ndarray | np.generic):
+        return np.expand_dims(v, axis)
+    if isinstance(v, jax.Array):
+        return jnp.expand_dims(v, axis)
+    return v[(slice(None),) * axis + (None,)]
+
+
+def _squeeze(v: Any, axis: int) -> Any:
+    """``v`` without its axis of length one at ``axis`` (the inverse of ``_expand``)."""
+    if isinstance(v, np.ndarray | np.generic):
+        return np.squeeze(v, axis)
+    if isinstance(v, jax.Array):
+        return jnp.squeeze(v, axis)
+    return v[(slice(None),) * axis + (0,)]
 
 
 class Single:
