@@ -117,7 +117,7 @@ def _add_ray_parser(sub: Any) -> None:
 
 
 #: Seconds closing the service may take at shutdown, after uvicorn's graceful shutdown
-#: (requests in flight get 10 s): past it the process exits without waiting.
+#: (requests in flight get ``shutdown_timeout``): past it the process exits without waiting.
 CLOSE_GRACE = 15.0
 
 
@@ -268,7 +268,7 @@ def _uvicorn_options(settings: Settings, log: logging.Logger) -> dict[str, Any]:
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level.lower(),
-        "timeout_graceful_shutdown": 10,
+        "timeout_graceful_shutdown": settings.shutdown_timeout,
         # JSON logs: uvicorn's loggers reach the root's JSON handler, and the app's own
         # request lines replace uvicorn's access lines
         **({"log_config": None, "access_log": False} if settings.log_format == "json" else {}),

@@ -245,6 +245,9 @@ class Settings(BaseSettings):
     #: Seconds a client may take nothing of an answer while more waits to be sent; then
     #: it is disconnected and the answer's memory freed.
     write_timeout: float = Field(default=60.0, gt=0)
+    #: Seconds a SIGTERM gives the requests in flight to finish before their
+    #: connections are closed and the process exits.
+    shutdown_timeout: float = Field(default=10.0, gt=0)
     #: Seconds an idle keep-alive connection stays open.
     keep_alive_timeout: int = Field(default=5, ge=1)
     #: The listen backlog.

@@ -122,7 +122,11 @@ def test_a_spinning_upload_is_abandoned_and_the_server_goes_on(tmp_path):
 
 
 def test_sigterm_stops_the_server_with_a_spin_in_flight(tmp_path):
-    env = {"DXSERVE_EXPORT_UNBOUNDED_LOOPS": "allow", "DXSERVE_REQUEST_TIMEOUT": "600"}
+    env = {
+        "DXSERVE_EXPORT_UNBOUNDED_LOOPS": "allow",
+        "DXSERVE_REQUEST_TIMEOUT": "600",
+        "DXSERVE_SHUTDOWN_TIMEOUT": "1",  # the spin never ends: no need to wait 10 s for it
+    }
     srv = start_server(tmp_path / "sigterm", env=env, modules=("dxserve.examples",))
     try:
         with Client(srv.url) as client, httpx.Client(base_url=srv.url) as http:

@@ -15,7 +15,8 @@ Worker ``i`` gets ``CUDA_VISIBLE_DEVICES=worker_devices[i % len]`` when
 A worker that dies (a crash, the OOM killer, SIGKILL) is started again; one that dies
 within ``FAST_EXIT`` seconds of starting five times in a row stops the whole server
 (it would only die again: a bad setting, a port in use). SIGTERM or SIGINT to the
-supervisor stops every worker gracefully (SIGTERM, then SIGKILL after ``STOP_GRACE``).
+supervisor stops every worker gracefully (SIGTERM, then SIGKILL once their
+``shutdown_timeout`` and ``STOP_GRACE`` have passed).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ log = logging.getLogger("dxserve.supervisor")
 
 #: A worker that exits sooner than this after starting counts as failing to start.
 FAST_EXIT = 10.0
-#: Seconds workers get to finish in-flight requests on shutdown.
+#: Seconds beyond ``shutdown_timeout`` a worker gets to close its service on shutdown.
 STOP_GRACE = 15.0
 
 
@@ -116,7 +117,7 @@ def supervise(settings: Settings, argv: list[str]) -> int:
         for proc, _ in workers.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
+        deadline = time.monotonic() + settings.shutdown_timeout + STOP_GRACE
         for proc, _ in workers.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
