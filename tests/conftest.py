@@ -253,3 +253,75 @@ def memory_of(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+#: Long tests that `make test-slow` runs (CI runs it) and `make test` leaves out, so that
+#: `make test` stays within ten minutes on two cores. Each promise keeps a quicker check in
+#: `make test`: one protocol, encoding or key kind of a grid, the shorter attacks of a
+#: family. Node ids, or the start of one (every parameter of a test).
+LONG_TESTS = (
+    # the long attacks: their shorter siblings stay
+    "tests/http/test_send_path.py::test_unread_job_answers_stay_in_the_budget[h11-",
+    "tests/http/test_send_path.py::test_unread_job_answers_stay_in_the_budget[httptools-events]",
+    "tests/http/test_unbounded_loops.py::test_sigterm_stops_the_server_with_a_spin_in_flight",
+    "tests/http/test_hostile_inputs.py::test_16_concurrent_long_registrations_no_5xx",
+    "tests/http/test_jobs_limits.py::test_owners_take_turns_so_a_long_queue_does_not_hold_back",
+    "tests/http/test_jobs_limits.py::test_a_job_computes_the_function_version_it_was_submitted",
+    "tests/http/test_jobs_limits.py::test_the_jobs_stored_bytes_stay_under_the_limit",
+    "tests/http/test_jobs_limits.py::test_without_tokens_every_bearer_token_is_the_anonymous",
+    "tests/http/test_jobs_http.py::test_events_are_a_streamed_operators_and_closing_them_cancels",
+    "tests/http/test_jobs_http.py::test_quotas_429_and_507_and_nothing_acknowledged_is_lost",
+    "tests/service/test_compile_off_worker.py::test_slow_compile_never_holds_the_device_worker",
+    "tests/service/test_memory_bounds.py::test_memory_is_given_back_after_a_large_dense_hessian",
+    "tests/service/test_memory_bounds.py::test_dense_preps_and_prepare_handles_evict_by_bytes",
+    "tests/service/test_budgets.py::test_memory_bounded_under_concurrent_large_bodies_and_hessians",
+    "tests/service/test_detection_lane.py::test_a_caller_past_its_detection_cap_gets_429",
+    "tests/service/test_batching.py::test_concurrent_clients_get_unbatched_bits[json]",
+    "tests/service/test_batch_points.py::test_in_process_other_operators",
+    # grids: one encoding, kind or backend of each stays
+    "tests/client/test_keys_client.py::test_value_and_gradient_with_a_key_equal_the_library_bit_for_bit[json-r",
+    "tests/client/test_keys_client.py::test_value_and_gradient_with_a_key_equal_the_library_bit_for_bit[json-u",
+    "tests/client/test_keys_client.py::test_value_and_gradient_with_a_key_equal_the_library_bit_for_bit[b64-",
+    "tests/client/test_keys_client.py::test_arrays_and_pytrees_of_keys[json-",
+    "tests/client/test_keys_client.py::test_arrays_and_pytrees_of_keys[b64-",
+    "tests/client/test_keys_client.py::test_keys_come_back_as_keys[json-",
+    "tests/client/test_keys_client.py::test_keys_come_back_as_keys[b64-",
+    "tests/client/test_keys_client.py::test_the_next_key_as_aux[json-",
+    "tests/client/test_keys_client.py::test_the_next_key_as_aux[b64-",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[gradient-jax-forward]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[jacobian-jax-reverse]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[pushforward-jax-reverse]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[pullback-jax-forward]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[hvp-rev-over-fwd]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[hvp-fwd-over-fwd]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[hessian-fwd-over-rev]",
+    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives[hessian-fwd-over-fwd]",
+    "tests/library/test_pytrees.py::test_scalar_scenarios_in_process[pt_mlp_loss]",
+    "tests/library/test_pytrees.py::test_scalar_scenarios_in_process[pt_nested_scalar]",
+    "tests/library/test_pytrees.py::test_scalar_scenarios_in_process[pt_list_scalar]",
+    "tests/library/test_dtype_grid.py::test_dtype_grid_in_process",
+    "tests/library/test_models.py::test_equinox_nn_mlp",
+    "tests/library/test_models.py::test_flax_nnx_gradient_and_training",
+    "tests/client/test_aux_training.py::test_jax_shapes_of_other_operators",
+    "tests/client/test_wrt_bridge.py::test_second_order_of_an_array_valued_served_function",
+    "tests/client/test_wrt_bridge.py::test_second_order_of_an_array_valued_function_in_its_contexts[(0, 1)]",
+    "tests/http/test_fast_paths.py::test_every_dtype_and_layout_round_trips_identically[json]",
+    "tests/http/test_keys_http.py::test_a_key_written_by_hand[rbg]",
+    "tests/http/test_keys_http.py::test_a_key_written_by_hand[unsafe_rbg]",
+    "tests/http/test_low_precision_wire.py::test_the_client_gets_the_librarys_bits_in_x_dtype[bfloat16-b",
+    "tests/http/test_low_precision_wire.py::test_the_client_gets_the_librarys_bits_in_x_dtype[bfloat16-json]",
+    "tests/http/test_low_precision_wire.py::test_the_client_gets_the_librarys_bits_in_x_dtype[float16-b",
+    "tests/client/test_backend_names.py::test_a_server_side_plug_in_by_name[backend",
+    "tests/library/test_custom_nodes.py::test_every_operator_keeps_the_node_in_process[jax-",
+    "tests/client/test_aux_training.py::test_sync_client_training_loop[json]",
+    "tests/client/test_aux_training.py::test_sync_client_training_loop[b64]",
+    "tests/client/test_aux_training.py::test_async_client_training_loop[json]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``LONG_TESTS`` are marked ``slow`` before ``-m`` selects."""
+    for item in items:
+        if item.nodeid.startswith(LONG_TESTS):
+            item.add_marker(pytest.mark.slow)
