@@ -1,272 +1,316 @@
-"""httpx transports for dxclient: large bodies through urllib3, small async calls through h11.
+"""The clients' fast path: operator calls over kept-alive sockets, HTTP written and read by h11.
 
-Both are public ``httpx`` transports, and their answers are ordinary ``httpx.Response``s:
-httpx still builds the request, decodes a content-encoded body, stores cookies and runs
-event hooks. Errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
-``WriteError``, ``RemoteProtocolError``, ...), so retry rules built on them hold on
-every path.
+Through ``httpx.Client.send`` a gradient call at 10^5 values costs ~1,800 Python calls on
+the client: httpx's request, auth, redirect and cookie steps, a transport's pool, header
+parsing, and answers read in 64 KiB pieces joined at the end. ``FastPath`` sends an
+operator call itself, over public APIs only: h11 writes the request head and parses the
+answer's head; the body goes out as its parts (``socket.sendmsg``, never joined), and a
+``Content-Length`` answer is read with ``recv_into`` into one buffer allocated for it.
+Sockets are kept alive per host and port; ``Client`` uses the blocking twin, ``AsyncClient``
+(on asyncio) the async one.
 
-* ``LargeBodies`` (``Client``): httpx (through httpcore and h11) reads an answer 64 KiB
-  at a time, each piece through h11's buffer, and joins the pieces at the end: for an
-  8 MB answer about as much time as moving the bytes through the kernel. urllib3 (over
-  the standard library's ``http.client``) reads a ``Content-Length`` body with one read
-  into one bytes object, and writes a body given as parts part by part, never joined.
-  Requests whose body is at least ``min_bytes``, over plain HTTP, go to urllib3; all
-  others (https, small or streamed bodies, event streams) to httpx's own transport.
-* ``AsyncFast`` (``AsyncClient``): httpx's async stack (anyio, httpcore) costs ~0.3 ms
-  more per call than its sync one, half a small call's round trip. On asyncio, a byte
-  body below ``LARGE_MIN_BYTES`` is exchanged here: h11 writes the request and parses
-  the answer, over sockets kept alive per host and port; a larger one goes to
-  ``LargeBodies`` in a worker thread. Other event loops, https, streamed bodies and
-  event streams use httpx's own transport.
+It takes a call only while nothing httpx does per request could change it or what becomes
+of its answer: plain ``http``, the httpx client open, no auth (nor credentials in the URL),
+no event hooks, no query parameters, no cookies in the jar, no redirects followed.
+Otherwise ``send`` returns None and the call goes through httpx. The head holds what httpx
+would send (built once per path and header set with ``Client.build_request``: the client's
+headers, a token among them). An answer that sets a cookie or is content-encoded becomes
+an ``httpx.Response`` after all, so httpx stores the cookie and decodes the body; calls log
+as httpx logs them; errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
+``WriteError``, ``RemoteProtocolError``, ...) with their request, so retry rules hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import select
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import h11
 import httpx
-import urllib3
-from urllib3 import exceptions as u3
 
-#: request bodies from this size on go through urllib3
-LARGE_MIN_BYTES = 64 * 1024
-#: kept-alive connections per host (httpx's default pool keeps up to 20 in all)
+#: seconds an idle connection is kept: under the server's own keep-alive timeout (uvicorn's
+#: and dxserve's default, 5 s, counts from a little earlier than ours)
+KEEPALIVE_EXPIRY = 4.0
+#: kept-alive connections per host
 MAX_IDLE_PER_HOST = 16
-#: ``request.extensions`` key of a body given as parts (bytes-like, in order): sent as
-#: they are, never joined (``content=`` holds the same parts for httpx's own path)
-BODY_PARTS = "dxclient.body_parts"
+#: answer headers that need httpx: a cookie to store, a body to decode
+TO_HTTPX = (b"set-cookie", b"content-encoding")
+_RECV = 64 * 1024
+#: most buffers one ``sendmsg`` takes (Linux: 1024; more fails with EMSGSIZE)
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name
 
 
-def large_body(request: httpx.Request, min_bytes: int) -> tuple[Any, ...] | None:
-    """The request's body as parts if urllib3 sends it, else None."""
-    if request.url.scheme != "http" or request.method == "HEAD":
+class Answer:
+    """An answer read by the fast path: ``status_code``, ``headers`` (``httpx.Headers``),
+    ``content`` (a bytearray)."""
+
+    __slots__ = ("content", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: httpx.Headers, content: Any) -> None:
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+
+def _exchange_start(method: str, url: httpx.URL, headers: list) -> tuple[h11.Connection, bytes]:
+    """A fresh h11 state for one request, and the request's head as h11 writes it."""
+    h = h11.Connection(h11.CLIENT)
+    return h, h.send(h11.Request(method=method, target=url.raw_path, headers=headers))
+
+
+def _length(method: str, head: h11.Response) -> int | None:
+    """The answer's body length if it is read into one buffer here; None: h11 reads it."""
+    if method == "HEAD" or head.status_code in (204, 304):
         return None
-    if "event-stream" in request.headers.get("accept", ""):
-        return None  # read as it comes, by httpx
-    parts = request.extensions.get(BODY_PARTS)
-    if parts is None:
-        if not isinstance(request.stream, httpx.ByteStream):
-            return None  # streamed by its caller
-        parts = (request.content,)
-    if sum(memoryview(p).nbytes for p in parts) < min_bytes:
-        return None
-    return tuple(parts)
+    values = [v for n, v in head.headers if n == b"content-length"]
+    chunked = any(n == b"transfer-encoding" for n, _ in head.headers)
+    return int(values[0]) if len(values) == 1 and not chunked else None
 
 
-class _Answer(httpx.SyncByteStream):
-    """A urllib3 answer's body as httpx reads a stream: in one piece."""
-
-    def __init__(self, answer: urllib3.BaseHTTPResponse, request: httpx.Request) -> None:
-        self.answer, self.request = answer, request
-
-    def __iter__(self) -> Iterator[bytes]:
-        try:
-            data = self.answer.read(decode_content=False)
-        except BaseException as exc:
-            raise _httpx_error(exc, self.request) from exc
-        if data:
-            yield data
-
-    def close(self) -> None:
-        self.answer.release_conn()
+def _keeps(head: h11.Response) -> bool:
+    """h11's own rule: HTTP/1.1 and no ``Connection: close``."""
+    return head.http_version == b"1.1" and not any(
+        n == b"connection" and b"close" in v.lower() for n, v in head.headers
+    )
 
 
-def _timeout(request: httpx.Request) -> urllib3.Timeout:
-    t = request.extensions.get("timeout") or {}
-    return urllib3.Timeout(connect=t.get("connect"), read=t.get("read"))
+def _views(head: bytes, parts: Sequence[Any]) -> list[memoryview]:
+    """The request's bytes as views, empty parts left out (``sendmsg`` would send 0)."""
+    views = [memoryview(head), *(memoryview(p).cast("B") for p in parts)]
+    return [v for v in views if v.nbytes]
 
 
-def _httpx_error(exc: BaseException, request: httpx.Request) -> BaseException:
-    """httpx's error for what urllib3 (or the socket under it) raised."""
+def _unsent(views: list[memoryview], sent: int) -> list[memoryview]:
+    while sent and views:
+        if sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        else:
+            views[0], sent = views[0][sent:], 0
+    return views
+
+
+def _error(exc: BaseException, request: httpx.Request, writing: bool) -> BaseException:
+    """httpx's error for what the socket or h11 raised."""
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, u3.NewConnectionError | u3.NameResolutionError):
-        kind: type[httpx.TransportError] = httpx.ConnectError
-    elif isinstance(exc, u3.ConnectTimeoutError):
-        kind = httpx.ConnectTimeout
-    elif isinstance(exc, u3.ReadTimeoutError | TimeoutError):
-        kind = httpx.ReadTimeout
-    elif isinstance(exc, u3.ProtocolError | u3.IncompleteRead | u3.HTTPError):
-        kind = httpx.RemoteProtocolError
+    if isinstance(exc, httpx.TransportError):
+        exc.request = request
+        return exc
+    if isinstance(exc, h11.RemoteProtocolError):
+        kind: type[httpx.TransportError] = httpx.RemoteProtocolError
+    elif isinstance(exc, TimeoutError):
+        kind = httpx.WriteTimeout if writing else httpx.ReadTimeout
     elif isinstance(exc, OSError):
-        kind = httpx.WriteError if isinstance(exc, ConnectionError) else httpx.ReadError
+        kind = httpx.WriteError if writing else httpx.ReadError
     else:
         return exc
     return kind(text, request=request)
 
 
-def _response(
-    answer: urllib3.BaseHTTPResponse, stream: Any, request: httpx.Request
-) -> httpx.Response:
-    return httpx.Response(
-        answer.status,
-        headers=list(answer.headers.items()),
-        stream=stream,
-        request=request,
-        extensions={
-            "http_version": b"HTTP/1.1",
-            "reason_phrase": (answer.reason or "").encode("latin-1"),
-        },
-    )
+_CUT = "peer closed connection without sending complete message body"
 
 
-class LargeBodies(httpx.BaseTransport):
-    """``httpx.Client(transport=LargeBodies())``: large plain-HTTP bodies through urllib3,
-    everything else through ``fallback`` (httpx's own transport by default)."""
+class FastPath:
+    """Operator calls of one httpx client (``Client``'s: ``send``; ``AsyncClient``'s:
+    ``asend``) over its own kept-alive sockets. ``requests``: how many it sent."""
 
-    def __init__(
-        self, fallback: httpx.BaseTransport | None = None, *, min_bytes: int = LARGE_MIN_BYTES
-    ) -> None:
-        self.fallback = fallback if fallback is not None else httpx.HTTPTransport()
-        self.min_bytes = min_bytes
-        # no retries or redirects of its own: httpx and dxclient decide those
-        self.pool = urllib3.PoolManager(maxsize=MAX_IDLE_PER_HOST, retries=False)
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+        self._heads: dict[tuple, list] = {}
+        self._client_headers: list = []
+        self.requests = 0
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        body = large_body(request, self.min_bytes)
-        if body is None:
-            return self.fallback.handle_request(request)
-        answer = self._send(request, body)
-        return _response(answer, _Answer(answer, request), request)
+    def _headers(self, http: Any, method: str, url: httpx.URL, headers: Mapping[str, str],
+                 size: int) -> list | None:
+        """The request's header list, or None where httpx must send it."""
+        if (url.scheme != "http" or url.userinfo or http.is_closed or http.auth is not None
+                or http.follow_redirects or http.params or any(http.event_hooks.values())
+                or len(http.cookies.jar)):
+            return None
+        if http.headers.raw != self._client_headers:  # a new token, say: heads anew
+            self._client_headers, self._heads = http.headers.raw, {}
+        key = (method, url, *headers.items())
+        kept = self._heads.get(key)
+        if kept is None:
+            built = http.build_request(method, url, headers=headers).headers.raw
+            kept = [(n, v) for n, v in built if n.lower() not in (b"content-length",
+                                                                  b"transfer-encoding")]
+            self._heads = {**self._heads, key: kept} if len(self._heads) < 256 else {key: kept}
+        return [*kept, (b"content-length", b"%d" % size)]
 
-    def read_whole(self, request: httpx.Request, body: tuple[Any, ...]) -> httpx.Response:
-        """``request`` (its body: ``body``) sent and its answer read (for a worker thread
-        of ``AsyncFast``: the answer it returns streams its bytes to an async reader)."""
-        answer = self._send(request, body)
-        try:
-            data = answer.read(decode_content=False)
-        except Exception as exc:
-            raise _httpx_error(exc, request) from exc
-        finally:
-            answer.release_conn()
-        return _response(answer, httpx.ByteStream(data), request)
-
-    def _send(self, request: httpx.Request, body: tuple[Any, ...]) -> urllib3.BaseHTTPResponse:
-        try:
-            return self.pool.urlopen(
-                request.method,
-                str(request.url),
-                body=body,
-                headers=dict(request.headers),
-                redirect=False,
-                preload_content=False,
-                decode_content=False,
-                timeout=_timeout(request),
-            )
-        except Exception as exc:
-            raise _httpx_error(exc, request) from exc
-
-    def close(self) -> None:
-        self.pool.clear()
-        self.fallback.close()
-
-
-# --------------------------------------------------------------------------- async
-#: seconds an idle connection is kept: under the server's own keep-alive timeout (uvicorn's
-#: and dxserve's default is 5 s, counted from a little earlier than ours), so a connection
-#: is not reused just as the server closes it
-KEEPALIVE_EXPIRY = 4.0
-_RECV = 256 * 1024
-#: async request bodies from this size on go to ``LargeBodies`` in a worker thread
-THREAD_MIN_BYTES = LARGE_MIN_BYTES
-
-
-class _Conn:
-    """A kept-alive socket and the h11 state of its connection."""
-
-    __slots__ = ("h11", "idle_since", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.h11, self.idle_since = sock, h11.Connection(h11.CLIENT), 0.0
-
-    def reusable(self, now: float) -> bool:
-        """Not idle too long, and not readable while idle (the server closed it)."""
-        if now - self.idle_since > KEEPALIVE_EXPIRY:
-            return False
-        try:
-            return not select.select([self.sock], [], [], 0)[0]
-        except (OSError, ValueError):
-            return False
-
-
-async def _within(awaitable: Any, seconds: float | None) -> Any:
-    """``await awaitable``; TimeoutError after ``seconds`` (None: no limit)."""
-    if seconds is None:
-        return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
-
-
-class AsyncFast(httpx.AsyncBaseTransport):
-    """``httpx.AsyncClient(transport=AsyncFast())``: small calls through h11 on asyncio,
-    large bodies through ``LargeBodies`` in a worker thread, the rest ``fallback``."""
-
-    def __init__(
-        self,
-        fallback: httpx.AsyncBaseTransport | None = None,
-        *,
-        thread_min_bytes: int = THREAD_MIN_BYTES,
-    ) -> None:
-        self.fallback = fallback if fallback is not None else httpx.AsyncHTTPTransport()
-        self.thread_min_bytes = thread_min_bytes
-        self.large = LargeBodies()
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # trio, say
-            return await self.fallback.handle_async_request(request)
-        body = large_body(request, 0)  # None: https, HEAD, a streamed body, event streams
-        if body is None:
-            return await self.fallback.handle_async_request(request)
-        if sum(memoryview(p).nbytes for p in body) >= self.thread_min_bytes:
-            return await asyncio.to_thread(self.large.read_whole, request, body)
-        try:
-            return await self._exchange(request, body)
-        except h11.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        except httpx.TransportError as exc:
-            exc.request = request
-            raise
-
-    async def _exchange(self, request: httpx.Request, body: tuple[Any, ...]) -> httpx.Response:
-        t = request.extensions.get("timeout") or {}
-        address = (request.url.host, request.url.port or 80)
-        conn = await self._checkout(address, t.get("connect"))
-        try:
-            head, data = await self._send_and_read(
-                conn, request, body, t.get("write"), t.get("read")
-            )
-        except BaseException:
-            conn.sock.close()
-            raise
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
-            conn.idle_since = time.monotonic()
-            self._idle.setdefault(address, []).append(conn)
-        else:
-            conn.sock.close()
-        return httpx.Response(
-            head.status_code,
-            headers=head.headers,
-            stream=httpx.ByteStream(data),
-            extensions={"http_version": b"HTTP/" + head.http_version, "reason_phrase": head.reason},
-        )
-
-    async def _checkout(self, address: tuple[str, int], timeout: float | None) -> _Conn:
-        idle, now = self._idle.get(address, []), time.monotonic()
+    def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
+        idle, now = self._idle.get(address), time.monotonic()
         while idle:
-            conn = idle.pop()
-            if conn.reusable(now):
-                return conn
-            conn.sock.close()
-        loop = asyncio.get_running_loop()
+            sock, since = idle.pop()
+            try:  # readable while idle: the server closed it
+                if now - since < KEEPALIVE_EXPIRY and not select.select([sock], [], [], 0)[0]:
+                    return sock
+            except (OSError, ValueError):
+                pass
+            sock.close()
+        return None
+
+    def _checkin(self, address: tuple[str, int], sock: socket.socket, keep: bool) -> None:
+        idle = self._idle.setdefault(address, [])
+        if keep and len(idle) < MAX_IDLE_PER_HOST:
+            idle.append((sock, time.monotonic()))
+        else:
+            sock.close()
+
+    def _answer(self, http: Any, method: str, url: httpx.URL, head: h11.Response,
+                body: Any) -> Answer | httpx.Response:
+        self.requests += 1
+        if _log.isEnabledFor(logging.INFO):
+            _log.info('HTTP Request: %s %s "HTTP/1.1 %d %s"', method, url, head.status_code,
+                      head.reason.decode("ascii", "replace"))
+        raw = head.headers.raw_items()
+        if not any(n.lower() in TO_HTTPX for n, _ in raw):
+            return Answer(head.status_code, httpx.Headers(raw), body)
+        response = httpx.Response(head.status_code, headers=raw, request=http.build_request(
+            method, url), stream=httpx.ByteStream(bytes(body)))
+        response.read()  # decoded as httpx decodes it
+        http.cookies.extract_cookies(response)
+        return response
+
+    # --- blocking ------------------------------------------------------------------
+    def send(self, http: httpx.Client, method: str, url: httpx.URL, headers: Mapping[str, str],
+             parts: Sequence[Any], size: int) -> Answer | httpx.Response | None:
+        """``method`` ``url`` with ``headers`` and the body ``parts`` (``size`` bytes in
+        all) sent and its answer read; None: send it through ``http`` instead."""
+        fields = self._headers(http, method, url, headers, size)
+        if fields is None:
+            return None
+        address, t = (url.host, url.port or 80), http.timeout
+        h, request_head = _exchange_start(method, url, fields)
+        sock, writing = self._checkout(address), True
+        try:
+            if sock is None:
+                try:
+                    sock = socket.create_connection(address, timeout=t.connect)
+                except TimeoutError as exc:
+                    raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
+                except OSError as exc:
+                    raise httpx.ConnectError(str(exc)) from exc
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(t.write)
+            views = _views(request_head, parts)
+            try:
+                while views:
+                    views = _unsent(views, sock.sendmsg(views[:IOV_MAX]))
+            except OSError as exc:  # perhaps answered early (413) and closed: read it
+                if isinstance(exc, TimeoutError):
+                    raise
+            writing = False
+            sock.settimeout(t.read)
+            event = h.next_event()
+            while not isinstance(event, h11.Response):
+                if event is h11.NEED_DATA:
+                    h.receive_data(sock.recv(_RECV))
+                event = h.next_event()
+            length = _length(method, event)
+            if length is None:  # no body, chunked or read to the close: h11 reads it
+                chunks = []
+                while (got := h.next_event()) is not h11.PAUSED and not isinstance(
+                        got, h11.EndOfMessage):
+                    if got is h11.NEED_DATA:
+                        h.receive_data(sock.recv(_RECV))
+                    elif isinstance(got, h11.Data):
+                        chunks.append(got.data)
+                body, keep = bytearray(b"".join(chunks)), False
+            else:
+                body, done = bytearray(length), h.trailing_data[0]
+                view, got = memoryview(body), len(done)
+                view[: min(got, length)] = done[:length]
+                while got < length:
+                    n = sock.recv_into(view[got:])
+                    if not n:
+                        raise h11.RemoteProtocolError(f"{_CUT}: received {got} bytes, "
+                                                      f"expected {length}")
+                    got += n
+                keep = got == length and _keeps(event)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            error = _error(exc, http.build_request(method, url), writing)
+            if error is exc:
+                raise
+            raise error from exc
+        self._checkin(address, sock, keep)
+        return self._answer(http, method, url, event, body)
+
+    # --- asyncio -------------------------------------------------------------------
+    async def asend(self, http: httpx.AsyncClient, method: str, url: httpx.URL,
+                    headers: Mapping[str, str], parts: Sequence[Any],
+                    size: int) -> Answer | httpx.Response | None:
+        """``send`` for an ``httpx.AsyncClient``, on asyncio (else None)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, say: httpx's own transport serves it
+            return None
+        fields = self._headers(http, method, url, headers, size)
+        if fields is None:
+            return None
+        address, t = (url.host, url.port or 80), http.timeout
+        h, request_head = _exchange_start(method, url, fields)
+        sock, writing = self._checkout(address), True
+        try:
+            if sock is None:
+                sock = await self._connect(loop, address, t.connect)
+            views = _views(request_head, parts)
+            try:  # what the socket takes at once in one sendmsg, the rest as it drains
+                views = _unsent(views, sock.sendmsg(views[:IOV_MAX]))
+            except BlockingIOError:
+                pass
+            try:
+                for view in views:
+                    await _within(loop.sock_sendall(sock, view), t.write)
+            except OSError as exc:
+                if isinstance(exc, TimeoutError):
+                    raise
+            writing = False
+            event = h.next_event()
+            while not isinstance(event, h11.Response):
+                if event is h11.NEED_DATA:
+                    h.receive_data(await _within(loop.sock_recv(sock, _RECV), t.read))
+                event = h.next_event()
+            length = _length(method, event)
+            if length is None:
+                chunks = []
+                while (got := h.next_event()) is not h11.PAUSED and not isinstance(
+                        got, h11.EndOfMessage):
+                    if got is h11.NEED_DATA:
+                        h.receive_data(await _within(loop.sock_recv(sock, _RECV), t.read))
+                    elif isinstance(got, h11.Data):
+                        chunks.append(got.data)
+                body, keep = bytearray(b"".join(chunks)), False
+            else:
+                body, done = bytearray(length), h.trailing_data[0]
+                view, got = memoryview(body), len(done)
+                view[: min(got, length)] = done[:length]
+                while got < length:  # the read timeout counts from the last bytes
+                    n = await _within(loop.sock_recv_into(sock, view[got:]), t.read)
+                    if not n:
+                        raise h11.RemoteProtocolError(f"{_CUT}: received {got} bytes, "
+                                                      f"expected {length}")
+                    got += n
+                keep = got == length and _keeps(event)
+        except BaseException as exc:  # cancelled too: the socket is not kept
+            if sock is not None:
+                sock.close()
+            error = _error(exc, http.build_request(method, url), writing)
+            if error is exc:
+                raise
+            raise error from exc
+        self._checkin(address, sock, keep)
+        return self._answer(http, method, url, event, body)
+
+    @staticmethod
+    async def _connect(loop: asyncio.AbstractEventLoop, address: tuple[str, int],
+                       timeout: float | None) -> socket.socket:
         try:
             infos = await _within(loop.getaddrinfo(*address, type=socket.SOCK_STREAM), timeout)
             family, kind, proto, _, where = infos[0]
@@ -282,57 +326,22 @@ class AsyncFast(httpx.AsyncBaseTransport):
         except OSError as exc:
             raise httpx.ConnectError(str(exc)) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Conn(sock)
+        return sock
 
-    async def _send_and_read(
-        self,
-        conn: _Conn,
-        request: httpx.Request,
-        body: tuple[Any, ...],
-        write_t: float | None,
-        read_t: float | None,
-    ) -> tuple[h11.Response, bytes]:
-        loop, h = asyncio.get_running_loop(), conn.h11
-        target = request.url.raw_path or b"/"
-        data = h.send(
-            h11.Request(method=request.method, target=target, headers=request.headers.raw)
-        )
-        data = b"".join([data, *(h.send(h11.Data(data=p)) for p in body if len(p))])
-        data += h.send(h11.EndOfMessage())
-        write_error = None
-        try:
-            await _within(loop.sock_sendall(conn.sock, data), write_t)
-        except TimeoutError as exc:
-            raise httpx.WriteTimeout("write timed out") from exc
-        except OSError as exc:  # perhaps answered early (413) and closed: read the answer
-            write_error = exc
-        head, chunks = None, []
-        try:
-            while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    h.receive_data(await _within(loop.sock_recv(conn.sock, _RECV), read_t))
-                elif isinstance(event, h11.Response):
-                    head = event
-                elif isinstance(event, h11.Data):
-                    chunks.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout("read timed out") from exc
-        except OSError as exc:
-            raise (httpx.WriteError if write_error else httpx.ReadError)(str(exc)) from exc
-        except h11.RemoteProtocolError:
-            if write_error is not None and head is None:
-                raise httpx.WriteError(str(write_error)) from write_error
-            raise
-        assert head is not None
-        return head, b"".join(chunks)
-
-    async def aclose(self) -> None:
+    def close(self) -> None:
         idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for conn in conns:
-                conn.sock.close()
-        self.large.close()
-        await self.fallback.aclose()
+            for sock, _ in conns:
+                sock.close()
+
+
+async def _within(awaitable: Any, seconds: float | None) -> Any:
+    """``await awaitable``; TimeoutError after ``seconds`` (None: no limit). A timeout
+    scope where asyncio has one (3.11+): no task per socket operation, as wait_for makes."""
+    if seconds is None:
+        return await awaitable
+    scope = getattr(asyncio, "timeout", None)
+    if scope is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with scope(seconds):
+        return await awaitable
