@@ -80,8 +80,7 @@ class Echo:
         self.fast = FastPath()
 
     def post(self, call: _models.Call) -> bytes:
-        body = call.body
-        answer = self.fast.send(self.http, "POST", self.target, call.headers, (body,), len(body))
+        answer = self.fast.send(self.http, "POST", self.target, call.headers, (call.body,))
         assert answer is not None
         return answer.content
 

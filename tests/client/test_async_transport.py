@@ -36,15 +36,23 @@ def _read_request(conn: socket.socket) -> None:
             raise ConnectionResetError("the client closed the connection")
         data += chunk
     head, rest = data.split(b"\r\n\r\n", 1)
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
     while len(rest) < length:
         rest += conn.recv(65536)
 
 
 def _head(length: int = len(BODY)) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
-            b"content-length: %d\r\n\r\n" % length)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+        b"content-length: %d\r\n\r\n" % length
+    )
 
 
 @pytest.fixture
@@ -87,8 +95,9 @@ def _in_pieces(pause: float, pieces: int = 12) -> Script:
         conn.sendall(_head())
         step = len(BODY) // pieces + 1
         for at in range(0, len(BODY), step):
-            conn.sendall(BODY[at:at + step])
+            conn.sendall(BODY[at : at + step])
             time.sleep(pause)
+
     return script
 
 
@@ -96,6 +105,7 @@ def _stall_after(sent: int, seconds: float) -> Script:
     def script(conn: socket.socket) -> None:
         conn.sendall(_head() + BODY[:sent])
         time.sleep(seconds)
+
     return script
 
 
@@ -103,12 +113,13 @@ def _cut_after(sent: int) -> Script:
     def script(conn: socket.socket) -> None:
         conn.sendall(_head() + BODY[:sent])
         conn.shutdown(socket.SHUT_RDWR)
+
     return script
 
 
 async def _apost(fast: FastPath, http: httpx.AsyncClient, url: str) -> bytes:
     """``POST url/x`` through ``fast`` for ``http``: the answer's body."""
-    answer = await fast.asend(http, "POST", httpx.URL(url + "/x"), {}, (b"{}",), 2)
+    answer = await fast.asend(http, "POST", httpx.URL(url + "/x"), {}, (b"{}",))
     assert answer is not None
     return bytes(answer.content)
 
@@ -117,6 +128,7 @@ def _post(url: str, timeout: float = 5.0) -> bytes:
     async def go() -> bytes:
         async with httpx.AsyncClient(timeout=timeout) as http:
             return await _apost(FastPath(), http, url)
+
     return asyncio.run(go())
 
 
@@ -128,6 +140,7 @@ def test_a_body_in_pieces_arrives_byte_for_byte(scripted) -> None:
         fast = FastPath()
         async with httpx.AsyncClient(timeout=5) as http:
             return [await _apost(fast, http, url) for _ in range(2)]
+
     assert asyncio.run(go()) == [BODY, BODY]
 
 
@@ -169,4 +182,5 @@ def test_a_cancelled_read_leaves_nothing_watched_and_the_client_goes_on(scripted
             assert len(loop._selector.get_map()) == watched_before  # type: ignore[attr-defined]
             assert not fast._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
             return await _apost(fast, c, url)
+
     assert asyncio.run(go()) == BODY

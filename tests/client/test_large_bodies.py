@@ -231,7 +231,7 @@ def test_repeated_answer_headers_join_as_in_httpx(scripted: ScriptedServer) -> N
         call = _models.operator_call("gradient", "f", JaxReverse(), _x(), None, (), None, "binary")
         assert client._fast is not None
         answer = client._fast.send(
-            client.http, "POST", client._url(call), call.headers, (call.body,), len(call.body)
+            client.http, "POST", client._url(call), call.headers, (call.body,)
         )
         assert answer is not None
     with httpx.Client() as http:
@@ -248,8 +248,9 @@ def test_large_calls_log_as_httpx(
     with Client(scripted.url) as client, caplog.at_level(logging.INFO, logger="httpx"):
         client.gradient("f", JaxReverse(), _x())
     assert any(
-        r.name == "httpx" and r.getMessage() == f'HTTP Request: POST {scripted.url}/gradient '
-        '"HTTP/1.1 200 OK"' for r in caplog.records
+        r.name == "httpx"
+        and r.getMessage() == f'HTTP Request: POST {scripted.url}/gradient "HTTP/1.1 200 OK"'
+        for r in caplog.records
     )
 
 

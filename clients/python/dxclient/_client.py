@@ -175,11 +175,9 @@ def _send_args(call: Call, asynchronous: bool = False) -> dict[str, Any]:
     return {"content": call.body, "headers": call.headers}
 
 
-def _body(call: Call) -> tuple[tuple[Any, ...], int]:
-    """``call``'s body as parts, and its size in bytes."""
-    if type(call) is PartsCall:
-        return call.parts, call.size
-    return (call.body,), len(call.body)
+def _parts(call: Call) -> tuple[Any, ...]:
+    """``call``'s body as parts (bytes-like, in order)."""
+    return call.parts if type(call) is PartsCall else (call.body,)
 
 
 #: what a response that has been read streams from here on
@@ -494,7 +492,7 @@ class Client(_ClientBase):
     def _send(self, call: Call, url: httpx.URL | None) -> Any:
         """One try of ``call``: its ``httpx.Response`` (or the fast path's ``Answer``)."""
         if url is not None and self._fast is not None:
-            answer = self._fast.send(self.http, call.method, url, call.headers, *_body(call))
+            answer = self._fast.send(self.http, call.method, url, call.headers, _parts(call))
             if answer is not None:
                 return answer
         response = self.http.request(
@@ -592,9 +590,7 @@ class AsyncClient(_ClientBase):
     async def _send(self, call: Call, url: httpx.URL | None) -> Any:
         """One try of ``call``: its ``httpx.Response`` (or the fast path's ``Answer``)."""
         if url is not None and self._fast is not None:
-            answer = await self._fast.asend(
-                self.http, call.method, url, call.headers, *_body(call)
-            )
+            answer = await self._fast.asend(self.http, call.method, url, call.headers, _parts(call))
             if answer is not None:
                 return answer
         response = await self.http.request(

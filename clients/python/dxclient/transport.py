@@ -1,69 +1,50 @@
 """The clients' fast path: operator calls over kept-alive sockets, their HTTP by h11.
 
-Through ``httpx.Client.send`` a gradient call at 10^5 values cost ~1,850 Python calls on the
-client (httpx's request, auth, redirect and cookie steps, a transport's pool, header parsing,
-a joined body). ``FastPath`` sends an operator call itself: h11 writes the request's head
-and parses the answer's; the body goes out as its parts (``socket.sendmsg``, never joined);
-a ``Content-Length`` body is read with ``recv_into`` into one buffer made for it (any other
-body, h11 reads). Sockets are kept alive per host; ``send`` blocks, ``asend`` runs on asyncio.
-
-It takes a call only while nothing httpx does per request could change it or its answer:
-plain ``http``, the httpx client open, no auth (nor credentials in the URL), no event
-hooks, no query parameters, no cookies in the jar, no redirects followed; otherwise it
-returns None and the call goes through httpx. The head holds what httpx would send (built
-once per path and header set by ``build_request``: the client's headers, a token among
-them). An answer that sets a cookie or is content-encoded becomes an ``httpx.Response``,
-so httpx stores the cookie and decodes the body. Calls log as httpx logs them; errors are
-httpx's (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError``, ...) with their
-request, so the clients' retry rules hold.
+Through ``httpx.Client.send`` a gradient call at 10^5 values cost ~1,850 Python calls. Here h11
+writes the request's head and parses the answer's; the body goes out as its parts (``sendmsg``,
+never joined); a ``Content-Length`` body is read with ``recv_into`` into one buffer (any other,
+h11 reads). ``send`` blocks, ``asend`` runs on asyncio: both drive one sans-IO ``_exchange``.
+Only calls httpx would not change: plain ``http``, the client open, no auth, event hooks, query
+parameters, cookies in the jar or redirects followed (else None: httpx sends it). The head holds
+what ``build_request`` gives (the client's headers, a token among them); an answer that sets a
+cookie or is content-encoded becomes an ``httpx.Response`` (cookie stored, body decoded). Calls
+log as httpx's; errors are httpx's, with their request, so the clients' retry rules hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import select
 import socket
 import time
+from collections import namedtuple
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import h11
 import httpx
 
-#: seconds an idle connection is kept: under the server's own keep-alive timeout (uvicorn's
-#: and dxserve's default, 5 s, counts from a little earlier than ours)
+#: seconds an idle connection is kept: under the server's keep-alive timeout (uvicorn's and
+#: dxserve's default, 5 s, counts from a little earlier than ours)
 KEEPALIVE_EXPIRY = 4.0
 MAX_IDLE_PER_HOST = 16
 #: answer headers that need httpx: a cookie to store, a body to decode
 TO_HTTPX = (b"set-cookie", b"content-encoding")
-_RECV = 64 * 1024
-#: most buffers one ``sendmsg`` takes (Linux: 1024; more fails with EMSGSIZE)
-IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_RECV = 16 * 1024  # the head and a first piece: the rest of a body goes by recv_into
+IOV_MAX = 1024  # most buffers one sendmsg takes on Linux (more: EMSGSIZE)
 _log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name
-#: what one step of an exchange asks: (write?, views to send / a view to fill / None)
-Step = tuple[bool, Any]
+Step = tuple[bool, Any]  # (write?, views to send / a view to fill / None: bytes for h11)
+Steps = Generator[Step, Any, tuple]
+_WAIT = object()  # a non-blocking socket is not ready
+#: an answer read here: ``status_code``, ``headers`` (``httpx.Headers``), ``content`` (bytearray)
+Answer = namedtuple("Answer", "status_code headers content")
 
 
-class Answer:
-    """An answer read by the fast path: ``status_code``, ``headers`` (``httpx.Headers``),
-    ``content`` (a bytearray)."""
-
-    __slots__ = ("content", "headers", "status_code")
-
-    def __init__(self, status_code: int, headers: httpx.Headers, content: Any) -> None:
-        self.status_code, self.headers, self.content = status_code, headers, content
-
-
-def _exchange(
-    h: h11.Connection, head: bytes, parts: Sequence[Any], method: str
-) -> Generator[Step, Any, tuple]:
-    """One exchange without I/O. Yields ``(True, views)`` (sent back: bytes sent),
-    ``(False, None)`` (sent back: bytes received for h11, b"" at the end) or ``(False,
-    view)`` (sent back: bytes received into it); returns ``(h11.Response, body: bytearray,
-    keep the connection)``."""
-    views = [v for v in (memoryview(head), *(memoryview(p).cast("B") for p in parts)) if v]
+def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
+    """One exchange without I/O. Yields ``(True, views)`` (sent back: bytes sent), ``(False,
+    None)`` (bytes received for h11, b"" at the end) or ``(False, view)`` (bytes received into
+    it); returns ``(h11.Response, body: bytearray, keep the connection)``."""
     try:
         while views:
             sent = yield True, views[:IOV_MAX]
@@ -79,13 +60,10 @@ def _exchange(
         if event is h11.NEED_DATA:
             h.receive_data((yield False, None))
         event = h.next_event()
-    values = [v for n, v in event.headers if n == b"content-length"]
-    if (
-        method == "HEAD"
-        or event.status_code in (204, 304)
-        or len(values) != 1
-        or any(n == b"transfer-encoding" for n, _ in event.headers)
-    ):
+    fields = event.headers
+    values = [v for n, v in fields if n == b"content-length"]
+    if (method == "HEAD" or event.status_code in (204, 304) or len(values) != 1
+            or any(n == b"transfer-encoding" for n, _ in fields)):  # fmt: skip
         chunks = []  # no body, chunked or read to the close: h11 reads it
         while not isinstance(got := h.next_event(), h11.EndOfMessage | h11.ConnectionClosed):
             if got is h11.NEED_DATA:
@@ -99,116 +77,103 @@ def _exchange(
     view[:got] = early[:got]
     while got < length:
         n = yield False, view[got:]
-        if not n:
-            raise h11.RemoteProtocolError(
-                "peer closed connection without sending complete "
-                f"message body: received {got} bytes, expected {length}"
-            )
+        if not n:  # closed early: h11 says so ("peer closed connection without ...")
+            h.receive_data(b"")
+            while True:
+                h.next_event()
         got += n
     # h11's rule for keeping a connection: HTTP/1.1 and no "Connection: close"
-    keep = (
-        len(early) <= length
-        and event.http_version == b"1.1"
-        and not any(n == b"connection" and b"close" in v.lower() for n, v in event.headers)
-    )
-    return event, body, keep
+    closes = any(n == b"connection" and b"close" in v.lower() for n, v in fields)
+    return event, body, len(early) <= length and event.http_version == b"1.1" and not closes
 
 
 def _error(exc: BaseException, writing: bool) -> BaseException:
     """httpx's error for what the socket or h11 raised (``exc`` itself for others)."""
     if isinstance(exc, h11.RemoteProtocolError):
-        kind: type[httpx.TransportError] = httpx.RemoteProtocolError
-    elif isinstance(exc, TimeoutError):
-        kind = httpx.WriteTimeout if writing else httpx.ReadTimeout
-    elif isinstance(exc, OSError):
-        kind = httpx.WriteError if writing else httpx.ReadError
-    else:
+        return httpx.RemoteProtocolError(str(exc))
+    if not isinstance(exc, OSError):
         return exc
-    return kind(str(exc) or type(exc).__name__)
+    if isinstance(exc, TimeoutError):
+        return (httpx.WriteTimeout if writing else httpx.ReadTimeout)(str(exc) or "timed out")
+    return (httpx.WriteError if writing else httpx.ReadError)(str(exc) or type(exc).__name__)
 
 
-def _io(sock: socket.socket, write: bool, arg: Any) -> Any:
-    return sock.sendmsg(arg) if write else sock.recv(_RECV) if arg is None else sock.recv_into(arg)
+def _next(steps: Steps, sock: socket.socket, step: Step) -> tuple[Step | None, Any]:
+    """One step's I/O and the step after it: ``(None, result)`` at the end; ``(step, _WAIT)``
+    where a non-blocking socket is not ready."""
+    write, v = step
+    try:
+        done = sock.sendmsg(v) if write else sock.recv(_RECV) if v is None else sock.recv_into(v)
+    except BlockingIOError:
+        return step, _WAIT
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        if not write:
+            raise _error(exc, False) from exc
+        return steps.throw(exc), None
+    except OSError as exc:
+        raise _error(exc, write) from exc
+    try:
+        return steps.send(done), None
+    except StopIteration as end:
+        return None, end.value
 
 
-def _run(sock: socket.socket, steps: Generator[Step, Any, tuple], t: httpx.Timeout) -> tuple:
-    """Drive ``steps`` on a blocking socket; its result."""
-    step, mode = next(steps), None
+def _run(sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
+    """Drive ``steps`` on a blocking socket (a timeout per direction, set as it changes)."""
+    step: Step | None = next(steps)
+    mode, result = None, None
+    while step is not None:
+        if step[0] is not mode:
+            mode = step[0]
+            sock.settimeout(t.write if mode else t.read)
+        step, result = _next(steps, sock, step)
+    return result  # type: ignore[return-value]
+
+
+async def _arun(loop: Any, sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
+    """Drive ``steps`` on a non-blocking socket, watched only while it is not ready: a timeout
+    counts from the last bytes that moved; nothing stays watched, cancelled or not."""
+    step: Step | None = next(steps)
     while True:
-        write = step[0]
-        try:
-            if write is not mode:  # a timeout per direction, set as it changes
-                mode = write
-                sock.settimeout(t.write if write else t.read)
-            done = _io(sock, *step)
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            if not write:
-                raise _error(exc, False) from exc
-            step = steps.throw(exc)
+        step, result = _next(steps, sock, step)  # type: ignore[arg-type]
+        if step is None:
+            return result
+        if result is not _WAIT:
             continue
-        except OSError as exc:
-            raise _error(exc, write) from exc
+        write, ready, fd = step[0], loop.create_future(), sock.fileno()
+        timeout = t.write if write else t.read
+        timer = None if timeout is None else loop.call_later(timeout, _wake, ready, write)
+        (loop.add_writer if write else loop.add_reader)(fd, _wake, ready)
         try:
-            step = steps.send(done)
-        except StopIteration as end:
-            return end.value
+            await ready
+        finally:
+            (loop.remove_writer if write else loop.remove_reader)(fd)
+            if timer is not None:
+                timer.cancel()
 
 
-async def _arun(
-    loop: asyncio.AbstractEventLoop,
-    sock: socket.socket,
-    steps: Generator[Step, Any, tuple],
-    t: httpx.Timeout,
-) -> tuple:
-    """Drive ``steps`` on a non-blocking socket, watched only while it has nothing to read
-    (or no room to write): a timeout counts from the last bytes that moved."""
-    step = next(steps)
-    while True:
-        write = step[0]
-        try:
-            done = _io(sock, *step)
-        except BlockingIOError:
-            ready, fd = loop.create_future(), sock.fileno()
-            (loop.add_writer if write else loop.add_reader)(fd, _wake, ready)
-            try:
-                await _within(ready, t.write if write else t.read)
-            except TimeoutError as exc:
-                raise _error(exc, write) from exc
-            finally:  # nothing stays watched, cancelled or not
-                (loop.remove_writer if write else loop.remove_reader)(fd)
-            continue
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            if not write:
-                raise _error(exc, False) from exc
-            step = steps.throw(exc)
-            continue
-        except OSError as exc:
-            raise _error(exc, write) from exc
-        try:
-            step = steps.send(done)
-        except StopIteration as end:
-            return end.value
+def _connect(address: tuple[str, int], timeout: float | None) -> socket.socket:
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+    except TimeoutError as exc:
+        raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
+    except OSError as exc:
+        raise httpx.ConnectError(str(exc)) from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
-def _wake(ready: asyncio.Future) -> None:
-    if not ready.done():
+def _wake(ready: asyncio.Future, timed_out_writing: bool | None = None) -> None:
+    """The socket is ready; or (``timed_out_writing`` given) its timeout passed."""
+    if not ready.done() and timed_out_writing is None:
         ready.set_result(None)
-
-
-async def _within(awaitable: Any, seconds: float | None) -> Any:
-    """``await awaitable``; TimeoutError after ``seconds`` (None: no limit). A timeout
-    scope where asyncio has one (3.11+): no task, as ``wait_for`` makes."""
-    if seconds is None:
-        return await awaitable
-    if not hasattr(asyncio, "timeout"):
-        return await asyncio.wait_for(awaitable, seconds)
-    async with asyncio.timeout(seconds):
-        return await awaitable
+    elif not ready.done():
+        ready.set_exception(_error(TimeoutError(), timed_out_writing))  # type: ignore[arg-type]
 
 
 class FastPath:
-    """Operator calls of one httpx client (``Client``'s: ``send``; ``AsyncClient``'s:
-    ``asend``) over its own kept-alive sockets. ``requests``: how many it sent."""
+    """Operator calls of httpx clients (``Client``'s: ``send``; ``AsyncClient``'s: ``asend``)
+    over its own kept-alive sockets. ``requests``: how many it sent."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
@@ -216,44 +181,27 @@ class FastPath:
         self._client_headers: list = []
         self.requests = 0
 
-    def _start(
-        self,
-        http: Any,
-        method: str,
-        url: httpx.URL,
-        headers: Mapping[str, str],
-        parts: Sequence[Any],
-        size: int,
-    ) -> Generator[Step, Any, tuple] | None:
-        """The exchange's steps, or None where httpx must send the call."""
+    def _start(self, http: Any, method: str, url: httpx.URL, headers: Mapping, parts: Sequence):
+        """``(steps, address, kept-alive socket or None)``; None where httpx must send it."""
         if (
-            url.scheme != "http"
-            or url.userinfo
-            or http.is_closed
-            or http.auth is not None
-            or http.follow_redirects
-            or http.params
-            or any(http.event_hooks.values())
+            url.scheme != "http" or url.userinfo or http.is_closed or http.auth is not None
+            or http.follow_redirects or http.params or any(http.event_hooks.values())
             or len(http.cookies.jar)
-        ):
+        ):  # fmt: skip
             return None
         if http.headers.raw != self._client_headers:  # a new token, say: heads anew
             self._client_headers, self._heads = http.headers.raw, {}
         key = (method, url, *headers.items())
-        kept = self._heads.get(key)
-        if kept is None:
+        if (kept := self._heads.get(key)) is None:
             built = http.build_request(method, url, headers=headers).headers.raw
             kept = [(n, v) for n, v in built if n.lower() != b"content-length"]
             self._heads = {**self._heads, key: kept} if len(self._heads) < 256 else {key: kept}
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        kept = [*kept, (b"content-length", b"%d" % sum(v.nbytes for v in views))]
         h = h11.Connection(h11.CLIENT)  # one per exchange: the answer's body is read here
-        head = h.send(
-            h11.Request(
-                method=method,
-                target=url.raw_path,
-                headers=[*kept, (b"content-length", b"%d" % size)],
-            )
-        )
-        return _exchange(h, head, parts, method)
+        head = h.send(h11.Request(method=method, target=url.raw_path, headers=kept))
+        address = (url.host, url.port or 80)
+        return _exchange(h, [memoryview(head), *views], method), address, self._checkout(address)
 
     def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
         idle, now = self._idle.get(address), time.monotonic()
@@ -267,15 +215,7 @@ class FastPath:
             sock.close()
         return None
 
-    def _finish(
-        self,
-        http: Any,
-        method: str,
-        url: httpx.URL,
-        address: tuple[str, int],
-        sock: socket.socket,
-        result: tuple,
-    ) -> Answer | httpx.Response:
+    def _finish(self, http: Any, method: str, url: httpx.URL, address: tuple, sock: Any, result):
         event, body, keep = result
         idle = self._idle.setdefault(address, [])
         if keep and len(idle) < MAX_IDLE_PER_HOST:
@@ -284,114 +224,65 @@ class FastPath:
             sock.close()
         self.requests += 1
         if _log.isEnabledFor(logging.INFO):
+            reason = event.reason.decode("ascii", "replace")
             _log.info(
-                'HTTP Request: %s %s "HTTP/1.1 %d %s"',
-                method,
-                url,
-                event.status_code,
-                event.reason.decode("ascii", "replace"),
+                'HTTP Request: %s %s "HTTP/1.1 %d %s"', method, url, event.status_code, reason
             )
         raw = event.headers.raw_items()
         if not any(n.lower() in TO_HTTPX for n, _ in raw):
             return Answer(event.status_code, httpx.Headers(raw), body)
-        response = httpx.Response(
-            event.status_code,
-            headers=raw,
-            stream=httpx.ByteStream(bytes(body)),
-            request=http.build_request(method, url),
-        )
+        request, stream = http.build_request(method, url), httpx.ByteStream(bytes(body))
+        response = httpx.Response(event.status_code, headers=raw, stream=stream, request=request)
         response.read()  # decoded as httpx decodes it
         http.cookies.extract_cookies(response)
         return response
 
     @staticmethod
-    def _failed(
-        exc: BaseException, sock: socket.socket | None, http: Any, method: str, url: httpx.URL
-    ) -> BaseException:
+    def _fail(exc: BaseException, sock: Any, http: Any, method: str, url: httpx.URL) -> NoReturn:
+        """Raise httpx's error for ``exc``, with its request; the socket closed."""
         if sock is not None:  # never kept after an error, a cancellation included
             sock.close()
-        if isinstance(exc, h11.RemoteProtocolError):
-            exc = _error(exc, False)
-        if isinstance(exc, httpx.TransportError):
-            exc.request = http.build_request(method, url)
-        return exc
+        error = _error(exc, False) if isinstance(exc, h11.RemoteProtocolError) else exc
+        if isinstance(error, httpx.TransportError):
+            error.request = http.build_request(method, url)
+        if error is exc:
+            raise exc
+        raise error from exc
 
-    def send(
-        self,
-        http: httpx.Client,
-        method: str,
-        url: httpx.URL,
-        headers: Mapping[str, str],
-        parts: Sequence[Any],
-        size: int,
-    ) -> Answer | httpx.Response | None:
-        """``method`` ``url`` with ``headers`` and the body ``parts`` (``size`` bytes in
-        all) sent and its answer read; None: send it through ``http`` instead."""
-        steps = self._start(http, method, url, headers, parts, size)
-        if steps is None:
+    def send(self, http: httpx.Client, method: str, url: httpx.URL, headers: Mapping, parts: Any):
+        """``method`` ``url`` with ``headers`` and the body ``parts`` (bytes-like, in order)
+        sent and its answer read: an ``Answer`` or ``httpx.Response``; None: httpx sends it."""
+        started = self._start(http, method, url, headers, parts)
+        if started is None:
             return None
-        address, t = (url.host, url.port or 80), http.timeout
-        sock = self._checkout(address)
+        steps, address, sock = started
         try:
-            if sock is None:
-                try:
-                    sock = socket.create_connection(address, timeout=t.connect)
-                except TimeoutError as exc:
-                    raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
-                except OSError as exc:
-                    raise httpx.ConnectError(str(exc)) from exc
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            result = _run(sock, steps, t)
+            sock = sock or _connect(address, http.timeout.connect)
+            result = _run(sock, steps, http.timeout)
         except BaseException as exc:
-            error = self._failed(exc, sock, http, method, url)
-            if error is exc:
-                raise
-            raise error from exc
+            self._fail(exc, sock, http, method, url)
         return self._finish(http, method, url, address, sock, result)
 
-    async def asend(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        url: httpx.URL,
-        headers: Mapping[str, str],
-        parts: Sequence[Any],
-        size: int,
-    ) -> Answer | httpx.Response | None:
-        """``send`` for an ``httpx.AsyncClient``, on asyncio (else None)."""
+    async def asend(self, http: httpx.AsyncClient, method: str, url: httpx.URL, headers, parts):
+        """``send`` for an ``httpx.AsyncClient``, on asyncio (else None: httpx sends it)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, say: httpx's own transport serves it
             return None
-        steps = self._start(http, method, url, headers, parts, size)
-        if steps is None:
+        started = self._start(http, method, url, headers, parts)
+        if started is None:
             return None
-        address, t = (url.host, url.port or 80), http.timeout
-        sock = self._checkout(address)
+        (steps, address, sock), t = started, http.timeout
         try:
-            if sock is None:
-                try:
-                    info = await _within(
-                        loop.getaddrinfo(*address, type=socket.SOCK_STREAM), t.connect
-                    )
-                    sock = socket.socket(*info[0][:3])
-                    sock.setblocking(False)
-                    await _within(loop.sock_connect(sock, info[0][4]), t.connect)
-                except TimeoutError as exc:
-                    raise httpx.ConnectTimeout("connect timed out") from exc
-                except OSError as exc:
-                    raise httpx.ConnectError(str(exc)) from exc
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock is None:  # in a thread: the name's lookup blocks
+                sock = await loop.run_in_executor(None, _connect, address, t.connect)
+                sock.setblocking(False)
             result = await _arun(loop, sock, steps, t)
         except BaseException as exc:
-            error = self._failed(exc, sock, http, method, url)
-            if error is exc:
-                raise
-            raise error from exc
+            self._fail(exc, sock, http, method, url)
         return self._finish(http, method, url, address, sock, result)
 
     def close(self) -> None:
         idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for sock, _ in conns:
-                sock.close()
+        for sock, _ in (kept for conns in idle.values() for kept in conns):
+            sock.close()
