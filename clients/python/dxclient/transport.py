@@ -177,7 +177,7 @@ class FastPath:
 
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
-        self._heads: dict[tuple, list] = {}
+        self._heads: dict[tuple, bytes] = {}
         self._client_headers: list = []
         self.requests = 0
 
@@ -191,17 +191,20 @@ class FastPath:
             return None
         if http.headers.raw != self._client_headers:  # a new token, say: heads anew
             self._client_headers, self._heads = http.headers.raw, {}
-        key = (method, url, *headers.items())
-        if (kept := self._heads.get(key)) is None:
-            built = http.build_request(method, url, headers=headers).headers.raw
-            kept = [(n, v) for n, v in built if n.lower() != b"content-length"]
-            self._heads = {**self._heads, key: kept} if len(self._heads) < 256 else {key: kept}
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
-        kept = [*kept, (b"content-length", b"%d" % sum(v.nbytes for v in views))]
-        h = h11.Connection(h11.CLIENT)  # one per exchange: the answer's body is read here
-        head = h.send(h11.Request(method=method, target=url.raw_path, headers=kept))
+        key = (method, url, sum(v.nbytes for v in views), *headers.items())
+        if (head := self._heads.get(key)) is None:  # h11 writes it once per path, size, headers
+            built = http.build_request(method, url, headers=headers).headers.raw
+            fields = [(n, v) for n, v in built if n.lower() != b"content-length"]
+            fields.append((b"content-length", b"%d" % key[2]))
+            request = h11.Request(method=method, target=url.raw_path, headers=fields)
+            head = h11.Connection(h11.CLIENT).send(request)
+            self._heads = {**self._heads, key: head} if len(self._heads) < 256 else {key: head}
+        # a fresh h11 state per answer (h11 takes an answer without its request): the
+        # body is read here, not through h11, so its state does not go on to a next cycle
         address = (url.host, url.port or 80)
-        return _exchange(h, [memoryview(head), *views], method), address, self._checkout(address)
+        steps = _exchange(h11.Connection(h11.CLIENT), [memoryview(head), *views], method)
+        return steps, address, self._checkout(address)
 
     def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
         idle, now = self._idle.get(address), time.monotonic()
