@@ -33,7 +33,8 @@ MAX_IDLE_PER_HOST = 16
 TO_HTTPX = (b"set-cookie", b"content-encoding")
 _RECV = 16 * 1024  # the head and a first piece: the rest of a body goes by recv_into
 IOV_MAX = 1024  # most buffers one sendmsg takes on Linux (more: EMSGSIZE)
-_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name
+_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name, so:
+_LOGGED = 'HTTP Request: %s %s "HTTP/1.1 %d %s"'
 Step = tuple[bool, Any]  # (write?, views to send / a view to fill / None: bytes for h11)
 Steps = Generator[Step, Any, tuple]
 _WAIT = object()  # a non-blocking socket is not ready
@@ -202,9 +203,8 @@ class FastPath:
             self._heads = {**self._heads, key: head} if len(self._heads) < 256 else {key: head}
         # a fresh h11 state per answer (h11 takes an answer without its request): the
         # body is read here, not through h11, so its state does not go on to a next cycle
-        address = (url.host, url.port or 80)
         steps = _exchange(h11.Connection(h11.CLIENT), [memoryview(head), *views], method)
-        return steps, address, self._checkout(address)
+        return steps, (address := (url.host, url.port or 80)), self._checkout(address)
 
     def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
         idle, now = self._idle.get(address), time.monotonic()
@@ -226,11 +226,7 @@ class FastPath:
         else:
             sock.close()
         self.requests += 1
-        if _log.isEnabledFor(logging.INFO):
-            reason = event.reason.decode("ascii", "replace")
-            _log.info(
-                'HTTP Request: %s %s "HTTP/1.1 %d %s"', method, url, event.status_code, reason
-            )
+        _log.info(_LOGGED, method, url, event.status_code, event.reason.decode("latin-1"))
         raw = event.headers.raw_items()
         if not any(n.lower() in TO_HTTPX for n, _ in raw):
             return Answer(event.status_code, httpx.Headers(raw), body)
