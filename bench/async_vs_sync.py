@@ -4,7 +4,7 @@
     .venv/bin/python bench/async_vs_sync.py --sizes 1e5 --rounds 41
 
 Starts ``dxserve serve`` on 127.0.0.1 and times, interleaved: ``Client.gradient``,
-``AsyncClient.gradient`` (its default transport, ``dxclient.transport``'s asyncio path)
+``AsyncClient.gradient`` (its operator calls through ``dxclient.transport.FastPath.asend``)
 and, for reference, ``AsyncClient`` over plain httpx (``http=httpx.AsyncClient``, the
 path before ``dxclient.transport``). Each async call is driven by
 ``loop.run_until_complete`` (~15 us of its own). Target: async/sync <= 1.1x.

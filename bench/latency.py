@@ -14,9 +14,8 @@ For each n and encoding (binary, b64, json) it times, interleaved:
 * dxserve: ``dxclient.Client(encoding=...).gradient("rosenbrock", JaxReverse(), x)``,
   the whole user-visible call (client encode, HTTP, server, client decode);
 * echo: the client's own HTTP stack posting the exact request bytes and headers that
-  encoding produces to ``/echo`` (transport only: the bytes are encoded once): an
-  ``httpx.Client`` on ``dxclient.transport.LargeBodies`` (urllib3 from 64 KiB on, httpx's
-  own transport below), as ``Client`` makes;
+  encoding produces to ``/echo`` (transport only: the bytes are encoded once) through
+  ``dxclient.transport.FastPath``, as ``Client`` sends an operator call;
 * raw: the same number of bytes each way over a plain loopback socket: the HTTP
   request the client sends (request line, headers, body) written with one ``sendmsg``,
   dxserve's whole answer (status line, headers, body) read with ``recv_into`` into a
@@ -60,7 +59,7 @@ from _floor import RawFloor, request_head, response_size
 
 import dxserve
 from dxclient import AsyncClient, Client, _models
-from dxclient.transport import LargeBodies
+from dxclient.transport import FastPath
 from dxserve import JaxReverse
 from dxserve.examples import rosenbrock
 
@@ -72,17 +71,21 @@ ASYNC_TARGET = 1.1
 
 
 class Echo:
-    """Posts request bytes to the echo through the client's own httpx stack: an
-    ``httpx.Client`` on ``dxclient.transport.LargeBodies``, as ``Client`` makes."""
+    """Posts request bytes to the echo as ``Client`` sends an operator call: through
+    ``dxclient.transport.FastPath`` for its httpx client."""
 
     def __init__(self, url: str) -> None:
         self.target = httpx.URL(url + "/echo")
-        self.http = httpx.Client(timeout=600.0, transport=LargeBodies())
+        self.http = httpx.Client(timeout=600.0)
+        self.fast = FastPath()
 
     def post(self, call: _models.Call) -> bytes:
-        return self.http.post(self.target, content=call.body, headers=call.headers).content
+        answer = self.fast.send(self.http, "POST", self.target, call.headers, (call.body,))
+        assert answer is not None
+        return answer.content
 
     def close(self) -> None:
+        self.fast.close()
         self.http.close()
 
 
@@ -150,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         + f"; async/sync <= {ASYNC_TARGET}x. dxserve = the whole `dxclient.Client.gradient` "
         "call (client encode + HTTP + server + client decode); echo = the client's own HTTP "
         "stack posting the same request bytes to `POST /echo` (no client encoding), the "
-        "way `Client` sends a body of that size (its httpx client on "
-        "`dxclient.transport.LargeBodies`); raw = the "
+        "way `Client` sends an operator call (`dxclient.transport.FastPath`); raw = the "
         "same byte counts each way (whole HTTP request, whole HTTP answer) over a plain "
         "loopback socket, `sendmsg` out and `recv_into` a fresh buffer in, no HTTP; "
         "in-process = `dxserve.gradient(..., prep=prep)` blocked until ready. AsyncClient "

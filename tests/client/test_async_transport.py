@@ -1,4 +1,4 @@
-"""``AsyncFast`` (h11 over asyncio sockets) reading a large answer to a small request.
+"""``FastPath.asend`` (h11 over asyncio sockets) reading a large answer to a small request.
 
 A scripted server on 127.0.0.1 answers each request with a large body sent as it is
 told: in pieces with pauses, stalled halfway, or cut off. The transport must give the
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from dxclient.transport import AsyncFast
+from dxclient.transport import FastPath
 
 #: a stall or cut-off comes this far into the body
 _WATCHED_MIN = 256 * 1024
@@ -36,15 +36,23 @@ def _read_request(conn: socket.socket) -> None:
             raise ConnectionResetError("the client closed the connection")
         data += chunk
     head, rest = data.split(b"\r\n\r\n", 1)
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
     while len(rest) < length:
         rest += conn.recv(65536)
 
 
 def _head(length: int = len(BODY)) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
-            b"content-length: %d\r\n\r\n" % length)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+        b"content-length: %d\r\n\r\n" % length
+    )
 
 
 @pytest.fixture
@@ -87,8 +95,9 @@ def _in_pieces(pause: float, pieces: int = 12) -> Script:
         conn.sendall(_head())
         step = len(BODY) // pieces + 1
         for at in range(0, len(BODY), step):
-            conn.sendall(BODY[at:at + step])
+            conn.sendall(BODY[at : at + step])
             time.sleep(pause)
+
     return script
 
 
@@ -96,6 +105,7 @@ def _stall_after(sent: int, seconds: float) -> Script:
     def script(conn: socket.socket) -> None:
         conn.sendall(_head() + BODY[:sent])
         time.sleep(seconds)
+
     return script
 
 
@@ -103,13 +113,22 @@ def _cut_after(sent: int) -> Script:
     def script(conn: socket.socket) -> None:
         conn.sendall(_head() + BODY[:sent])
         conn.shutdown(socket.SHUT_RDWR)
+
     return script
 
 
-def _post(url: str, timeout: float = 5.0) -> httpx.Response:
-    async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=AsyncFast(), timeout=timeout) as c:
-            return await c.post(url + "/x", content=b"{}")
+async def _apost(fast: FastPath, http: httpx.AsyncClient, url: str) -> bytes:
+    """``POST url/x`` through ``fast`` for ``http``: the answer's body."""
+    answer = await fast.asend(http, "POST", httpx.URL(url + "/x"), {}, (b"{}",))
+    assert answer is not None
+    return bytes(answer.content)
+
+
+def _post(url: str, timeout: float = 5.0) -> bytes:
+    async def go() -> bytes:
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            return await _apost(FastPath(), http, url)
+
     return asyncio.run(go())
 
 
@@ -118,8 +137,10 @@ def test_a_body_in_pieces_arrives_byte_for_byte(scripted) -> None:
     scripts += [_in_pieces(0.01), _in_pieces(0.0)]
 
     async def go() -> list[bytes]:
-        async with httpx.AsyncClient(transport=AsyncFast(), timeout=5) as c:
-            return [bytes((await c.post(url + "/x", content=b"{}")).content) for _ in range(2)]
+        fast = FastPath()
+        async with httpx.AsyncClient(timeout=5) as http:
+            return [await _apost(fast, http, url) for _ in range(2)]
+
     assert asyncio.run(go()) == [BODY, BODY]
 
 
@@ -127,7 +148,7 @@ def test_the_read_timeout_counts_from_the_last_bytes(scripted) -> None:
     """12 pieces 0.1 s apart take 1.2 s: no timeout at 0.4 s, as each piece comes in time."""
     url, scripts = scripted
     scripts.append(_in_pieces(0.1))
-    assert bytes(_post(url, timeout=0.4).content) == BODY
+    assert _post(url, timeout=0.4) == BODY
 
 
 def test_a_stalled_body_times_out(scripted) -> None:
@@ -149,16 +170,17 @@ def test_a_cancelled_read_leaves_nothing_watched_and_the_client_goes_on(scripted
     scripts += [_stall_after(_WATCHED_MIN, 2.0), _in_pieces(0.0)]
 
     async def go() -> bytes:
-        transport = AsyncFast()
-        async with httpx.AsyncClient(transport=transport, timeout=5) as c:
+        fast = FastPath()
+        async with httpx.AsyncClient(timeout=5) as c:
             loop = asyncio.get_running_loop()
             watched_before = len(loop._selector.get_map())  # type: ignore[attr-defined]
-            task = asyncio.ensure_future(c.post(url + "/x", content=b"{}"))
+            task = asyncio.ensure_future(_apost(fast, c, url))
             await asyncio.sleep(0.3)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert len(loop._selector.get_map()) == watched_before  # type: ignore[attr-defined]
-            assert not transport._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-            return bytes((await c.post(url + "/x", content=b"{}")).content)
+            assert not fast._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            return await _apost(fast, c, url)
+
     assert asyncio.run(go()) == BODY

@@ -1,10 +1,11 @@
-"""Large bodies through the clients' urllib3 path (``dxclient.transport.LargeBodies``).
+"""Operator calls through the clients' fast path (``dxclient.transport.FastPath``).
 
 Against the real server: results equal to those sent through plain httpx transports,
 problems raised alike, both clients. Against a scripted ``http.server`` (a real socket)
 that records each request's head and answers with a canned gradient: header changes on
 the httpx client reach the request; every client setting httpx acts on per request
-(auth, hooks, cookies, params, redirects) holds on this path; answers that set cookies,
+(auth, hooks, cookies, params, redirects) holds (the fast path leaves such calls to
+httpx); answers that set cookies,
 are gzip-encoded or repeat a header are handled as httpx handles them; calls log as
 httpx does; connection errors are httpx's, with their request.
 """
@@ -25,13 +26,12 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client, _models
-from dxclient.transport import LargeBodies
 from dxcontract import codec
 from dxcontract.backends import JaxReverse
 from dxcontract.errors import UnknownFunctionError
 from tests.conftest import HandlerInThread, free_port
 
-N = 20_000  # 160 KB of float64: a body urllib3 sends
+N = 20_000  # 160 KB of float64
 
 
 def _x(n: int = N, seed: int = 0) -> np.ndarray:
@@ -39,16 +39,16 @@ def _x(n: int = N, seed: int = 0) -> np.ndarray:
 
 
 # --- against the real server ----------------------------------------------------------
-def _requests(transport: LargeBodies, url: str) -> int:
-    """Requests ``transport`` sent to ``url`` through urllib3."""
-    return transport.pool.connection_from_url(url).num_requests
+def _requests(client: Client | AsyncClient) -> int:
+    """Requests ``client`` sent through its fast path."""
+    assert client._fast is not None
+    return client._fast.requests
 
 
 @pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
 def test_results_equal_plain_httpx_results(server, encoding: str) -> None:
     backend = JaxReverse()
-    transport = LargeBodies()
-    large = Client(server.url, encoding=encoding, transport=transport)
+    large = Client(server.url, encoding=encoding)
     plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url))
     try:
         for seed, x in enumerate([_x(), _x(N, 1)[::2].copy(), _x(N).astype(">f8")]):
@@ -62,7 +62,7 @@ def test_results_equal_plain_httpx_results(server, encoding: str) -> None:
             large.gradient("rosenbrock", backend, _x(), prep=prep),
             plain.gradient("rosenbrock", backend, _x()),
         )
-        assert _requests(transport, server.url) >= 8
+        assert _requests(large) >= 8
     finally:
         large.close()
         plain.close()
@@ -93,11 +93,11 @@ def test_async_results_equal_plain_httpx_results(server) -> None:
         assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
 
 
-def test_small_sync_calls_go_through_httpx(server) -> None:
-    transport = LargeBodies()
-    with Client(server.url, transport=transport) as client:
+def test_small_calls_take_the_fast_path_too(server) -> None:
+    with Client(server.url) as client:
         client.gradient("rosenbrock", JaxReverse(), _x(10))
-        assert _requests(transport, server.url) == 0
+        client.health()  # not an operator call: through httpx
+        assert _requests(client) == 1
 
 
 # --- against a scripted server ---------------------------------------------------------
@@ -153,8 +153,7 @@ def scripted() -> Iterator[ScriptedServer]:
 
 
 def test_header_changes_reach_the_request(scripted: ScriptedServer) -> None:
-    transport = LargeBodies()
-    with Client(scripted.url, transport=transport) as client:
+    with Client(scripted.url) as client:
         for n in (N, N + 1, 3 * N):
             x = _x(n)
             np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
@@ -165,7 +164,7 @@ def test_header_changes_reach_the_request(scripted: ScriptedServer) -> None:
         assert b"\r\nauthorization: bearer new-token\r\n" in head
         assert b"\r\nx-trace: abc\r\n" in head
         assert head.startswith(b"post /gradient http/1.1\r\n")
-        assert _requests(transport, scripted.url) == 4
+        assert _requests(client) == 4
 
 
 SEEN: list[str] = []
@@ -187,16 +186,15 @@ def _settings() -> list[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize("name, apply", _settings(), ids=[s[0] for s in _settings()])
-def test_client_settings_httpx_acts_on_hold_for_large_bodies(
+def test_client_settings_httpx_acts_on_hold_for_operator_calls(
     scripted: ScriptedServer, name: str, apply: Any
 ) -> None:
-    transport = LargeBodies()
     SEEN.clear()
-    with Client(scripted.url, transport=transport) as client:
+    with Client(scripted.url) as client:
         apply(client.http)
         x = _x()
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-        assert _requests(transport, scripted.url) == 1, name
+        assert _requests(client) == 0, name  # left to httpx
     head = scripted.heads[-1].lower()
     if name == "auth":
         assert b"\r\nauthorization: basic " in head
@@ -221,18 +219,21 @@ def test_answer_setting_a_cookie_is_stored_as_httpx_stores_it(scripted: Scripted
 
 def test_gzip_answer_is_decoded(scripted: ScriptedServer) -> None:
     scripted.gzip = True
-    transport = LargeBodies()
-    with Client(scripted.url, transport=transport) as client:
+    with Client(scripted.url) as client:
         x = _x()
         np.testing.assert_array_equal(client.gradient("f", JaxReverse(), x), 2 * x)
-        assert _requests(transport, scripted.url) == 1
+        assert _requests(client) == 1
 
 
 def test_repeated_answer_headers_join_as_in_httpx(scripted: ScriptedServer) -> None:
     scripted.extra = [("X-Multi", "a"), ("x-multi", "b")]
     with Client(scripted.url) as client:
         call = _models.operator_call("gradient", "f", JaxReverse(), _x(), None, (), None, "binary")
-        answer = client.http.post(client._url(call), content=call.body, headers=call.headers)
+        assert client._fast is not None
+        answer = client._fast.send(
+            client.http, "POST", client._url(call), call.headers, (call.body,)
+        )
+        assert answer is not None
     with httpx.Client() as http:
         plain = http.post(client._url(call), content=call.body, headers=call.headers)
     assert answer.headers["X-MULTI"] == plain.headers["x-multi"] == "a, b"
@@ -247,8 +248,9 @@ def test_large_calls_log_as_httpx(
     with Client(scripted.url) as client, caplog.at_level(logging.INFO, logger="httpx"):
         client.gradient("f", JaxReverse(), _x())
     assert any(
-        r.name == "httpx" and r.getMessage() == f'HTTP Request: POST {scripted.url}/gradient '
-        '"HTTP/1.1 200 OK"' for r in caplog.records
+        r.name == "httpx"
+        and r.getMessage() == f'HTTP Request: POST {scripted.url}/gradient "HTTP/1.1 200 OK"'
+        for r in caplog.records
     )
 
 

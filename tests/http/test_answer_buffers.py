@@ -1,7 +1,7 @@
 """Large answers a caller keeps are never written over by later ones.
 
 Checked through ``Client`` and ``AsyncClient`` against a real server, on answers large
-enough for ``dxclient.transport``'s urllib3 path: results kept across later calls, in
+enough for ``dxclient.transport``'s fast path: results kept across later calls, in
 sequence and gathered concurrently, still hold their own values.
 """
 

@@ -1,12 +1,12 @@
 """The fast paths give the same arrays, byte for byte, as httpx's own transport.
 
-``dxclient.transport`` (the clients' default transport) and the server's one-buffer
+``dxclient.transport`` (the clients' fast path for operator calls) and the server's one-buffer
 receive (``pipeline.BodyBuffer``) are checked against the general path (plain httpx
 transports, chunked bodies uvicorn hands over 64 KiB at a time), over real sockets:
 
 * every dtype the codec allows, 0-d, empty, non-contiguous and big-endian arrays,
   small and past the fast-path threshold, in every encoding, through a bare uvicorn
-  echo (``bench/echo_app.py``), with the sync and async transports;
+  echo (``bench/echo_app.py``), through ``FastPath.send`` and ``asend``;
 * ``/gradient`` on a real dxserve through ``Client`` and ``AsyncClient``, fast transport
   vs plain httpx, for float32/float64 inputs of those kinds.
 """
@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 
 from dxclient import AsyncClient, Client
-from dxclient.transport import LARGE_MIN_BYTES, AsyncFast, LargeBodies
+from dxclient.transport import FastPath
 from dxcontract import codec
 from dxserve import JaxReverse
 from tests.conftest import STARTUP_TIMEOUT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-LARGE = LARGE_MIN_BYTES // 8 + 3  # elements: past the threshold for every itemsize >= 1 ... x8
+LARGE = 64 * 1024 // 8 + 3  # elements: past 64 KiB (the server's pieces) for every itemsize
 
 
 def _arrays(dtype: str) -> dict[str, np.ndarray]:
@@ -105,10 +105,8 @@ def _same(a: np.ndarray, b: np.ndarray) -> None:
 @pytest.mark.parametrize("encoding", ["binary", "b64", "json"])
 def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding: str) -> None:
     plain = httpx.Client()
-    fast = httpx.Client(transport=LargeBodies(min_bytes=0))
-    default = httpx.Client(transport=LargeBodies())  # large bodies only
+    fast, afast = FastPath(), FastPath()
     aplain = httpx.AsyncClient()
-    afast = httpx.AsyncClient(transport=AsyncFast())
     loop = asyncio.new_event_loop()
     checked = 0
     try:
@@ -117,9 +115,13 @@ def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding:
                 body, ctype, headers = codec.encode_body({"x": a}, encoding)
                 headers = {"content-type": ctype, **headers}
                 url = echo_url + "/echo"
-                answers = [c.post(url, content=body, headers=headers) for c in (plain, fast, default)]
-                answers += [loop.run_until_complete(c.post(url, content=body, headers=headers))
-                            for c in (aplain, afast)]
+                target = httpx.URL(url)
+                answers = [
+                    plain.post(url, content=body, headers=headers),
+                    fast.send(plain, "POST", target, headers, (body,)),
+                    loop.run_until_complete(aplain.post(url, content=body, headers=headers)),
+                    loop.run_until_complete(afast.asend(aplain, "POST", target, headers, (body,))),
+                ]
                 arrays = [_decode(r, headers.get(codec.HEADER_LENGTH)) for r in answers]
                 expected = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"))
                 for r, got in zip(answers, arrays, strict=True):
@@ -134,9 +136,8 @@ def test_every_dtype_and_layout_round_trips_identically(echo_url: str, encoding:
     finally:
         plain.close()
         fast.close()
-        default.close()
+        afast.close()
         loop.run_until_complete(aplain.aclose())
-        loop.run_until_complete(afast.aclose())
         loop.close()
     assert checked >= 14 * 6
 
@@ -160,7 +161,7 @@ def test_gradient_identical_across_transports_and_clients(server, encoding: str)
     backend = JaxReverse()
     fast = Client(server.url, encoding=encoding)
     plain = Client(encoding=encoding, http=httpx.Client(base_url=server.url))
-    assert isinstance(fast.http._transport, LargeBodies)
+    assert fast._fast is not None
     loop = asyncio.new_event_loop()
     afast = AsyncClient(server.url, encoding=encoding)
     aplain = AsyncClient(encoding=encoding, http=httpx.AsyncClient(base_url=server.url))
@@ -184,13 +185,15 @@ def test_gradient_identical_across_transports_and_clients(server, encoding: str)
 
 def test_fast_transport_reuses_connections_and_returns_errors(server) -> None:
     """Connections are kept alive and reused; an error answer comes back as it is."""
-    transport = LargeBodies(min_bytes=0)
-    with httpx.Client(base_url=server.url, transport=transport) as c:
+    fast, url = FastPath(), httpx.URL(server.url + "/gradient")
+    json = {"content-type": "application/json"}
+    with httpx.Client() as c:
         for _ in range(3):
-            assert c.get("/health").status_code == 200
-        assert transport.pool.connection_from_url(server.url).num_connections == 1
-        r = c.post("/gradient", content=b"{" + b" " * 64, headers={"content-type": "application/json"})
-        assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem")
+            r = fast.send(c, "POST", url, json, (b"{" + b" " * 64,))
+            assert r is not None and r.status_code == 400
+            assert r.headers["content-type"].startswith("application/problem")
+        assert len(fast._idle[(url.host, url.port)]) == 1
+    fast.close()
 
 
 @pytest.mark.parametrize("encoding", ["json", "b64"])

@@ -40,7 +40,7 @@ from ._models import Call, PartsCall, RemoteFunction, RemotePrep
 from ._operators import OperatorMethods
 from .errors import ServerUnreachableError
 from .jobs import AsyncJob, Job, Submitter, job_plan, list_plan
-from .transport import BODY_PARTS, AsyncFast, LargeBodies
+from .transport import FastPath
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -165,16 +165,19 @@ class _AsyncParts:
 
 
 def _send_args(call: Call, asynchronous: bool = False) -> dict[str, Any]:
-    """``content``, ``headers`` (and for a ``PartsCall`` the ``extensions`` that let
-    ``dxclient.transport`` write its parts without joining them) of ``call``."""
+    """``content`` and ``headers`` of ``call`` as httpx sends them (a ``PartsCall``'s
+    parts one by one, never joined)."""
     if type(call) is PartsCall:
         return {
-            # any other transport reads the same parts one by one
             "content": _AsyncParts(call.parts) if asynchronous else call.parts,
             "headers": {**call.headers, "content-length": str(call.size)},
-            "extensions": {BODY_PARTS: call.parts},
         }
     return {"content": call.body, "headers": call.headers}
+
+
+def _parts(call: Call) -> tuple[Any, ...]:
+    """``call``'s body as parts (bytes-like, in order)."""
+    return call.parts if type(call) is PartsCall else (call.body,)
 
 
 #: what a response that has been read streams from here on
@@ -233,7 +236,6 @@ class _ClientBase(OperatorMethods):
 
     http: Any  # httpx.Client or httpx.AsyncClient
     _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
-    _FAST_TRANSPORT: type[LargeBodies] | type[AsyncFast]
     _JOB: type[Job] | type[AsyncJob]
 
     def __init__(
@@ -256,11 +258,14 @@ class _ClientBase(OperatorMethods):
         self.encoding = encoding
         self.retries = retries
         self.backoff = backoff
-        if http is None and transport is None and not urllib.request.getproxies():
-            # large bodies through urllib3, small async calls through h11
-            # (dxclient.transport); with proxies configured in the environment httpx's own
-            # transports apply them
-            transport = self._FAST_TRANSPORT()
+        #: operator calls over the client's own sockets (dxclient.transport), while it
+        #: uses httpx's default transport; with proxies configured in the environment
+        #: httpx applies them
+        self._fast = (
+            FastPath()
+            if http is None and transport is None and not urllib.request.getproxies()
+            else None
+        )
         self.http = http or self._HTTP(
             base_url=url, timeout=timeout, transport=transport, headers=_headers(token)
         )
@@ -460,7 +465,6 @@ class Client(_ClientBase):
     """Synchronous client. ``encoding``: "binary" (default), "b64" or "json"."""
 
     _HTTP = httpx.Client
-    _FAST_TRANSPORT = LargeBodies
     _JOB = Job
     http: httpx.Client
 
@@ -486,7 +490,11 @@ class Client(_ClientBase):
         return parse(*args, response)
 
     def _send(self, call: Call, url: httpx.URL | None) -> Any:
-        """One try of ``call``: its ``httpx.Response``."""
+        """One try of ``call``: its ``httpx.Response`` (or the fast path's ``Answer``)."""
+        if url is not None and self._fast is not None:
+            answer = self._fast.send(self.http, call.method, url, call.headers, _parts(call))
+            if answer is not None:
+                return answer
         response = self.http.request(
             call.method, call.path if url is None else url, **_send_args(call)
         )
@@ -539,6 +547,8 @@ class Client(_ClientBase):
 
     def close(self) -> None:
         self.http.close()
+        if self._fast is not None:
+            self._fast.close()
 
     def __enter__(self) -> Client:
         return self
@@ -551,7 +561,6 @@ class AsyncClient(_ClientBase):
     """Asynchronous client: the same methods as ``Client``, awaited."""
 
     _HTTP = httpx.AsyncClient
-    _FAST_TRANSPORT = AsyncFast
     _JOB = AsyncJob
     http: httpx.AsyncClient
 
@@ -579,7 +588,11 @@ class AsyncClient(_ClientBase):
         return parse(*args, response)
 
     async def _send(self, call: Call, url: httpx.URL | None) -> Any:
-        """One try of ``call``: its ``httpx.Response``."""
+        """One try of ``call``: its ``httpx.Response`` (or the fast path's ``Answer``)."""
+        if url is not None and self._fast is not None:
+            answer = await self._fast.asend(self.http, call.method, url, call.headers, _parts(call))
+            if answer is not None:
+                return answer
         response = await self.http.request(
             call.method, call.path if url is None else url, **_send_args(call, True)
         )
@@ -629,6 +642,8 @@ class AsyncClient(_ClientBase):
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        if self._fast is not None:
+            self._fast.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -1,338 +1,287 @@
-"""httpx transports for dxclient: large bodies through urllib3, small async calls through h11.
+"""The clients' fast path: operator calls over kept-alive sockets, their HTTP by h11.
 
-Both are public ``httpx`` transports, and their answers are ordinary ``httpx.Response``s:
-httpx still builds the request, decodes a content-encoded body, stores cookies and runs
-event hooks. Errors are httpx's (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
-``WriteError``, ``RemoteProtocolError``, ...), so retry rules built on them hold on
-every path.
-
-* ``LargeBodies`` (``Client``): httpx (through httpcore and h11) reads an answer 64 KiB
-  at a time, each piece through h11's buffer, and joins the pieces at the end: for an
-  8 MB answer about as much time as moving the bytes through the kernel. urllib3 (over
-  the standard library's ``http.client``) reads a ``Content-Length`` body with one read
-  into one bytes object, and writes a body given as parts part by part, never joined.
-  Requests whose body is at least ``min_bytes``, over plain HTTP, go to urllib3; all
-  others (https, small or streamed bodies, event streams) to httpx's own transport.
-* ``AsyncFast`` (``AsyncClient``): httpx's async stack (anyio, httpcore) costs ~0.3 ms
-  more per call than its sync one, half a small call's round trip. On asyncio, a byte
-  body below ``LARGE_MIN_BYTES`` is exchanged here: h11 writes the request and parses
-  the answer, over sockets kept alive per host and port; a larger one goes to
-  ``LargeBodies`` in a worker thread. Other event loops, https, streamed bodies and
-  event streams use httpx's own transport.
+Through ``httpx.Client.send`` a gradient call at 10^5 values cost ~1,850 Python calls. Here h11
+writes the request's head and parses the answer's; the body goes out as its parts (``sendmsg``,
+never joined); a ``Content-Length`` body is read with ``recv_into`` into one buffer (any other,
+h11 reads). ``send`` blocks, ``asend`` runs on asyncio: both drive one sans-IO ``_exchange``.
+Only calls httpx would not change: plain ``http``, the client open, no auth, event hooks, query
+parameters, cookies in the jar or redirects followed (else None: httpx sends it). The head holds
+what ``build_request`` gives (the client's headers, a token among them); an answer that sets a
+cookie or is content-encoded becomes an ``httpx.Response`` (cookie stored, body decoded). Calls
+log as httpx's; errors are httpx's, with their request, so the clients' retry rules hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
 import socket
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections import namedtuple
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, NoReturn
 
 import h11
 import httpx
-import urllib3
-from urllib3 import exceptions as u3
 
-#: request bodies from this size on go through urllib3
-LARGE_MIN_BYTES = 64 * 1024
-#: kept-alive connections per host (httpx's default pool keeps up to 20 in all)
-MAX_IDLE_PER_HOST = 16
-#: ``request.extensions`` key of a body given as parts (bytes-like, in order): sent as
-#: they are, never joined (``content=`` holds the same parts for httpx's own path)
-BODY_PARTS = "dxclient.body_parts"
-
-
-def large_body(request: httpx.Request, min_bytes: int) -> tuple[Any, ...] | None:
-    """The request's body as parts if urllib3 sends it, else None."""
-    if request.url.scheme != "http" or request.method == "HEAD":
-        return None
-    if "event-stream" in request.headers.get("accept", ""):
-        return None  # read as it comes, by httpx
-    parts = request.extensions.get(BODY_PARTS)
-    if parts is None:
-        if not isinstance(request.stream, httpx.ByteStream):
-            return None  # streamed by its caller
-        parts = (request.content,)
-    if sum(memoryview(p).nbytes for p in parts) < min_bytes:
-        return None
-    return tuple(parts)
-
-
-class _Answer(httpx.SyncByteStream):
-    """A urllib3 answer's body as httpx reads a stream: in one piece."""
-
-    def __init__(self, answer: urllib3.BaseHTTPResponse, request: httpx.Request) -> None:
-        self.answer, self.request = answer, request
-
-    def __iter__(self) -> Iterator[bytes]:
-        try:
-            data = self.answer.read(decode_content=False)
-        except BaseException as exc:
-            raise _httpx_error(exc, self.request) from exc
-        if data:
-            yield data
-
-    def close(self) -> None:
-        self.answer.release_conn()
-
-
-def _timeout(request: httpx.Request) -> urllib3.Timeout:
-    t = request.extensions.get("timeout") or {}
-    return urllib3.Timeout(connect=t.get("connect"), read=t.get("read"))
-
-
-def _httpx_error(exc: BaseException, request: httpx.Request) -> BaseException:
-    """httpx's error for what urllib3 (or the socket under it) raised."""
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, u3.NewConnectionError | u3.NameResolutionError):
-        kind: type[httpx.TransportError] = httpx.ConnectError
-    elif isinstance(exc, u3.ConnectTimeoutError):
-        kind = httpx.ConnectTimeout
-    elif isinstance(exc, u3.ReadTimeoutError | TimeoutError):
-        kind = httpx.ReadTimeout
-    elif isinstance(exc, u3.ProtocolError | u3.IncompleteRead | u3.HTTPError):
-        kind = httpx.RemoteProtocolError
-    elif isinstance(exc, OSError):
-        kind = httpx.WriteError if isinstance(exc, ConnectionError) else httpx.ReadError
-    else:
-        return exc
-    return kind(text, request=request)
-
-
-def _response(
-    answer: urllib3.BaseHTTPResponse, stream: Any, request: httpx.Request
-) -> httpx.Response:
-    return httpx.Response(
-        answer.status,
-        headers=list(answer.headers.items()),
-        stream=stream,
-        request=request,
-        extensions={
-            "http_version": b"HTTP/1.1",
-            "reason_phrase": (answer.reason or "").encode("latin-1"),
-        },
-    )
-
-
-class LargeBodies(httpx.BaseTransport):
-    """``httpx.Client(transport=LargeBodies())``: large plain-HTTP bodies through urllib3,
-    everything else through ``fallback`` (httpx's own transport by default)."""
-
-    def __init__(
-        self, fallback: httpx.BaseTransport | None = None, *, min_bytes: int = LARGE_MIN_BYTES
-    ) -> None:
-        self.fallback = fallback if fallback is not None else httpx.HTTPTransport()
-        self.min_bytes = min_bytes
-        # no retries or redirects of its own: httpx and dxclient decide those
-        self.pool = urllib3.PoolManager(maxsize=MAX_IDLE_PER_HOST, retries=False)
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        body = large_body(request, self.min_bytes)
-        if body is None:
-            return self.fallback.handle_request(request)
-        answer = self._send(request, body)
-        return _response(answer, _Answer(answer, request), request)
-
-    def read_whole(self, request: httpx.Request, body: tuple[Any, ...]) -> httpx.Response:
-        """``request`` (its body: ``body``) sent and its answer read (for a worker thread
-        of ``AsyncFast``: the answer it returns streams its bytes to an async reader)."""
-        answer = self._send(request, body)
-        try:
-            data = answer.read(decode_content=False)
-        except Exception as exc:
-            raise _httpx_error(exc, request) from exc
-        finally:
-            answer.release_conn()
-        return _response(answer, httpx.ByteStream(data), request)
-
-    def _send(self, request: httpx.Request, body: tuple[Any, ...]) -> urllib3.BaseHTTPResponse:
-        try:
-            return self.pool.urlopen(
-                request.method,
-                str(request.url),
-                body=body,
-                headers=dict(request.headers),
-                redirect=False,
-                preload_content=False,
-                decode_content=False,
-                timeout=_timeout(request),
-            )
-        except Exception as exc:
-            raise _httpx_error(exc, request) from exc
-
-    def close(self) -> None:
-        self.pool.clear()
-        self.fallback.close()
-
-
-# --------------------------------------------------------------------------- async
-#: seconds an idle connection is kept: under the server's own keep-alive timeout (uvicorn's
-#: and dxserve's default is 5 s, counted from a little earlier than ours), so a connection
-#: is not reused just as the server closes it
+#: seconds an idle connection is kept: under the server's keep-alive timeout (uvicorn's and
+#: dxserve's default, 5 s, counts from a little earlier than ours)
 KEEPALIVE_EXPIRY = 4.0
-_RECV = 256 * 1024
-#: async request bodies from this size on go to ``LargeBodies`` in a worker thread
-THREAD_MIN_BYTES = LARGE_MIN_BYTES
+MAX_IDLE_PER_HOST = 16
+#: answer headers that need httpx: a cookie to store, a body to decode
+TO_HTTPX = (b"set-cookie", b"content-encoding")
+_RECV = 16 * 1024  # the head and a first piece: the rest of a body goes by recv_into
+IOV_MAX = 1024  # most buffers one sendmsg takes on Linux (more: EMSGSIZE)
+_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name, so:
+_LOGGED = 'HTTP Request: %s %s "HTTP/1.1 %d %s"'
+Step = tuple[bool, Any]  # (write?, views to send / a view to fill / None: bytes for h11)
+Steps = Generator[Step, Any, tuple]
+_WAIT = object()  # a non-blocking socket is not ready
+#: an answer read here: ``status_code``, ``headers`` (``httpx.Headers``), ``content`` (bytearray)
+Answer = namedtuple("Answer", "status_code headers content")
 
 
-class _Conn:
-    """A kept-alive socket and the h11 state of its connection."""
-
-    __slots__ = ("h11", "idle_since", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.h11, self.idle_since = sock, h11.Connection(h11.CLIENT), 0.0
-
-    def reusable(self, now: float) -> bool:
-        """Not idle too long, and not readable while idle (the server closed it)."""
-        if now - self.idle_since > KEEPALIVE_EXPIRY:
-            return False
-        try:
-            return not select.select([self.sock], [], [], 0)[0]
-        except (OSError, ValueError):
-            return False
-
-
-async def _within(awaitable: Any, seconds: float | None) -> Any:
-    """``await awaitable``; TimeoutError after ``seconds`` (None: no limit)."""
-    if seconds is None:
-        return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
-
-
-class AsyncFast(httpx.AsyncBaseTransport):
-    """``httpx.AsyncClient(transport=AsyncFast())``: small calls through h11 on asyncio,
-    large bodies through ``LargeBodies`` in a worker thread, the rest ``fallback``."""
-
-    def __init__(
-        self,
-        fallback: httpx.AsyncBaseTransport | None = None,
-        *,
-        thread_min_bytes: int = THREAD_MIN_BYTES,
-    ) -> None:
-        self.fallback = fallback if fallback is not None else httpx.AsyncHTTPTransport()
-        self.thread_min_bytes = thread_min_bytes
-        self.large = LargeBodies()
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # trio, say
-            return await self.fallback.handle_async_request(request)
-        body = large_body(request, 0)  # None: https, HEAD, a streamed body, event streams
-        if body is None:
-            return await self.fallback.handle_async_request(request)
-        if sum(memoryview(p).nbytes for p in body) >= self.thread_min_bytes:
-            return await asyncio.to_thread(self.large.read_whole, request, body)
-        try:
-            return await self._exchange(request, body)
-        except h11.RemoteProtocolError as exc:
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        except httpx.TransportError as exc:
-            exc.request = request
-            raise
-
-    async def _exchange(self, request: httpx.Request, body: tuple[Any, ...]) -> httpx.Response:
-        t = request.extensions.get("timeout") or {}
-        address = (request.url.host, request.url.port or 80)
-        conn = await self._checkout(address, t.get("connect"))
-        try:
-            head, data = await self._send_and_read(
-                conn, request, body, t.get("write"), t.get("read")
-            )
-        except BaseException:
-            conn.sock.close()
-            raise
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
-            conn.idle_since = time.monotonic()
-            self._idle.setdefault(address, []).append(conn)
-        else:
-            conn.sock.close()
-        return httpx.Response(
-            head.status_code,
-            headers=head.headers,
-            stream=httpx.ByteStream(data),
-            extensions={"http_version": b"HTTP/" + head.http_version, "reason_phrase": head.reason},
-        )
-
-    async def _checkout(self, address: tuple[str, int], timeout: float | None) -> _Conn:
-        idle, now = self._idle.get(address, []), time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if conn.reusable(now):
-                return conn
-            conn.sock.close()
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await _within(loop.getaddrinfo(*address, type=socket.SOCK_STREAM), timeout)
-            family, kind, proto, _, where = infos[0]
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            try:
-                await _within(loop.sock_connect(sock, where), timeout)
-            except BaseException:
-                sock.close()
-                raise
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout("connect timed out") from exc
-        except OSError as exc:
-            raise httpx.ConnectError(str(exc)) from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Conn(sock)
-
-    async def _send_and_read(
-        self,
-        conn: _Conn,
-        request: httpx.Request,
-        body: tuple[Any, ...],
-        write_t: float | None,
-        read_t: float | None,
-    ) -> tuple[h11.Response, bytes]:
-        loop, h = asyncio.get_running_loop(), conn.h11
-        target = request.url.raw_path or b"/"
-        data = h.send(
-            h11.Request(method=request.method, target=target, headers=request.headers.raw)
-        )
-        data = b"".join([data, *(h.send(h11.Data(data=p)) for p in body if len(p))])
-        data += h.send(h11.EndOfMessage())
-        write_error = None
-        try:
-            await _within(loop.sock_sendall(conn.sock, data), write_t)
-        except TimeoutError as exc:
-            raise httpx.WriteTimeout("write timed out") from exc
-        except OSError as exc:  # perhaps answered early (413) and closed: read the answer
-            write_error = exc
-        head, chunks = None, []
-        try:
+def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
+    """One exchange without I/O. Yields ``(True, views)`` (sent back: bytes sent), ``(False,
+    None)`` (bytes received for h11, b"" at the end) or ``(False, view)`` (bytes received into
+    it); returns ``(h11.Response, body: bytearray, keep the connection)``."""
+    try:
+        while views:
+            sent = yield True, views[:IOV_MAX]
+            while sent:
+                if sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                else:
+                    views[0], sent = views[0][sent:], 0
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # perhaps answered early (413) and closed: read the answer
+    event = h.next_event()
+    while not isinstance(event, h11.Response):  # 1xx answers skipped
+        if event is h11.NEED_DATA:
+            h.receive_data((yield False, None))
+        event = h.next_event()
+    fields = event.headers
+    values = [v for n, v in fields if n == b"content-length"]
+    if (method == "HEAD" or event.status_code in (204, 304) or len(values) != 1
+            or any(n == b"transfer-encoding" for n, _ in fields)):  # fmt: skip
+        chunks = []  # no body, chunked or read to the close: h11 reads it
+        while not isinstance(got := h.next_event(), h11.EndOfMessage | h11.ConnectionClosed):
+            if got is h11.NEED_DATA:
+                h.receive_data((yield False, None))
+            elif isinstance(got, h11.Data):
+                chunks.append(got.data)
+        return event, bytearray(b"".join(chunks)), False
+    length, early = int(values[0]), h.trailing_data[0]  # the body's bytes h11 holds
+    body = bytearray(length)
+    view, got = memoryview(body), min(len(early), length)
+    view[:got] = early[:got]
+    while got < length:
+        n = yield False, view[got:]
+        if not n:  # closed early: h11 says so ("peer closed connection without ...")
+            h.receive_data(b"")
             while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    h.receive_data(await _within(loop.sock_recv(conn.sock, _RECV), read_t))
-                elif isinstance(event, h11.Response):
-                    head = event
-                elif isinstance(event, h11.Data):
-                    chunks.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout("read timed out") from exc
-        except OSError as exc:
-            raise (httpx.WriteError if write_error else httpx.ReadError)(str(exc)) from exc
-        except h11.RemoteProtocolError:
-            if write_error is not None and head is None:
-                raise httpx.WriteError(str(write_error)) from write_error
-            raise
-        assert head is not None
-        return head, b"".join(chunks)
+                h.next_event()
+        got += n
+    # h11's rule for keeping a connection: HTTP/1.1 and no "Connection: close"
+    closes = any(n == b"connection" and b"close" in v.lower() for n, v in fields)
+    return event, body, len(early) <= length and event.http_version == b"1.1" and not closes
 
-    async def aclose(self) -> None:
+
+def _error(exc: BaseException, writing: bool) -> BaseException:
+    """httpx's error for what the socket or h11 raised (``exc`` itself for others)."""
+    if isinstance(exc, h11.RemoteProtocolError):
+        return httpx.RemoteProtocolError(str(exc))
+    if not isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return (httpx.WriteTimeout if writing else httpx.ReadTimeout)(str(exc) or "timed out")
+    return (httpx.WriteError if writing else httpx.ReadError)(str(exc) or type(exc).__name__)
+
+
+def _next(steps: Steps, sock: socket.socket, step: Step) -> tuple[Step | None, Any]:
+    """One step's I/O and the step after it: ``(None, result)`` at the end; ``(step, _WAIT)``
+    where a non-blocking socket is not ready."""
+    write, v = step
+    try:
+        done = sock.sendmsg(v) if write else sock.recv(_RECV) if v is None else sock.recv_into(v)
+    except BlockingIOError:
+        return step, _WAIT
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        if not write:
+            raise _error(exc, False) from exc
+        return steps.throw(exc), None
+    except OSError as exc:
+        raise _error(exc, write) from exc
+    try:
+        return steps.send(done), None
+    except StopIteration as end:
+        return None, end.value
+
+
+def _run(sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
+    """Drive ``steps`` on a blocking socket (a timeout per direction, set as it changes)."""
+    step: Step | None = next(steps)
+    mode, result = None, None
+    while step is not None:
+        if step[0] is not mode:
+            mode = step[0]
+            sock.settimeout(t.write if mode else t.read)
+        step, result = _next(steps, sock, step)
+    return result  # type: ignore[return-value]
+
+
+async def _arun(loop: Any, sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
+    """Drive ``steps`` on a non-blocking socket, watched only while it is not ready: a timeout
+    counts from the last bytes that moved; nothing stays watched, cancelled or not."""
+    step: Step | None = next(steps)
+    while True:
+        step, result = _next(steps, sock, step)  # type: ignore[arg-type]
+        if step is None:
+            return result
+        if result is not _WAIT:
+            continue
+        write, ready, fd = step[0], loop.create_future(), sock.fileno()
+        timeout = t.write if write else t.read
+        timer = None if timeout is None else loop.call_later(timeout, _wake, ready, write)
+        (loop.add_writer if write else loop.add_reader)(fd, _wake, ready)
+        try:
+            await ready
+        finally:
+            (loop.remove_writer if write else loop.remove_reader)(fd)
+            if timer is not None:
+                timer.cancel()
+
+
+def _connect(address: tuple[str, int], timeout: float | None) -> socket.socket:
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+    except TimeoutError as exc:
+        raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
+    except OSError as exc:
+        raise httpx.ConnectError(str(exc)) from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _wake(ready: asyncio.Future, timed_out_writing: bool | None = None) -> None:
+    """The socket is ready; or (``timed_out_writing`` given) its timeout passed."""
+    if not ready.done() and timed_out_writing is None:
+        ready.set_result(None)
+    elif not ready.done():
+        ready.set_exception(_error(TimeoutError(), timed_out_writing))  # type: ignore[arg-type]
+
+
+class FastPath:
+    """Operator calls of httpx clients (``Client``'s: ``send``; ``AsyncClient``'s: ``asend``)
+    over its own kept-alive sockets. ``requests``: how many it sent."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+        self._heads: dict[tuple, bytes] = {}
+        self._client_headers: list = []
+        self.requests = 0
+
+    def _start(self, http: Any, method: str, url: httpx.URL, headers: Mapping, parts: Sequence):
+        """``(steps, address, kept-alive socket or None)``; None where httpx must send it."""
+        if (
+            url.scheme != "http" or url.userinfo or http.is_closed or http.auth is not None
+            or http.follow_redirects or http.params or any(http.event_hooks.values())
+            or len(http.cookies.jar)
+        ):  # fmt: skip
+            return None
+        if http.headers.raw != self._client_headers:  # a new token, say: heads anew
+            self._client_headers, self._heads = http.headers.raw, {}
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        key = (method, url, sum(v.nbytes for v in views), *headers.items())
+        if (head := self._heads.get(key)) is None:  # h11 writes it once per path, size, headers
+            built = http.build_request(method, url, headers=headers).headers.raw
+            fields = [(n, v) for n, v in built if n.lower() != b"content-length"]
+            fields.append((b"content-length", b"%d" % key[2]))
+            request = h11.Request(method=method, target=url.raw_path, headers=fields)
+            head = h11.Connection(h11.CLIENT).send(request)
+            self._heads = {**self._heads, key: head} if len(self._heads) < 256 else {key: head}
+        # a fresh h11 state per answer (h11 takes an answer without its request): the
+        # body is read here, not through h11, so its state does not go on to a next cycle
+        steps = _exchange(h11.Connection(h11.CLIENT), [memoryview(head), *views], method)
+        return steps, (address := (url.host, url.port or 80)), self._checkout(address)
+
+    def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
+        idle, now = self._idle.get(address), time.monotonic()
+        while idle:
+            sock, since = idle.pop()
+            try:  # readable while idle: the server closed it
+                if now - since < KEEPALIVE_EXPIRY and not select.select([sock], [], [], 0)[0]:
+                    return sock
+            except (OSError, ValueError):
+                pass
+            sock.close()
+        return None
+
+    def _finish(self, http: Any, method: str, url: httpx.URL, address: tuple, sock: Any, result):
+        event, body, keep = result
+        idle = self._idle.setdefault(address, [])
+        if keep and len(idle) < MAX_IDLE_PER_HOST:
+            idle.append((sock, time.monotonic()))
+        else:
+            sock.close()
+        self.requests += 1
+        _log.info(_LOGGED, method, url, event.status_code, event.reason.decode("latin-1"))
+        raw = event.headers.raw_items()
+        if not any(n.lower() in TO_HTTPX for n, _ in raw):
+            return Answer(event.status_code, httpx.Headers(raw), body)
+        request, stream = http.build_request(method, url), httpx.ByteStream(bytes(body))
+        response = httpx.Response(event.status_code, headers=raw, stream=stream, request=request)
+        response.read()  # decoded as httpx decodes it
+        http.cookies.extract_cookies(response)
+        return response
+
+    @staticmethod
+    def _fail(exc: BaseException, sock: Any, http: Any, method: str, url: httpx.URL) -> NoReturn:
+        """Raise httpx's error for ``exc``, with its request; the socket closed."""
+        if sock is not None:  # never kept after an error, a cancellation included
+            sock.close()
+        error = _error(exc, False) if isinstance(exc, h11.RemoteProtocolError) else exc
+        if isinstance(error, httpx.TransportError):
+            error.request = http.build_request(method, url)
+        if error is exc:
+            raise exc
+        raise error from exc
+
+    def send(self, http: httpx.Client, method: str, url: httpx.URL, headers: Mapping, parts: Any):
+        """``method`` ``url`` with ``headers`` and the body ``parts`` (bytes-like, in order)
+        sent and its answer read: an ``Answer`` or ``httpx.Response``; None: httpx sends it."""
+        started = self._start(http, method, url, headers, parts)
+        if started is None:
+            return None
+        steps, address, sock = started
+        try:
+            sock = sock or _connect(address, http.timeout.connect)
+            result = _run(sock, steps, http.timeout)
+        except BaseException as exc:
+            self._fail(exc, sock, http, method, url)
+        return self._finish(http, method, url, address, sock, result)
+
+    async def asend(self, http: httpx.AsyncClient, method: str, url: httpx.URL, headers, parts):
+        """``send`` for an ``httpx.AsyncClient``, on asyncio (else None: httpx sends it)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, say: httpx's own transport serves it
+            return None
+        started = self._start(http, method, url, headers, parts)
+        if started is None:
+            return None
+        (steps, address, sock), t = started, http.timeout
+        try:
+            if sock is None:  # in a thread: the name's lookup blocks
+                sock = await loop.run_in_executor(None, _connect, address, t.connect)
+                sock.setblocking(False)
+            result = await _arun(loop, sock, steps, t)
+        except BaseException as exc:
+            self._fail(exc, sock, http, method, url)
+        return self._finish(http, method, url, address, sock, result)
+
+    def close(self) -> None:
         idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.sock.close()
-        self.large.close()
-        await self.fallback.aclose()
+        for sock, _ in (kept for conns in idle.values() for kept in conns):
+            sock.close()
