@@ -11,8 +11,11 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
-# test processes for make test and make test-slow (pytest-xdist); 0 runs them in this one
+# test processes for make test-slow and make test-torch (pytest-xdist); 0 runs them in this one
 PYTEST_WORKERS ?= 2
+# make test's: three on two cores, as its tests wait on servers a tenth of the time; each
+# file on one process, so a module's server starts and its programs compile once
+TEST_WORKERS ?= 3
 
 .PHONY: serve test test-slow test-torch test-cluster test-protocol lint openapi docs clean docker-test
 
@@ -30,7 +33,7 @@ serve: $(SERVE_STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not docker and not slow and not cluster and not torch"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not docker and not slow and not cluster and not torch"; rc=$$?; [ $$rc -eq 5 ] && { echo "no tests ran"; exit 1; }; exit $$rc
 
 # The long sweeps (full conformance grid over HTTP, ...): CI runs them after `make test`.
 test-slow: $(STAMP)
