@@ -316,12 +316,50 @@ LONG_TESTS = (
     "tests/client/test_aux_training.py::test_sync_client_training_loop[json]",
     "tests/client/test_aux_training.py::test_sync_client_training_loop[b64]",
     "tests/client/test_aux_training.py::test_async_client_training_loop[json]",
+    "tests/client/test_forward_only_upload.py::test_forward_operators_match_the_analytic_deriv",
+    "tests/http/test_auto_fallback_http.py::test_auto_answers_every_operator_by_forward_mode",
+    "tests/http/test_registry_http.py::test_uploaded_export_matches_in_process[up_vector_map]",
+    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike[gradient b64]",
+    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike[gradient json]",
+    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike[value_and_gradient b64]",
+    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike[hvp json]",
+    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike[binary, 80 KB]",
+    "tests/client/test_client_survives.py::test_async_client_prepares_again",
+    "tests/client/test_upload_parity.py::test_complex_x",
+    "tests/http/test_answer_buffers.py::test_kept_results_are_never_written_over_sync",
+)
+
+#: The files that take longest, run first: with each file on one process, a long file
+#: dealt out last would keep one process busy while the others wait.
+LONGEST_FILES_FIRST = (
+    "tests/http/test_http_conformance.py",
+    "tests/library/test_conformance.py",
+    "tests/http/test_jobs_http.py",
+    "tests/http/test_hostile_inputs.py",
+    "tests/client/test_wrt_bridge.py",
+    "tests/http/test_http_protocols.py",
+    "tests/http/test_jobs_limits.py",
+    "tests/client/test_keys_client.py",
+    "tests/library/test_complex.py",
+    "tests/project/test_docs_blocks.py",
+    "tests/library/test_exported.py",
+    "tests/library/test_nesting.py",
+    "tests/client/test_jax_bridge.py",
+    "tests/http/test_aux_http.py",
+    "tests/http/test_registry_http.py",
+    "tests/library/test_wrt.py",
+    "tests/library/test_pytrees.py",
+    "tests/service/test_sparse_bounds.py",
+    "tests/library/test_sparse.py",
 )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``LONG_TESTS`` are marked ``slow`` before ``-m`` selects."""
+    """``LONG_TESTS`` are marked ``slow`` before ``-m`` selects; ``LONGEST_FILES_FIRST``
+    go first (a stable sort: the order within a file is kept)."""
     for item in items:
         if item.nodeid.startswith(LONG_TESTS):
             item.add_marker(pytest.mark.slow)
+    first = {name: rank for rank, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
