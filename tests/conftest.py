@@ -329,6 +329,15 @@ LONG_TESTS = (
     "tests/http/test_answer_buffers.py::test_kept_results_are_never_written_over_sync",
 )
 
+#: Grids of many quick cases: `make test` runs every other case (of those not already
+#: slow), `make test-slow` the rest.
+HALF_GRIDS = (
+    "tests/library/test_conformance.py::test_operator",
+    "tests/http/test_http_conformance.py::test_served_equals_library_to_the_bit",
+    "tests/library/test_complex.py::test_against_jax",
+    "tests/library/test_exported.py::test_transformation_matches_original",
+)
+
 #: The files that take longest, run first: with each file on one process, a long file
 #: dealt out last would keep one process busy while the others wait.
 LONGEST_FILES_FIRST = (
@@ -356,10 +365,17 @@ LONGEST_FILES_FIRST = (
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``LONG_TESTS`` are marked ``slow`` before ``-m`` selects; ``LONGEST_FILES_FIRST``
-    go first (a stable sort: the order within a file is kept)."""
+    """``LONG_TESTS`` and every other case of ``HALF_GRIDS`` are marked ``slow`` before
+    ``-m`` selects; ``LONGEST_FILES_FIRST`` go first (a stable sort: the order within a
+    file is kept)."""
+    seen: dict[str, int] = {}
     for item in items:
         if item.nodeid.startswith(LONG_TESTS):
             item.add_marker(pytest.mark.slow)
+        grid = item.nodeid.split("[")[0]
+        if grid in HALF_GRIDS and item.get_closest_marker("slow") is None:
+            seen[grid] = seen.get(grid, 0) + 1
+            if seen[grid] % 2 == 0:
+                item.add_marker(pytest.mark.slow)
     first = {name: rank for rank, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
