@@ -27,6 +27,7 @@ from jax import lax
 from dxclient import Client
 from dxclient.errors import DxError
 from dxclient.export import ReverseModeWarning
+from dxcontract.errors import DeadlineExceededError
 from tests.conftest import start_server, stop_server
 from tests.health_probe import HealthProbe
 from tests.references import rosenbrock_gradient
@@ -99,9 +100,20 @@ def test_a_spinning_upload_is_abandoned_and_the_server_goes_on(tmp_path):
     try:
         with Client(srv.url) as client, httpx.Client(base_url=srv.url) as http:
             register(client, spin, "spin")
-            # it exits at once on small inputs: warm, and cheap (it must still not run inline)
-            for _ in range(3):
-                assert client.gradient("spin", "auto", np.array([0.5, 0.2, 0.1])).shape == (3,)
+            # it exits at once on small inputs: warm, and cheap (it must still not run inline).
+            # On a busy machine its compilation may outlast the 4 s limit: that 504 says
+            # the compilation goes on and its executable is kept, so the next call finds it.
+            warm = 0
+            for _ in range(30):
+                try:
+                    got = client.gradient("spin", "auto", np.array([0.5, 0.2, 0.1]))
+                except DeadlineExceededError:
+                    continue
+                assert got.shape == (3,)
+                warm += 1
+                if warm == 3:
+                    break
+            assert warm == 3
             r = http.post("/gradient", json={"function": "spin", "x": [2.0, 0.0, 0.0]})
             assert r.status_code == 504, r.text
             rng = np.random.default_rng(0)
