@@ -197,6 +197,21 @@ def test_the_server_imports_nothing_of_the_client_distribution() -> None:
     assert importing == []
 
 
+#: the client's one module that speaks HTTP over sockets itself (its fast path), and its size
+CLIENT_FAST_PATH, FAST_PATH_MOST_LINES = "transport.py", 250
+
+
+def test_socket_level_http_in_the_client_is_one_small_module() -> None:
+    client = REPO / "clients" / "python" / "dxclient"
+    speaking = sorted(
+        path.name for path in client.rglob("*.py")
+        if _all_imports(path) & {"socket", "select", "h11", "httpcore", "urllib3", "selectors"}
+    )
+    assert speaking == [CLIENT_FAST_PATH]
+    lines = len((client / CLIENT_FAST_PATH).read_text().splitlines())
+    assert lines <= FAST_PATH_MOST_LINES, f"the fast path grew to {lines} lines"
+
+
 def test_the_contract_imports_neither_side_nor_jax() -> None:
     """The contract imports no jax except ``dxcontract/jax_rules.py`` (the JAX bridges'
     shared rules, imported only by them), and no other contract module imports it."""

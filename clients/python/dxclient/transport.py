@@ -1,14 +1,8 @@
 """The clients' fast path: operator calls over kept-alive sockets, their HTTP by h11.
 
-Through ``httpx.Client.send`` a gradient call at 10^5 values cost ~1,850 Python calls. Here h11
-writes the request's head and parses the answer's; the body goes out as its parts (``sendmsg``,
-never joined); a ``Content-Length`` body is read with ``recv_into`` into one buffer (any other,
-h11 reads). ``send`` blocks, ``asend`` runs on asyncio: both drive one sans-IO ``_exchange``.
-Only calls httpx would not change: plain ``http``, the client open, no auth, event hooks, query
-parameters, cookies in the jar or redirects followed (else None: httpx sends it). The head holds
-what ``build_request`` gives (the client's headers, a token among them); an answer that sets a
-cookie or is content-encoded becomes an ``httpx.Response`` (cookie stored, body decoded). Calls
-log as httpx's; errors are httpx's, with their request, so the clients' retry rules hold.
+Through ``httpx.Client.send`` a gradient call at 10^5 values cost ~1,850 Python calls. Here the
+body goes out in its parts (``sendmsg``) and comes back by ``recv_into`` into one buffer; calls
+httpx would change (auth, hooks, params, cookies, redirects, not plain http) go through httpx.
 """
 
 from __future__ import annotations
@@ -20,32 +14,38 @@ import socket
 import time
 from collections import namedtuple
 from collections.abc import Generator, Mapping, Sequence
+from contextlib import suppress
 from typing import Any, NoReturn
 
 import h11
 import httpx
 
-#: seconds an idle connection is kept: under the server's keep-alive timeout (uvicorn's and
-#: dxserve's default, 5 s, counts from a little earlier than ours)
-KEEPALIVE_EXPIRY = 4.0
+KEEPALIVE_EXPIRY = 4.0  # seconds idle: under the server's 5 s, which starts a little earlier
 MAX_IDLE_PER_HOST = 16
-#: answer headers that need httpx: a cookie to store, a body to decode
-TO_HTTPX = (b"set-cookie", b"content-encoding")
+TO_HTTPX = (b"set-cookie", b"content-encoding")  # answers httpx reads: a cookie, an encoding
 _RECV = 16 * 1024  # the head and a first piece: the rest of a body goes by recv_into
 IOV_MAX = 1024  # most buffers one sendmsg takes on Linux (more: EMSGSIZE)
-_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name, so:
+_log = logging.getLogger("httpx")  # httpx logs each request at INFO under its name:
 _LOGGED = 'HTTP Request: %s %s "HTTP/1.1 %d %s"'
 Step = tuple[bool, Any]  # (write?, views to send / a view to fill / None: bytes for h11)
 Steps = Generator[Step, Any, tuple]
 _WAIT = object()  # a non-blocking socket is not ready
-#: an answer read here: ``status_code``, ``headers`` (``httpx.Headers``), ``content`` (bytearray)
-Answer = namedtuple("Answer", "status_code headers content")
+Answer = namedtuple("Answer", "status_code headers content")  # httpx.Headers, bytearray
+
+
+def _until(h: h11.Connection, kind: Any, chunks: list | None = None) -> Steps:
+    """h11's events up to the first of ``kind`` (returned); the data of others kept in chunks."""
+    while not isinstance(event := h.next_event(), kind):
+        if event is h11.NEED_DATA:
+            h.receive_data((yield False, None))
+        elif chunks is not None and isinstance(event, h11.Data):
+            chunks.append(event.data)
+    return event
 
 
 def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
-    """One exchange without I/O. Yields ``(True, views)`` (sent back: bytes sent), ``(False,
-    None)`` (bytes received for h11, b"" at the end) or ``(False, view)`` (bytes received into
-    it); returns ``(h11.Response, body: bytearray, keep the connection)``."""
+    """One exchange without I/O: yields ``(True, views)`` to send, ``(False, None)`` for bytes to
+    h11 or ``(False, view)`` to fill; returns ``(h11.Response, body: bytearray, keep alive)``."""
     try:
         while views:
             sent = yield True, views[:IOV_MAX]
@@ -56,25 +56,16 @@ def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
                     views[0], sent = views[0][sent:], 0
     except (BrokenPipeError, ConnectionResetError):
         pass  # perhaps answered early (413) and closed: read the answer
-    event = h.next_event()
-    while not isinstance(event, h11.Response):  # 1xx answers skipped
-        if event is h11.NEED_DATA:
-            h.receive_data((yield False, None))
-        event = h.next_event()
+    event = yield from _until(h, h11.Response)  # 1xx answers skipped
     fields = event.headers
     values = [v for n, v in fields if n == b"content-length"]
     if (method == "HEAD" or event.status_code in (204, 304) or len(values) != 1
             or any(n == b"transfer-encoding" for n, _ in fields)):  # fmt: skip
-        chunks = []  # no body, chunked or read to the close: h11 reads it
-        while not isinstance(got := h.next_event(), h11.EndOfMessage | h11.ConnectionClosed):
-            if got is h11.NEED_DATA:
-                h.receive_data((yield False, None))
-            elif isinstance(got, h11.Data):
-                chunks.append(got.data)
+        chunks: list = []  # no body, chunked or read to the close: h11 reads it
+        yield from _until(h, h11.EndOfMessage | h11.ConnectionClosed, chunks)
         return event, bytearray(b"".join(chunks)), False
     length, early = int(values[0]), h.trailing_data[0]  # the body's bytes h11 holds
-    body = bytearray(length)
-    view, got = memoryview(body), min(len(early), length)
+    view, got = memoryview(body := bytearray(length)), min(len(early), length)
     view[:got] = early[:got]
     while got < length:
         n = yield False, view[got:]
@@ -83,7 +74,6 @@ def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
             while True:
                 h.next_event()
         got += n
-    # h11's rule for keeping a connection: HTTP/1.1 and no "Connection: close"
     closes = any(n == b"connection" and b"close" in v.lower() for n, v in fields)
     return event, body, len(early) <= length and event.http_version == b"1.1" and not closes
 
@@ -92,26 +82,23 @@ def _error(exc: BaseException, writing: bool) -> BaseException:
     """httpx's error for what the socket or h11 raised (``exc`` itself for others)."""
     if isinstance(exc, h11.RemoteProtocolError):
         return httpx.RemoteProtocolError(str(exc))
-    if not isinstance(exc, OSError):
-        return exc
     if isinstance(exc, TimeoutError):
         return (httpx.WriteTimeout if writing else httpx.ReadTimeout)(str(exc) or "timed out")
-    return (httpx.WriteError if writing else httpx.ReadError)(str(exc) or type(exc).__name__)
+    if isinstance(exc, OSError):
+        return (httpx.WriteError if writing else httpx.ReadError)(str(exc) or type(exc).__name__)
+    return exc
 
 
 def _next(steps: Steps, sock: socket.socket, step: Step) -> tuple[Step | None, Any]:
-    """One step's I/O and the step after it: ``(None, result)`` at the end; ``(step, _WAIT)``
-    where a non-blocking socket is not ready."""
+    """One step's I/O: ``(next step, None)``, ``(None, result)`` or ``(step, _WAIT)``."""
     write, v = step
     try:
         done = sock.sendmsg(v) if write else sock.recv(_RECV) if v is None else sock.recv_into(v)
     except BlockingIOError:
         return step, _WAIT
-    except (BrokenPipeError, ConnectionResetError) as exc:
-        if not write:
-            raise _error(exc, False) from exc
-        return steps.throw(exc), None
     except OSError as exc:
+        if write and isinstance(exc, BrokenPipeError | ConnectionResetError):
+            return steps.throw(exc), None  # perhaps answered early: read the answer
         raise _error(exc, write) from exc
     try:
         return steps.send(done), None
@@ -119,21 +106,8 @@ def _next(steps: Steps, sock: socket.socket, step: Step) -> tuple[Step | None, A
         return None, end.value
 
 
-def _run(sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
-    """Drive ``steps`` on a blocking socket (a timeout per direction, set as it changes)."""
-    step: Step | None = next(steps)
-    mode, result = None, None
-    while step is not None:
-        if step[0] is not mode:
-            mode = step[0]
-            sock.settimeout(t.write if mode else t.read)
-        step, result = _next(steps, sock, step)
-    return result  # type: ignore[return-value]
-
-
 async def _arun(loop: Any, sock: socket.socket, steps: Steps, t: httpx.Timeout) -> tuple:
-    """Drive ``steps`` on a non-blocking socket, watched only while it is not ready: a timeout
-    counts from the last bytes that moved; nothing stays watched, cancelled or not."""
+    """Drive ``steps`` on a non-blocking socket, watched only while not ready (and never after)."""
     step: Step | None = next(steps)
     while True:
         step, result = _next(steps, sock, step)  # type: ignore[arg-type]
@@ -142,9 +116,9 @@ async def _arun(loop: Any, sock: socket.socket, steps: Steps, t: httpx.Timeout) 
         if result is not _WAIT:
             continue
         write, ready, fd = step[0], loop.create_future(), sock.fileno()
-        timeout = t.write if write else t.read
-        timer = None if timeout is None else loop.call_later(timeout, _wake, ready, write)
-        (loop.add_writer if write else loop.add_reader)(fd, _wake, ready)
+        timeout, late = (t.write if write else t.read), _error(TimeoutError(), write)
+        timer = None if timeout is None else loop.call_later(timeout, _wake, ready, late)
+        (loop.add_writer if write else loop.add_reader)(fd, _wake, ready, None)
         try:
             await ready
         finally:
@@ -156,20 +130,17 @@ async def _arun(loop: Any, sock: socket.socket, steps: Steps, t: httpx.Timeout) 
 def _connect(address: tuple[str, int], timeout: float | None) -> socket.socket:
     try:
         sock = socket.create_connection(address, timeout=timeout)
-    except TimeoutError as exc:
-        raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
     except OSError as exc:
-        raise httpx.ConnectError(str(exc)) from exc
+        kind = httpx.ConnectTimeout if isinstance(exc, TimeoutError) else httpx.ConnectError
+        raise kind(str(exc) or kind.__name__) from exc
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
-def _wake(ready: asyncio.Future, timed_out_writing: bool | None = None) -> None:
-    """The socket is ready; or (``timed_out_writing`` given) its timeout passed."""
-    if not ready.done() and timed_out_writing is None:
-        ready.set_result(None)
-    elif not ready.done():
-        ready.set_exception(_error(TimeoutError(), timed_out_writing))  # type: ignore[arg-type]
+def _wake(ready: asyncio.Future, error: BaseException | None) -> None:
+    """The socket is ready (no ``error``), or its timeout passed."""
+    if not ready.done():
+        ready.set_result(None) if error is None else ready.set_exception(error)
 
 
 class FastPath:
@@ -179,30 +150,23 @@ class FastPath:
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._heads: dict[tuple, bytes] = {}
-        self._client_headers: list = []
         self.requests = 0
 
     def _start(self, http: Any, method: str, url: httpx.URL, headers: Mapping, parts: Sequence):
         """``(steps, address, kept-alive socket or None)``; None where httpx must send it."""
-        if (
-            url.scheme != "http" or url.userinfo or http.is_closed or http.auth is not None
-            or http.follow_redirects or http.params or any(http.event_hooks.values())
-            or len(http.cookies.jar)
-        ):  # fmt: skip
+        if (url.scheme != "http" or url.userinfo or http.is_closed or http.auth is not None
+                or http.follow_redirects or http.params or any(http.event_hooks.values())
+                or len(http.cookies.jar)):  # fmt: skip
             return None
-        if http.headers.raw != self._client_headers:  # a new token, say: heads anew
-            self._client_headers, self._heads = http.headers.raw, {}
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
-        key = (method, url, sum(v.nbytes for v in views), *headers.items())
+        key = (method, url, sum(v.nbytes for v in views), *headers.items(), *http.headers.raw)
         if (head := self._heads.get(key)) is None:  # h11 writes it once per path, size, headers
-            built = http.build_request(method, url, headers=headers).headers.raw
-            fields = [(n, v) for n, v in built if n.lower() != b"content-length"]
-            fields.append((b"content-length", b"%d" % key[2]))
+            sized = {**headers, "content-length": str(key[2])}
+            fields = http.build_request(method, url, headers=sized).headers.raw
             request = h11.Request(method=method, target=url.raw_path, headers=fields)
             head = h11.Connection(h11.CLIENT).send(request)
             self._heads = {**self._heads, key: head} if len(self._heads) < 256 else {key: head}
-        # a fresh h11 state per answer (h11 takes an answer without its request): the
-        # body is read here, not through h11, so its state does not go on to a next cycle
+        # a fresh h11 state per answer: the body is read here, h11's state can't go on
         steps = _exchange(h11.Connection(h11.CLIENT), [memoryview(head), *views], method)
         return steps, (address := (url.host, url.port or 80)), self._checkout(address)
 
@@ -210,13 +174,10 @@ class FastPath:
         idle, now = self._idle.get(address), time.monotonic()
         while idle:
             sock, since = idle.pop()
-            try:  # readable while idle: the server closed it
+            with suppress(OSError, ValueError):  # readable while idle: the server closed it
                 if now - since < KEEPALIVE_EXPIRY and not select.select([sock], [], [], 0)[0]:
                     return sock
-            except (OSError, ValueError):
-                pass
             sock.close()
-        return None
 
     def _finish(self, http: Any, method: str, url: httpx.URL, address: tuple, sock: Any, result):
         event, body, keep = result
@@ -241,23 +202,22 @@ class FastPath:
         """Raise httpx's error for ``exc``, with its request; the socket closed."""
         if sock is not None:  # never kept after an error, a cancellation included
             sock.close()
-        error = _error(exc, False) if isinstance(exc, h11.RemoteProtocolError) else exc
+        error = _error(exc, False)  # socket errors came mapped; h11's, not yet
         if isinstance(error, httpx.TransportError):
             error.request = http.build_request(method, url)
-        if error is exc:
-            raise exc
-        raise error from exc
+        raise error from (exc.__cause__ if error is exc else exc)
 
     def send(self, http: httpx.Client, method: str, url: httpx.URL, headers: Mapping, parts: Any):
         """``method`` ``url`` with ``headers`` and the body ``parts`` (bytes-like, in order)
         sent and its answer read: an ``Answer`` or ``httpx.Response``; None: httpx sends it."""
-        started = self._start(http, method, url, headers, parts)
-        if started is None:
+        if (started := self._start(http, method, url, headers, parts)) is None:
             return None
-        steps, address, sock = started
-        try:
-            sock = sock or _connect(address, http.timeout.connect)
-            result = _run(sock, steps, http.timeout)
+        (steps, address, sock), t, result = started, http.timeout, None
+        try:  # driven on a blocking socket, a timeout per step's direction
+            sock, step = sock or _connect(address, t.connect), next(steps)
+            while step is not None:
+                sock.settimeout(t.write if step[0] else t.read)
+                step, result = _next(steps, sock, step)
         except BaseException as exc:
             self._fail(exc, sock, http, method, url)
         return self._finish(http, method, url, address, sock, result)
@@ -268,8 +228,7 @@ class FastPath:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, say: httpx's own transport serves it
             return None
-        started = self._start(http, method, url, headers, parts)
-        if started is None:
+        if (started := self._start(http, method, url, headers, parts)) is None:
             return None
         (steps, address, sock), t = started, http.timeout
         try:
