@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 import h11
 import httpx
 
+from ._buffers import AnswerBuffers
+
 KEEPALIVE_EXPIRY = 4.0  # seconds idle: under the server's 5 s, which starts a little earlier
 MAX_IDLE_PER_HOST = 16
 TO_HTTPX = (b"set-cookie", b"content-encoding")  # answers httpx reads: a cookie, an encoding
@@ -43,9 +45,9 @@ def _until(h: h11.Connection, kind: Any, chunks: list | None = None) -> Steps:
     return event
 
 
-def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
-    """One exchange without I/O: yields ``(True, views)`` to send, ``(False, None)`` for bytes to
-    h11 or ``(False, view)`` to fill; returns ``(h11.Response, body: bytearray, keep alive)``."""
+def _exchange(h: h11.Connection, views: list[memoryview], method: str, take: Any) -> Steps:
+    """One exchange without I/O: yields ``(True, views)`` to send, ``(False, None)`` for bytes
+    to h11 or ``(False, view)`` to fill (``take(n)``'s); returns ``(h11.Response, body, keep)``."""
     try:
         while views:
             sent = yield True, views[:IOV_MAX]
@@ -65,7 +67,7 @@ def _exchange(h: h11.Connection, views: list[memoryview], method: str) -> Steps:
         yield from _until(h, h11.EndOfMessage | h11.ConnectionClosed, chunks)
         return event, bytearray(b"".join(chunks)), False
     length, early = int(values[0]), h.trailing_data[0]  # the body's bytes h11 holds
-    view, got = memoryview(body := bytearray(length)), min(len(early), length)
+    view, got = memoryview(body := take(length)), min(len(early), length)
     view[:got] = early[:got]
     while got < length:
         n = yield False, view[got:]
@@ -150,6 +152,7 @@ class FastPath:
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._heads: dict[tuple, bytes] = {}
+        self.buffers = AnswerBuffers()  # large answers' memory, reused once free
         self.requests = 0
 
     def _start(self, http: Any, method: str, url: httpx.URL, headers: Mapping, parts: Sequence):
@@ -167,7 +170,8 @@ class FastPath:
             head = h11.Connection(h11.CLIENT).send(request)
             self._heads = {**self._heads, key: head} if len(self._heads) < 256 else {key: head}
         # a fresh h11 state per answer: the body is read here, h11's state can't go on
-        steps = _exchange(h11.Connection(h11.CLIENT), [memoryview(head), *views], method)
+        h = h11.Connection(h11.CLIENT)
+        steps = _exchange(h, [memoryview(head), *views], method, self.buffers.take)
         return steps, (address := (url.host, url.port or 80)), self._checkout(address)
 
     def _checkout(self, address: tuple[str, int]) -> socket.socket | None:
