@@ -120,7 +120,7 @@ class Worker:
 # --- the parent -----------------------------------------------------------------------
 def rounds_for(n: int, quick: bool) -> int:
     if n >= 10**6:
-        return 11 if quick else 41
+        return 11 if quick else 121
     if n >= 10**5:
         return 31 if quick else 121
     return 61 if quick else 301
