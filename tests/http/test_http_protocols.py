@@ -255,6 +255,29 @@ def test_keep_alive_and_pipelining(servers: tuple[Any, Any]) -> None:
     assert not closed and not other_closed
 
 
+def test_a_large_body_in_pieces_with_the_next_request_behind_it(servers: tuple[Any, Any]) -> None:
+    """An 800 KB binary body (its pieces reach ``BODY_SINK`` before and after the server
+    admits it) sent in three writes with pauses, the next request in the same write as the
+    body's last bytes: both answered, exactly, on both protocols."""
+    x = np.linspace(-1.0, 1.0, 100_000)
+    first, second = operator_request("gradient", "binary", x), CASES["gradient json"]
+    cut = [0, 40_000, len(first) // 2, len(first)]
+    expected = np.asarray(dxserve.gradient(rosenbrock, JaxReverse(), x))
+    for server in servers:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            for start, end in zip(cut[:-2], cut[1:-1], strict=True):
+                sock.sendall(first[start:end])
+                time.sleep(0.2)
+            sock.sendall(first[cut[-2]:] + second)
+            buffer = bytearray()
+            big, small = read_answer(sock, buffer), read_answer(sock, buffer)
+        assert big.status == 200 and small.status == 200, (big.body[:300], small.body[:300])
+        headers = httpx.Headers([(k.decode(), v.decode()) for k, v in big.headers])
+        got = _models.operator_result("gradient", headers, big.body)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-9)
+        assert json.loads(small.body)["gradient"] == GRADIENT.tolist()
+
+
 # --------------------------------------------------------------------------- in process
 
 

@@ -19,6 +19,7 @@ from dxcontract import codec
 from dxcontract.errors import PayloadTooLargeError
 from dxcontract.operators import OperatorSpec
 from dxserve.core.progress import Job
+from dxserve.http.protocol import BODY_SINK
 from dxserve.http.sending import cover
 from dxserve.http.streaming import DisconnectWatch, EventStream
 from dxserve.pipeline import Answer, BodyBuffer, OperatorCall, RequestHead, WireMemo
@@ -99,8 +100,12 @@ async def drop_body(scope: Scope, receive: Receive, head: RequestHead, error: Ex
 
 
 async def read_body(scope: Scope, receive: Receive, call: OperatorCall) -> Any:
-    """The request's whole body, received into ``call``'s ``BodyBuffer``."""
+    """The request's whole body, received into ``call``'s ``BodyBuffer`` (straight from the
+    connection where it offers a ``BODY_SINK``: the body's declared length is admitted)."""
     body = BodyBuffer(call)
+    sink = scope.get(BODY_SINK)
+    if sink is not None and body.declared is not None:
+        sink(body.add)
     more = True
     try:
         while more:
