@@ -53,8 +53,9 @@ def take() -> None:
                   if line.lower().startswith(b"content-length:"))
     while len(got) < len(head) + 4 + length:
         got.extend(conn.recv(1 << 20))
-    conn.sendall(b"HTTP/1.1 500 Caught\\r\\ncontent-length: 0\\r\\nconnection: close\\r\\n\\r\\n")
+    conn.sendall(b"HTTP/1.1 400 Caught\\r\\ncontent-length: 0\\r\\nconnection: close\\r\\n\\r\\n")
     conn.close()
+    listener.close()  # a client that tries again is refused at once
 
 thread = threading.Thread(target=take, daemon=True)
 thread.start()
@@ -137,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
                 port, "/health", tmp / f"{name}.log",
                 env={"PYTHONPATH": path_of(tree), "JAX_PLATFORMS": "cpu"},
             )
+        # every request first: a connection must send its first head soon after it opens
+        requests = {(n, name): request_of(tree, n, tmp) for n in sizes for name, tree in trees.items()}
         exchanges = {name: Exchange(s.port) for name, s in servers.items()}
         for n in sizes:
-            requests = {name: request_of(tree, n, tmp) for name, tree in trees.items()}
             rounds = max(10, int(ROUNDS.get(n, 300) * args.scale))
             started = time.perf_counter()
             for r in range(20 + rounds):
                 for name in (("before", "after") if r % 2 else ("after", "before")):
                     t0 = time.perf_counter()
-                    status = exchanges[name](requests[name])
+                    status = exchanges[name](requests[(n, name)])
                     seconds = time.perf_counter() - t0
                     if status != 200:
                         raise SystemExit(f"{name} answered {status} at n = {n}")
