@@ -146,6 +146,15 @@ def machine_line() -> str:
     )
 
 
+def commit_of(tree: Path, watched: str = ".") -> str:
+    """``tree``'s commit (short hash and subject), and whether ``watched`` in it has
+    uncommitted changes."""
+    git = ["git", "-C", str(tree)]
+    out = subprocess.run([*git, "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "status", "--porcelain", watched], capture_output=True, text=True)
+    return out.stdout.strip()[:72] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
 # --- servers --------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

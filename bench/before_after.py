@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from _common import PYTHON, Tee, machine_line, markdown_table
+from _common import PYTHON, Tee, commit_of, machine_line, markdown_table
 from latency_spread import ratios
 
 HERE = Path(__file__).resolve().parent
@@ -42,11 +42,6 @@ def one_run(tree: Path, sizes: str, path: Path) -> list[dict]:
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree,
     )
     return json.loads(path.read_text())
-
-
-def commit_of(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
-                          capture_output=True, text=True).stdout.strip()[:72]
 
 
 def main(argv: list[str] | None = None) -> int:

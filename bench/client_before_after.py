@@ -270,16 +270,6 @@ def run(args: argparse.Namespace, trees: dict[str, Path], sizes: list[int]) -> d
     return found
 
 
-def commit_of(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(tree), "status", "--porcelain", "clients"], capture_output=True, text=True
-    ).stdout.strip()
-    return out[:72] + (" (+ uncommitted client changes)" if dirty else "")
-
-
 def table(found: dict, sizes: list[int]) -> tuple[list[str], list[list[str]]]:
     def cell(values: list[float]) -> str:
         q1, q2, q3 = quartiles(values)
@@ -331,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker)
     if args.before is None:
         parser.error("--before is required")
-    from _common import Tee, machine_line, markdown_table
+    from _common import Tee, commit_of, machine_line, markdown_table
 
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     sizes = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
@@ -346,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{n:.0e}: {len(found[(n, 'raw')])}" for n in sizes)
     )
     out()
-    out(f"- before: `{commit_of(trees['before'])}`")
-    out(f"- after: `{commit_of(trees['after'])}`")
+    out(f"- before: `{commit_of(trees['before'], 'clients')}`")
+    out(f"- after: `{commit_of(trees['after'], 'clients')}`")
     out()
     header, rows = table(found, sizes)
     out(markdown_table(header, rows))

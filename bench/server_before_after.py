@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from statistics import median, quantiles
 
-from _common import PYTHON, Server, Tee, free_port, machine_line, markdown_table
+from _common import PYTHON, Server, Tee, commit_of, free_port, machine_line, markdown_table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -106,13 +106,6 @@ class Exchange:
         while have < length:
             have += self.sock.recv_into(view[have:])
         return int(lines[0].split()[1])
-
-
-def commit_of(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True
-    )
-    return out.stdout.strip()[:70]
 
 
 def main(argv: list[str] | None = None) -> int:
