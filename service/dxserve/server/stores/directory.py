@@ -143,14 +143,8 @@ class FunctionStore(Protocol):
     """What the server needs from a registry backend."""
 
     def put(
-        self,
-        name: str,
-        kind: str,
-        content: bytes,
-        metadata: dict[str, Any],
-        *,
-        replace: bool = False,
-        max_functions: int | None = None,
+        self, name: str, kind: str, content: bytes, metadata: dict[str, Any], *,
+        replace: bool = False, max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]: ...
 
     def get(self, name: str) -> StoredFunction | None: ...
@@ -420,14 +414,8 @@ class DirectoryStore:
 
     # -- public API --------------------------------------------------------
     def put(
-        self,
-        name: str,
-        kind: str,
-        content: bytes,
-        metadata: dict[str, Any],
-        *,
-        replace: bool = False,
-        max_functions: int | None = None,
+        self, name: str, kind: str, content: bytes, metadata: dict[str, Any], *,
+        replace: bool = False, max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]:
         content, metadata, digest = checked_put(name, kind, content, metadata, self.quota_bytes)
         size = len(content)

@@ -137,14 +137,8 @@ class SqlStore:
 
     # -- FunctionStore -----------------------------------------------------------------
     def put(
-        self,
-        name: str,
-        kind: str,
-        content: bytes,
-        metadata: dict[str, Any],
-        *,
-        replace: bool = False,
-        max_functions: int | None = None,
+        self, name: str, kind: str, content: bytes, metadata: dict[str, Any], *,
+        replace: bool = False, max_functions: int | None = None,
     ) -> tuple[StoredFunction, bool]:
         """Bind ``name`` to ``content``: the rules of ``DirectoryStore.put``, committed
         (durably, see the backend) before it returns. The function limit and the quota
