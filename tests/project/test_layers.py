@@ -255,3 +255,12 @@ def test_importing_every_module_outside_frameworks_loads_neither() -> None:
 def test_offenders_are_real_modules() -> None:
     listed = DIRECT_OFFENDERS | LOADING_OFFENDERS | {m for pair in LAYER_OFFENDERS for m in pair}
     assert listed - set(MODULES) == set()
+
+
+#: modules the package may keep at its top, beside its folders by layer
+MOST_TOP_MODULES = 8
+
+
+def test_the_package_keeps_a_handful_of_modules_at_its_top() -> None:
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= MOST_TOP_MODULES, top
