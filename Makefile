@@ -25,13 +25,9 @@ $(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.
 	$(SERVE_INSTALL)
 	touch $(SERVE_STAMP)
 
-# what `make serve` installs and the test extras, in one pip run (each run builds the
-# three editable packages again): on a fresh clone `make test` does not install twice
-$(STAMP): pyproject.toml clients/python/pyproject.toml contract/pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	test -f $(SERVE_STAMP) || $(PY) -m pip install -q --upgrade pip
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q -e ./contract -e './clients/python[test,jax]' -e '.[test]'
-	touch $(SERVE_STAMP) $(STAMP)
+	touch $(STAMP)
 
 serve: $(SERVE_STAMP)
 	HOST=$(HOST) PORT=$(PORT) $(VENV)/bin/dxserve serve

@@ -333,18 +333,12 @@ LONG_TESTS = (
 )
 
 #: Grids of many quick cases: `make test` runs every other case (of those not already
-#: slow), `make test-slow` the rest (the docs blocks too: the README's all stay).
+#: slow), `make test-slow` the rest.
 HALF_GRIDS = (
     "tests/library/test_conformance.py::test_operator",
     "tests/http/test_http_conformance.py::test_served_equals_library_to_the_bit",
     "tests/library/test_complex.py::test_against_jax",
     "tests/library/test_exported.py::test_transformation_matches_original",
-    "tests/library/test_nesting.py::test_under_jit_vmap_and_derivatives",
-    "tests/http/test_http_protocols.py::test_both_protocols_answer_alike",
-    "tests/library/test_pytrees.py::test_scenarios_through_the_client",
-    "tests/project/test_docs_blocks.py::test_docs_block_runs",
-    "tests/library/test_aux.py::test_first_order_matches_jax",
-    "tests/library/test_expressions.py::test_value_and_gradient",
 )
 
 #: The files that take longest, run first: with each file on one process, a long file
