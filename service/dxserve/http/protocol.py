@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -221,6 +222,7 @@ class BoundedConnection(WriteBound):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._sink = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -259,9 +261,13 @@ class BoundedConnection(WriteBound):
             self._disconnect_cycle()
             self.transport.close()
 
-    def _sink_body(self, cycle: Any, add: Any) -> None:
-        """``cycle``'s body goes to ``add`` from now on (see ``BODY_SINK``)."""
-        if self.cycle is not cycle or cycle.response_complete or cycle.disconnected:
+    def _sink_body(self, of: weakref.ref, add: Any) -> None:
+        """The body of the cycle ``of`` refers to goes to ``add`` from now on (see
+        ``BODY_SINK``)."""
+        cycle = of()
+        if cycle is None or self.cycle is not cycle:
+            return
+        if cycle.response_complete or cycle.disconnected:
             return
         if cycle.body:
             add(bytes(cycle.body))
@@ -365,10 +371,12 @@ class BoundedConnection(WriteBound):
         cycle.transport = out = _HeadWithBody(self.transport, self.loop)
         cycle.on_response = out.then(cycle.on_response)  # whole: what it held goes
         self._sink = None
-        cycle.scope[BODY_SINK] = partial(self._sink_body, cycle)
+        # a weak reference: the scope holding its own cycle would keep both for the collector
+        cycle.scope[BODY_SINK] = partial(self._sink_body, weakref.ref(cycle))
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._sink = None  # the body is whole: nothing of the request stays held here
         self._phase = _APP
         self._disarm()
 
